@@ -1,0 +1,127 @@
+"""Weight handoff: the trainer's new weights into the engine, bucket by bucket, no files.
+
+The trainer gathers ZeRO-3 partitions one bucket at a time (bounded extra memory) and the engine
+takes each bucket in place:
+- CPU / HF engine: the engine copies into its own preallocated buffers (one memcpy per tensor).
+- GPU / SGLang: the bucket is flattened and passed as CUDA IPC handles; the engine maps the
+  trainer's memory and copies device-to-device (see colo_rl/rollout/sglang.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from colo_rl import dist
+from colo_rl.rollout.base import HandoffStats
+
+
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group (name, bytes) into consecutive buckets of at most `bucket_bytes`, in order.
+
+    A tensor larger than a bucket travels alone. Order is kept: ZeRO-3 gathers are collectives,
+    so every rank must plan the same buckets.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"rollout.handoff_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class WeightHandoff:
+    """Moves the actor's weights into the rollout engine.
+
+    `feeds_engine` is False on ranks that take part in the ZeRO-3 gather but do not own an engine
+    (with SGLang tensor parallelism only the first rank of each TP group drives the engine).
+    """
+
+    def __init__(self, actor, engine, bucket_mb: int, feeds_engine: bool = True):
+        self.actor = actor
+        self.engine = engine
+        self.bucket_bytes = int(bucket_mb) << 20
+        self.feeds_engine = feeds_engine
+        self.buckets = plan_buckets(actor.named_parameter_sizes(), self.bucket_bytes)
+
+    def push(self) -> HandoffStats:
+        t0 = time.perf_counter()
+        stats = HandoffStats()
+        for names in self.buckets:
+            with self.actor.gathered(names) as tensors:
+                if self.feeds_engine:
+                    self.engine.load_weights(tensors)
+                stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                stats.tensors += len(tensors)
+                stats.buckets += 1
+        if self.feeds_engine:
+            self.engine.finish_weight_update()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+
+def engine_rank_layout(world_size: int, tp_size: int) -> list[dict]:
+    """Trainer rank -> engine TP group on one node.
+
+    Ranks [g*tp, (g+1)*tp) form TP group g; its first rank owns the engine (the others only feed
+    their prompts to it and take back their completions). Returns one dict per rank.
+    """
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"rollout.tp_size={tp_size} must divide the number of ranks ({world_size})")
+    out = []
+    for r in range(world_size):
+        g = r // tp_size
+        out.append({"rank": r, "group": g, "group_ranks": list(range(g * tp_size, (g + 1) * tp_size)),
+                    "owner": g * tp_size, "owns_engine": r % tp_size == 0})
+    return out
+
+
+def current_layout(tp_size: int) -> dict:
+    return engine_rank_layout(dist.world_size(), tp_size)[dist.rank()]
+
+
+class LogprobAgreement:
+    """Do the engine and the trainer agree on the log-probs of what the engine generated?
+
+    Accumulate (engine log-prob, trainer log-prob) pairs over the micro-batches of a step, then
+    `check` reduces over ranks and raises HandoffError above the threshold: the engine is then
+    not sampling from the trainer's weights (a failed or skipped weight update).
+    """
+
+    def __init__(self) -> None:
+        self.abs_sum = 0.0
+        self.count = 0.0
+        self.max = 0.0
+
+    def add(self, rollout_logp, trainer_logp, mask) -> None:
+        m = mask.float()
+        diff = (rollout_logp.float() - trainer_logp.detach().float()).abs() * m
+        self.abs_sum += float(diff.sum())
+        self.count += float(m.sum())
+        if m.sum() > 0:
+            self.max = max(self.max, float(diff.max()))
+
+    def check(self, threshold: Optional[float]) -> dict[str, float]:
+        total, count = dist.all_reduce_sum([self.abs_sum, self.count])
+        (mx,) = dist.all_reduce_max([self.max])
+        mean = total / max(count, 1.0)
+        if threshold is not None and not (mean <= threshold):  # NaN fails too
+            raise HandoffError(
+                f"the engine's log-probs differ from the trainer's by {mean:.4f} per token on average "
+                f"(max {mx:.4f}; rollout.handoff_check_max_mean_abs={threshold}): the engine is not on "
+                "the trainer's weights. Check the weight handoff (engine update errors above); raise the "
+                "threshold only for a known precision mismatch between engine and trainer."
+            )
+        return {"handoff/logprob_diff_mean": mean, "handoff/logprob_diff_max": mx}
+
+
+class HandoffError(RuntimeError):
+    pass

@@ -1,0 +1,138 @@
+"""The memory manager: what each phase holds, what moves between phases, and the ledger.
+
+update -> generation: page trainer states (optimizer moments, fp32 master weights, gradient
+buffers) to host memory, wake the engine's weights, hand off the new weights, wake the KV cache.
+generation -> update: release the engine (KV cache, weights, CUDA graphs), reload trainer states.
+
+Every transition appends one ledger record: the moves (what, from, to, bytes, seconds, whether
+anything really moved) and device memory before / after. On CPU the paging moves are no-ops,
+but the records are still written, so the protocol is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS
+
+GIB = 1 << 30
+
+
+def memory_snapshot() -> dict[str, float]:
+    """Device memory (CUDA) or process memory (CPU) right now, in GiB."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return {"device": "cuda", "free_gib": free / GIB, "used_gib": (total - free) / GIB,
+                "allocated_gib": torch.cuda.memory_allocated() / GIB,
+                "reserved_gib": torch.cuda.memory_reserved() / GIB}
+    import psutil
+
+    return {"device": "cpu", "rss_gib": psutil.Process().memory_info().rss / GIB,
+            "available_gib": psutil.virtual_memory().available / GIB}
+
+
+def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None) -> float:
+    """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
+    that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
+    if override is not None:
+        if not 0 < override < 1:
+            raise ValueError(f"rollout.mem_fraction_static={override} must be in (0, 1)")
+        return override
+    if free_bytes <= margin_bytes:
+        raise MemoryError(
+            f"only {free_bytes / GIB:.1f} GiB free after paging the trainer out, not more than the "
+            f"rollout.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
+            "trainer), a smaller model, or a smaller margin")
+    return round((free_bytes - margin_bytes) / free_bytes, 4)
+
+
+class Ledger:
+    """Append-only jsonl of phase transitions (rank 0 writes; every rank keeps its records)."""
+
+    def __init__(self, path: Optional[Path]):
+        self.path = path
+        self.records: list[dict] = []
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is not None and dist.is_rank0():
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+
+
+class _Transition:
+    def __init__(self, name: str, step: int):
+        self.record = {"step": step, "transition": name, "rank": dist.rank(), "moves": []}
+
+    @contextmanager
+    def move(self, what: str, src: str, dst: str, nbytes: int = 0):
+        entry = {"what": what, "from": src, "to": dst, "bytes": int(nbytes), "moved": True}
+        t0 = time.perf_counter()
+        yield entry
+        entry["seconds"] = time.perf_counter() - t0
+        self.record["moves"].append(entry)
+
+
+class MemoryManager:
+    def __init__(self, actor, engine, handoff, ledger: Ledger, pin_memory: bool = True,
+                 owns_engine: bool = True):
+        self.actor = actor
+        self.engine = engine
+        self.handoff = handoff
+        self.ledger = ledger
+        self.pin_memory = pin_memory
+        self.owns_engine = owns_engine
+        self.trainer_resident = True
+        self.last_handoff = None
+
+    def _run(self, name: str, step: int, body) -> dict:
+        t = _Transition(name, step)
+        t.record["memory_before"] = memory_snapshot()
+        t0 = time.perf_counter()
+        body(t)
+        t.record["seconds"] = time.perf_counter() - t0
+        t.record["memory_after"] = memory_snapshot()
+        self.ledger.append(t.record)
+        return t.record
+
+    def evict_for_generation(self, step: int) -> dict:
+        def body(t: _Transition) -> None:
+            with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
+                m["moved"] = self.actor.offload_states(pin_memory=self.pin_memory)
+            self.trainer_resident = False
+            if self.owns_engine:
+                with t.move("engine weights (allocate)", "none", "device") as m:
+                    m["bytes"] = self.engine.wake([WEIGHTS])
+            with t.move("weights handoff", "trainer", "engine") as m:
+                stats = self.handoff.push()
+                m["bytes"] = stats.bytes
+                m["buckets"] = stats.buckets
+                m["moved"] = self.handoff.feeds_engine
+                self.last_handoff = stats
+            if self.owns_engine:
+                with t.move("engine KV cache (allocate)", "none", "device") as m:
+                    m["bytes"] = self.engine.wake([KV_CACHE, CUDA_GRAPH])
+
+        return self._run("update->generation", step, body)
+
+    def evict_for_training(self, step: int) -> dict:
+        def body(t: _Transition) -> None:
+            if self.owns_engine:
+                with t.move("engine KV cache + weights (release)", "device", "none") as m:
+                    m["bytes"] = self.engine.sleep(ALL_TAGS)
+            with t.move("trainer states", "host", "device", self.actor.state_bytes()) as m:
+                m["moved"] = self.actor.reload_states()
+            self.trainer_resident = True
+
+        return self._run("generation->update", step, body)

@@ -1,0 +1,26 @@
+"""Which side of the GPU is live. Engines and the trainer check it before they touch memory."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Phase(str, enum.Enum):
+    IDLE = "idle"  # start-up: nothing handed off yet
+    GENERATION = "generation"  # engine holds weights + KV cache; trainer states paged out
+    UPDATE = "update"  # trainer holds its states; engine released
+
+
+class PhaseError(RuntimeError):
+    """An operation was attempted in the wrong phase (it would run on paged-out memory)."""
+
+
+class PhaseGuard:
+    def __init__(self) -> None:
+        self.phase = Phase.IDLE
+
+    def require(self, phase: Phase, what: str) -> None:
+        if self.phase is not phase:
+            hint = "inside `with switch.generation():`" if phase is Phase.GENERATION else "inside `with switch.update():`"
+            raise PhaseError(f"{what} needs the {phase.value} phase but the current phase is "
+                             f"{self.phase.value}; call it {hint}")

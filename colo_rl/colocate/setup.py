@@ -1,0 +1,78 @@
+"""Wiring the colocated pieces: engine, trainer, handoff, memory manager, phase switcher."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.colocate.handoff import WeightHandoff, current_layout
+from colo_rl.colocate.memory import Ledger, MemoryManager
+from colo_rl.colocate.phase import PhaseGuard
+from colo_rl.colocate.switch import PhaseSwitcher
+from colo_rl.models import load_model
+from colo_rl.rollout.base import ALL_TAGS
+from colo_rl.train.actor import DeepSpeedActor
+
+log = logging.getLogger("colo_rl")
+
+
+@dataclass
+class Colocated:
+    actor: DeepSpeedActor
+    ref: Optional[DeepSpeedActor]
+    engine: object
+    switch: PhaseSwitcher
+    guard: PhaseGuard
+    ledger: Ledger
+
+
+def eos_token_ids(tokenizer, model_dir: Path | None = None) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir) if model_dir else None
+        eos = gen.eos_token_id if gen is not None else None
+        ids.update(eos if isinstance(eos, list) else [eos])
+    except Exception:  # noqa: BLE001 - no generation_config.json: the tokenizer's EOS is enough
+        pass
+    return sorted(i for i in ids if i is not None)
+
+
+def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
+    from colo_rl.models import resolve_model_path
+
+    if cfg.rollout.engine == "sglang":
+        from colo_rl.rollout.sglang import SGLangEngine
+
+        return SGLangEngine.create(cfg, tokenizer, dtype, guard)
+    from colo_rl.rollout.hf import HFEngine
+
+    model = load_model(cfg.model, dtype, seed=cfg.trainer.seed).to(dist.device())
+    return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
+                    tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
+                    seed=cfg.rollout.seed + 7919 * dist.rank())
+
+
+def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,
+                    grad_accum: int) -> Colocated:
+    guard = PhaseGuard()
+    layout = current_layout(cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1)
+    actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, guard=guard)
+    ref = None
+    if cfg.algo.kl_coef > 0:
+        ref = DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
+    engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
+    if engine is not None:
+        engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
+    handoff = WeightHandoff(actor, engine, cfg.rollout.handoff_bucket_mb, feeds_engine=engine is not None)
+    ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
+    manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.trainer.offload_pin_memory,
+                            owns_engine=engine is not None)
+    return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
+                     ledger=ledger)

@@ -1,0 +1,64 @@
+"""Phase switching: `with switch.generation(): ...` / `with switch.update(): ...`.
+
+The switcher owns the phase state machine; the engine and the trainer check the shared guard, so
+generating while the trainer holds its states (or training while the engine holds the GPU) fails
+with an error that says which context to use.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from colo_rl.colocate.memory import MemoryManager
+from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
+
+
+class PhaseSwitcher:
+    def __init__(self, manager: MemoryManager, guard: PhaseGuard):
+        self.manager = manager
+        self.guard = guard
+        self.step = 0
+        self.switch_seconds = 0.0  # phase-switch time (excluding the handoff) since last reset
+        self.handoff_seconds = 0.0
+        self._inside = False
+
+    def reset_timers(self) -> None:
+        self.switch_seconds = 0.0
+        self.handoff_seconds = 0.0
+
+    def _account(self, record: dict) -> None:
+        handoff = sum(m["seconds"] for m in record["moves"] if m["what"] == "weights handoff")
+        self.handoff_seconds += handoff
+        self.switch_seconds += record["seconds"] - handoff
+
+    @contextmanager
+    def generation(self):
+        if self._inside:
+            raise PhaseError(f"switch.generation() entered inside the {self.guard.phase.value} phase; "
+                             "phases do not nest")
+        if self.guard.phase is not Phase.GENERATION:
+            self._account(self.manager.evict_for_generation(self.step))
+            self.guard.phase = Phase.GENERATION
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+    @contextmanager
+    def update(self):
+        if self._inside:
+            raise PhaseError(f"switch.update() entered inside the {self.guard.phase.value} phase; "
+                             "phases do not nest")
+        if self.guard.phase is not Phase.UPDATE:
+            if self.guard.phase is Phase.GENERATION:
+                self._account(self.manager.evict_for_training(self.step))
+            self.guard.phase = Phase.UPDATE
+        self._inside = True
+        try:
+            yield
+        finally:
+            self._inside = False
+
+    def timed_phase_seconds(self) -> dict[str, float]:
+        return {"time/handoff": self.handoff_seconds, "time/phase_switch": self.switch_seconds}

@@ -1,0 +1,15 @@
+"""Tasks and datasets: the embedded arithmetic task, GSM8K-format and user files."""
+
+from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
+from colo_rl.data.files import DataError, read_records
+from colo_rl.data.prompts import Problem, PromptBuilder, load_problems
+
+__all__ = [
+    "ArithmeticTask",
+    "DataError",
+    "Problem",
+    "PromptBuilder",
+    "load_problems",
+    "make_arithmetic_splits",
+    "read_records",
+]

@@ -1,0 +1,74 @@
+"""The embedded default task: seeded integer arithmetic with disjoint train / held-out splits."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+OPS = ("+", "-", "*")
+
+
+@dataclass(frozen=True)
+class ArithmeticTask:
+    min_operand: int = 1
+    max_operand: int = 30
+    three_operand_fraction: float = 0.2
+
+    def sample(self, rng: random.Random) -> tuple[str, int]:
+        """One problem: the expression text and its integer value.
+
+        Multiplication operands are kept to 2..12 so products stay in the range a small model can
+        learn; subtraction never goes below zero.
+        """
+        n_ops = 2 if rng.random() < self.three_operand_fraction else 1
+        terms = [rng.randint(self.min_operand, self.max_operand)]
+        ops = []
+        for _ in range(n_ops):
+            op = rng.choice(OPS)
+            if op == "*":
+                terms[-1] = min(max(terms[-1], 2), 12)
+                nxt = rng.randint(2, 12)
+            else:
+                nxt = rng.randint(self.min_operand, self.max_operand)
+            ops.append(op)
+            terms.append(nxt)
+        expr = str(terms[0])
+        for op, t in zip(ops, terms[1:]):
+            expr += f" {op} {t}"
+        value = eval(expr)  # noqa: S307 - expr is built from ints and + - * only
+        if value < 0:  # flip a - b into b - a for two-term problems, re-sample otherwise
+            if n_ops == 1:
+                expr = f"{terms[1]} - {terms[0]}"
+                value = -value
+            else:
+                return self.sample(rng)
+        return expr, value
+
+
+def make_arithmetic_splits(task: ArithmeticTask, train_size: int, eval_size: int, seed: int
+                           ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Seeded train and held-out problem lists with no expression in both.
+
+    The held-out split is drawn first from its own stream, so it does not change when
+    `train_size` changes: step-0 and final evaluations of different runs are comparable.
+    """
+    eval_rng = random.Random(seed * 1_000_003 + 17)
+    held_out: dict[str, int] = {}
+    tries = 0
+    while len(held_out) < eval_size:
+        expr, value = task.sample(eval_rng)
+        held_out.setdefault(expr, value)
+        tries += 1
+        if tries > 100 * max(eval_size, 1):
+            raise ValueError("data: the operand range is too small for that many distinct held-out problems")
+    train_rng = random.Random(seed)
+    train: list[tuple[str, int]] = []
+    tries = 0
+    while len(train) < train_size:
+        expr, value = task.sample(train_rng)
+        tries += 1
+        if expr not in held_out:
+            train.append((expr, value))
+        if tries > 100 * max(train_size, 1):
+            raise ValueError("data: the operand range is too small for that many training problems")
+    return train, list(held_out.items())

@@ -1,0 +1,101 @@
+"""Reading user data files: JSONL, JSON, Parquet and local HF `datasets` directories.
+
+Every record carries its origin ("file:line") so a bad record fails with an error that says where
+it is and what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, line and key, and what to do."""
+
+
+@dataclass
+class Record:
+    data: dict[str, Any]
+    origin: str  # "path:line" (JSONL) or "path[row]" (Parquet / datasets)
+
+    def require(self, *keys: str) -> list[Any]:
+        """The values of `keys`; a DataError naming the missing key and the record's origin."""
+        out = []
+        for key in keys:
+            if key not in self.data or self.data[key] is None:
+                raise DataError(
+                    f"{self.origin}: missing key {key!r} (record has {sorted(self.data)}); "
+                    f"fix or remove this record"
+                )
+            out.append(self.data[key])
+        return out
+
+    def first_of(self, *keys: str) -> tuple[str, Any]:
+        for key in keys:
+            if self.data.get(key) is not None:
+                return key, self.data[key]
+        raise DataError(
+            f"{self.origin}: needs one of the keys {list(keys)} (record has {sorted(self.data)})"
+        )
+
+
+def read_records(path: str | Path) -> list[Record]:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"data.path={str(path)!r} does not exist")
+    if p.is_dir():
+        return _read_hf_dir(p)
+    suffix = p.suffix.lower()
+    if suffix in (".jsonl", ".ndjson"):
+        return list(_read_jsonl(p))
+    if suffix == ".json":
+        text = p.read_text()
+        if text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+            return [_as_record(row, f"{p}[{i}]") for i, row in enumerate(rows)]
+        return list(_read_jsonl(p))
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(p).to_pylist()
+        return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows)]
+    raise DataError(f"data.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
+                    ".parquet or a directory saved with datasets.save_to_disk")
+
+
+def _read_jsonl(p: Path) -> Iterable[Record]:
+    with open(p, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
+                                "each line must be one JSON object") from None
+            yield _as_record(row, f"{p}:{lineno}")
+
+
+def _as_record(row: Any, origin: str) -> Record:
+    if not isinstance(row, dict):
+        raise DataError(f"{origin}: expected a JSON object, got {type(row).__name__}")
+    return Record(row, origin)
+
+
+def _read_hf_dir(p: Path) -> list[Record]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except Exception as e:  # noqa: BLE001 - re-raised with the path and what to do
+        raise DataError(f"data.path={str(p)!r}: not a directory saved with datasets.save_to_disk ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = "train" if "train" in ds else next(iter(ds))
+        ds = ds[split]
+    return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(ds)]

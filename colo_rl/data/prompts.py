@@ -1,0 +1,132 @@
+"""Problems with verifiable answers and the prompts built from them."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
+from colo_rl.data.files import DataError, Record, read_records
+
+log = logging.getLogger("colo_rl")
+
+
+@dataclass
+class Problem:
+    id: str
+    question: str  # user text, or "" when `messages` is given
+    answer: str  # ground truth for the verifier
+    messages: Optional[list[dict[str, str]]] = None
+    origin: str = ""
+
+
+@dataclass
+class PromptStats:
+    kept: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    dropped_ids: list[str] = field(default_factory=list)
+
+
+class PromptBuilder:
+    """Tokenised prompts with the configured over-length policy; counts what it drops or cuts."""
+
+    def __init__(self, tokenizer, data_cfg):
+        self.tokenizer = tokenizer
+        self.cfg = data_cfg
+        self.stats = PromptStats()
+        if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, but "
+                "data.use_chat_template=true: set data.use_chat_template=false, or use a model "
+                "directory whose tokenizer_config.json / chat_template.jinja defines one"
+            )
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        if problem.messages is not None:
+            return problem.messages
+        content = problem.question
+        if self.cfg.instruction:
+            content = f"{content}\n{self.cfg.instruction}"
+        msgs = [{"role": "user", "content": content}]
+        if self.cfg.system_prompt:
+            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        return msgs
+
+    def text(self, problem: Problem) -> str:
+        if self.cfg.use_chat_template:
+            return self.tokenizer.apply_chat_template(
+                self.messages(problem), add_generation_prompt=True, tokenize=False
+            )
+        msgs = self.messages(problem)
+        return "\n".join(m["content"] for m in msgs) + "\n"
+
+    def encode(self, problem: Problem) -> Optional[list[int]]:
+        """Token ids, or None when the prompt is over-length and the policy drops it."""
+        if not (problem.question or problem.messages):
+            raise DataError(f"{problem.origin or problem.id}: empty prompt; remove the record or fill it in")
+        ids = self.tokenizer(self.text(problem), add_special_tokens=False)["input_ids"]
+        limit = self.cfg.max_prompt_tokens
+        if len(ids) > limit:
+            if self.cfg.overlong_policy == "error":
+                raise DataError(
+                    f"{problem.origin or problem.id}: prompt has {len(ids)} tokens > data.max_prompt_tokens={limit}; "
+                    "raise the limit or set data.overlong_policy=drop|truncate"
+                )
+            if self.cfg.overlong_policy == "drop":
+                self.stats.dropped += 1
+                self.stats.dropped_ids.append(problem.id)
+                return None
+            ids = ids[-limit:]  # keep the end: the question and the generation prompt
+            self.stats.truncated += 1
+        self.stats.kept += 1
+        return ids
+
+
+_GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+def _problem_from_record(rec: Record, index: int) -> Problem:
+    """GSM8K (`question` + `answer` with '#### n'), or `prompt`/`messages` + `answer`/`ground_truth`."""
+    d = rec.data
+    if "question" in d and "answer" in d and isinstance(d["answer"], str) and "####" in d["answer"]:
+        (question,) = rec.require("question")
+        m = _GSM8K_ANSWER.search(d["answer"])
+        answer = m.group(1).replace(",", "").strip() if m else ""
+        if not answer:
+            raise DataError(f"{rec.origin}: key 'answer' has no final answer after '####'")
+        return Problem(id=str(d.get("id", index)), question=str(question), answer=answer, origin=rec.origin)
+    _, prompt = rec.first_of("prompt", "question", "messages")
+    _, answer = rec.first_of("answer", "ground_truth", "solution")
+    if isinstance(prompt, list):
+        return Problem(id=str(d.get("id", index)), question="", answer=str(answer), messages=prompt, origin=rec.origin)
+    if not str(prompt).strip():
+        raise DataError(f"{rec.origin}: empty prompt; remove the record or fill it in")
+    return Problem(id=str(d.get("id", index)), question=str(prompt), answer=str(answer), origin=rec.origin)
+
+
+def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
+    """Train and held-out problems: the arithmetic task, or a user file split by seed."""
+    if data_cfg.path is None:
+        task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
+        train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.seed)
+        as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v))  # noqa: E731
+        return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
+                [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
+    records = read_records(data_cfg.path)
+    problems = [_problem_from_record(r, i) for i, r in enumerate(records)]
+    if len(problems) <= data_cfg.eval_size:
+        raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
+                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
+    order = list(range(len(problems)))
+    random.Random(data_cfg.seed).shuffle(order)
+    held = [problems[i] for i in order[:data_cfg.eval_size]]
+    train = [problems[i] for i in order[data_cfg.eval_size:]][: data_cfg.train_size or None]
+    return train, held
+
+
+def problem_summary(problems: list[Problem]) -> dict[str, Any]:
+    return {"count": len(problems), "first": problems[0].question if problems else None}

@@ -1,0 +1,52 @@
+"""Seeded, resumable order over a dataset: every rank computes the same global order and takes
+its own share of each global batch."""
+
+from __future__ import annotations
+
+import random
+
+from colo_rl import dist
+
+
+class EpochSampler:
+    def __init__(self, num_items: int, seed: int, shuffle: bool = True):
+        if num_items <= 0:
+            raise ValueError("the training set is empty (after dropping over-length prompts)")
+        self.num_items = num_items
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._make_order()
+
+    def _make_order(self) -> list[int]:
+        order = list(range(self.num_items))
+        if self.shuffle:
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next_global(self, batch_size: int) -> list[int]:
+        """The next `batch_size` indices (wrapping into a new, reshuffled epoch)."""
+        out: list[int] = []
+        while len(out) < batch_size:
+            if self.position >= self.num_items:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._make_order()
+            take = min(batch_size - len(out), self.num_items - self.position)
+            out.extend(self._order[self.position:self.position + take])
+            self.position += take
+        return out
+
+    def next_local(self, global_batch_size: int) -> list[int]:
+        return dist.shard(self.next_global(global_batch_size))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": self.num_items}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_items"] != self.num_items or state["seed"] != self.seed:
+            raise ValueError(f"checkpoint data order ({state['num_items']} items, seed {state['seed']}) does not "
+                             f"match this run's ({self.num_items} items, seed {self.seed}): data.* changed")
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._make_order()

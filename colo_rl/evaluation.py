@@ -1,0 +1,23 @@
+"""Held-out evaluation: greedy decoding on every rank's share, accuracy reduced over ranks."""
+
+from __future__ import annotations
+
+from colo_rl import dist
+from colo_rl.rollout.base import SamplingParams
+
+
+def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
+             max_new_tokens: int) -> dict[str, float]:
+    """Strict accuracy (the stated final answer is right), lenient accuracy (the last number is
+    right), the share of answers stated in the required format, and mean response length."""
+    local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
+    completions = engine.generate(local_ids, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    res = scorer.score(texts, local_answers)
+    n, correct, lenient, formatted, length = dist.all_reduce_sum([
+        len(texts), sum(res.correct), sum(res.correct_lenient), sum(res.formatted),
+        sum(len(c.token_ids) for c in completions)])
+    n = max(n, 1.0)
+    return {"eval/accuracy": correct / n, "eval/accuracy_lenient": lenient / n,
+            "eval/format_rate": formatted / n, "eval/response_len": length / n, "eval/count": n,
+            "eval/samples": [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]}

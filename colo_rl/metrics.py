@@ -1,0 +1,145 @@
+"""Per-step metrics (jsonl + TensorBoard), timers, the rank-0 progress bar and run plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Optional
+
+from colo_rl import dist
+
+log = logging.getLogger("colo_rl")
+
+
+class Timer:
+    """Accumulates wall-clock seconds per named section: `with timer("generation"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        self.seconds = {}
+        return out
+
+
+class MetricsLogger:
+    """Rank 0 writes metrics.jsonl and TensorBoard events; every rank may call `log` (no-op elsewhere)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, console_keys: Iterable[str] = ()):
+        self.run_dir = Path(run_dir)
+        self.enabled = dist.is_rank0()
+        self.console_keys = list(console_keys)
+        self.writer = None
+        self.path = self.run_dir / "metrics.jsonl"
+        if self.enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None:
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+        if console:
+            keys = [k for k in self.console_keys if k in row] or [k for k in row if k != "step"][:8]
+            log.info("step %d | %s", step, "  ".join(f"{k.split('/')[-1]}={_fmt(row[k])}" for k in keys))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _clean(v):
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return v
+    return v if math.isfinite(v) else None
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class Progress:
+    """A rich progress bar with ETA on rank 0 (plain log lines when output is not a terminal)."""
+
+    def __init__(self, total: int, description: str, start: int = 0):
+        self.bar = None
+        self.task = None
+        if not dist.is_rank0():
+            return
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+
+        self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+        self.bar.start()
+        self.task = self.bar.add_task(description, total=total, completed=start)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def plot_curves(rows: list[dict], out_path: Path, panels: list[tuple[str, list[str]]], title: str) -> Optional[Path]:
+    """One PNG with a panel per (title, metric keys) against step; missing keys are left out."""
+    if not dist.is_rank0() or not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, [k for k in keys if any(r.get(k) is not None for r in rows)]) for t, keys in panels]
+    panels = [(t, keys) for t, keys in panels if keys]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (panel_title, keys) in zip(axes[0], panels):
+        for k in keys:
+            pts = [(r["step"], r[k]) for r in rows if r.get(k) is not None]
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=k)
+        ax.set_title(panel_title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return out_path

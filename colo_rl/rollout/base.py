@@ -1,0 +1,59 @@
+"""The rollout engine protocol shared by the in-process HF engine and SGLang."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import torch
+
+# What `sleep` / `wake` take: SGLang's memory-occupation tags.
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+CUDA_GRAPH = "cuda_graph"
+ALL_TAGS = (WEIGHTS, KV_CACHE, CUDA_GRAPH)
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1  # completions per prompt, returned contiguously (a GRPO group)
+    greedy: bool = False
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    # log softmax(logits / temperature)[token] over the full vocabulary, as the engine sampled it.
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass
+class HandoffStats:
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Release the memory behind `tags`; returns bytes released (0 where nothing is held)."""
+
+    def wake(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Re-acquire memory for `tags`; resumed weights are garbage until `load_weights`."""
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Take one bucket of full (unsharded) HF-named tensors from the trainer."""
+
+    def finish_weight_update(self) -> None:
+        """Called after the last bucket (flush caches, close an update session)."""
+
+    def shutdown(self) -> None: ...

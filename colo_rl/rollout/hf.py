@@ -1,0 +1,162 @@
+"""In-process HF rollout engine (CPU, or a GPU without SGLang).
+
+Its weights are plain buffers that the trainer fills during the handoff (`load_weights` copies
+each gathered tensor into the engine's own storage: no files, no pickling). `sleep("weights")`
+frees those buffers and `wake("weights")` allocates fresh, uninitialised ones, so after a wake the
+engine produces garbage until the handoff has run: the handoff is its only source of weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from colo_rl.colocate.phase import Phase, PhaseGuard
+from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
+
+log = logging.getLogger("colo_rl")
+
+
+class HFEngine:
+    def __init__(self, model: torch.nn.Module, eos_token_ids: Iterable[int], pad_token_id: int,
+                 guard: Optional[PhaseGuard] = None, max_batch: int = 64, seed: int = 0):
+        self.model = model.eval()
+        self.model.requires_grad_(False)
+        self.device = next(model.parameters()).device
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
+        self.pad = pad_token_id
+        self.guard = guard
+        self.max_batch = max_batch
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self.params = dict(model.named_parameters())  # tied weights appear once
+        self.shapes = {n: (p.shape, p.dtype) for n, p in self.params.items()}
+        self.weights_resident = True
+
+    # ---------------------------------------------------------------- memory protocol
+    def weight_bytes(self) -> int:
+        return sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for s, d in self.shapes.values())
+
+    def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        released = 0
+        if WEIGHTS in tags and self.weights_resident:
+            for p in self.params.values():
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            self.weights_resident = False
+            released += self.weight_bytes()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        # KV cache: allocated per generate() call and freed at its end; nothing held between calls.
+        return released
+
+    def wake(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        acquired = 0
+        if WEIGHTS in tags and not self.weights_resident:
+            for name, p in self.params.items():
+                shape, dtype = self.shapes[name]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+            self.weights_resident = True
+            acquired += self.weight_bytes()
+        return acquired
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.weights_resident:
+            raise RuntimeError("load_weights on a sleeping engine: wake('weights') first")
+        for name, tensor in named_tensors:
+            try:
+                dst = self.params[name]
+            except KeyError:
+                raise KeyError(f"handoff sent {name!r}, which the engine's model does not have") from None
+            if dst.shape != tensor.shape:
+                raise ValueError(f"handoff tensor {name!r} has shape {tuple(tensor.shape)}, engine expects {tuple(dst.shape)}")
+            dst.data.copy_(tensor, non_blocking=True)
+
+    def finish_weight_update(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def shutdown(self) -> None:
+        self.sleep([WEIGHTS, KV_CACHE])
+
+    def rng_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.guard is not None:
+            self.guard.require(Phase.GENERATION, "engine.generate")
+        if not self.weights_resident:
+            raise RuntimeError("generate on a sleeping engine: wake it and hand off weights first")
+        expanded = [p for p in prompts for _ in range(params.n)]
+        out: list[Completion] = []
+        # Longest prompts first keeps padding low inside each chunk.
+        order = sorted(range(len(expanded)), key=lambda i: -len(expanded[i]))
+        results: dict[int, Completion] = {}
+        for start in range(0, len(order), self.max_batch):
+            idx = order[start:start + self.max_batch]
+            for i, c in zip(idx, self._generate_batch([expanded[i] for i in idx], params)):
+                results[i] = c
+        out = [results[i] for i in range(len(expanded))]
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        from transformers import DynamicCache
+
+        B, dev = len(prompts), self.device
+        P = max(len(p) for p in prompts)
+        ids = torch.full((B, P), self.pad, dtype=torch.long, device=dev)
+        mask = torch.zeros((B, P), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):  # left padding: every row's next token lands at column P
+            ids[i, P - len(p):] = torch.tensor(p, device=dev)
+            mask[i, P - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        next_pos = positions[:, -1] + 1
+        tokens: list[list[int]] = [[] for _ in range(B)]
+        logps: list[list[float]] = [[] for _ in range(B)]
+        finish = ["length"] * B
+        alive = torch.arange(B, device=dev)  # original row of each live row
+        for step in range(params.max_new_tokens):
+            tok, logp = self._sample(logits, params)
+            for row, t, lp in zip(alive.tolist(), tok.tolist(), logp.tolist()):
+                tokens[row].append(t)
+                logps[row].append(lp)
+            done = torch.isin(tok, self.eos)
+            for row in alive[done].tolist():
+                finish[row] = "stop"
+            if step == params.max_new_tokens - 1:
+                break
+            keep = (~done).nonzero().squeeze(-1)
+            if keep.numel() == 0:
+                break
+            if keep.numel() < alive.numel():  # drop finished rows: no compute spent on padding
+                cache.batch_select_indices(keep)
+                mask, tok, next_pos, alive = mask[keep], tok[keep], next_pos[keep], alive[keep]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        return [Completion(list(p), t, lp, f) for p, t, lp, f in zip(prompts, tokens, logps, finish)]
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = logits.float()
+        if params.greedy:
+            tok = logits.argmax(-1)
+            return tok, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+        logprobs = torch.log_softmax(logits / params.temperature, -1)
+        probs = logprobs.exp()
+        if params.top_p < 1.0:
+            sorted_p, sorted_i = probs.sort(-1, descending=True)
+            cut = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the smallest set reaching top_p
+            sorted_p = sorted_p.masked_fill(cut, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, sorted_i, sorted_p)
+        tok = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return tok, logprobs.gather(-1, tok[:, None]).squeeze(-1)

@@ -1,0 +1,88 @@
+"""Token batches in the layout the trainer's forward pass wants.
+
+Each row is [left-padded prompt | right-padded response]: every response starts at column P, so
+a forward pass needs logits only for the last R+1 positions (`logits_to_keep`), which skips the
+LM head and the softmax over the vocabulary for prompt tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    position_ids: torch.Tensor  # [B, P + R]
+    response_ids: torch.Tensor  # [B, R] targets
+    response_mask: torch.Tensor  # [B, R] 1 on tokens that count for the loss
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row [B] or per-token [B, R]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_ids.shape[1]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, rows: list[int]) -> "TokenBatch":
+        """Rows `rows`, trimmed to the columns they use (less padding per micro-batch)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        attn = self.attention_mask[idx]
+        P = self.input_ids.shape[1] - self.response_len
+        used_prompt = int((attn[:, :P].sum(-1)).max())
+        used_resp = max(1, int(self.response_mask[idx].ne(0).sum(-1).max()), int(attn[:, P:].sum(-1).max()))
+        cols = slice(P - used_prompt, P + used_resp)
+        return TokenBatch(self.input_ids[idx][:, cols], attn[:, cols], self.position_ids[idx][:, cols],
+                          self.response_ids[idx][:, :used_resp], self.response_mask[idx][:, :used_resp],
+                          extras={k: (v[idx][:, :used_resp] if v.dim() == 2 else v[idx]) for k, v in self.extras.items()})
+
+    def to(self, device) -> "TokenBatch":
+        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
+                                                    self.response_ids, self.response_mask)),
+                          extras={k: v.to(device) for k, v in self.extras.items()})
+
+
+def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                response_masks: Optional[list[list[int]]] = None,
+                per_token: Optional[dict[str, list[list[float]]]] = None,
+                per_row: Optional[dict[str, list[float]]] = None) -> TokenBatch:
+    """Collate sequences. `response_masks` defaults to all response tokens counting;
+    `per_token` values are aligned with the response tokens and padded with 0."""
+    B = len(prompts)
+    P = max(len(p) for p in prompts)
+    R = max(1, max(len(r) for r in responses))
+    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + R), dtype=torch.long)
+    resp = torch.full((B, R), pad_id, dtype=torch.long)
+    rmask = torch.zeros((B, R), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        attn[i, P - len(p):P + len(r)] = 1
+        if r:
+            ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+            resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+            m = response_masks[i] if response_masks is not None else [1] * len(r)
+            rmask[i, :len(r)] = torch.tensor(m, dtype=torch.float32)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    extras: dict[str, torch.Tensor] = {}
+    for key, rows in (per_token or {}).items():
+        t = torch.zeros((B, R), dtype=torch.float32)
+        for i, vals in enumerate(rows):
+            if len(vals):
+                t[i, :len(vals)] = torch.tensor(vals, dtype=torch.float32)
+        extras[key] = t
+    for key, vals in (per_row or {}).items():
+        extras[key] = torch.tensor(vals, dtype=torch.float32)
+    return TokenBatch(ids, attn, pos, resp, rmask, extras)
+
+
+def micro_batches(n: int, size: int, lengths: Optional[list[int]] = None) -> list[list[int]]:
+    """Row indices split into micro-batches of at most `size`; sorted by length when given so each
+    micro-batch pads little."""
+    order = sorted(range(n), key=lambda i: lengths[i]) if lengths is not None else list(range(n))
+    return [order[i:i + size] for i in range(0, n, size)]
