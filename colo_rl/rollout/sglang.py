@@ -1,0 +1,703 @@
+"""SGLang rollout engine (GPU): SGLang's offline `sglang.Engine` behind the colo_rl engine protocol.
+
+The engine is started with dummy weights and released right away: its weights only ever come
+from the trainer's handoff, as CUDA IPC handles to gathered buckets (the engine maps the
+trainer's memory and copies device-to-device). See colo_rl/colocate/NOTES.md for the layout,
+the transition order and the traps.
+
+Everything that can be decided without a GPU (feature detection, sampling-parameter translation,
+output parsing, the per-TP-rank payload layout, tag bookkeeping, result checking) lives in plain
+functions below so CPU tests can call them with fake inputs. `sglang` is imported lazily: this
+module imports on a machine without CUDA or SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from colo_rl.colocate.handoff import HandoffError
+from colo_rl.colocate.phase import Phase
+from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS, Completion, SamplingParams
+
+log = logging.getLogger("colo_rl")
+
+GIB = 1 << 30
+
+# ===================================================================== environment traps (all here)
+# Read by SGLang's child processes, which inherit our environment when the engine starts.
+ENGINE_ENV = {
+    # Trainer memory differs across GPUs (ZeRO partitions, rank 0 extras): SGLang's check that
+    # every TP rank sees the same free memory would refuse to start.
+    "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK": "0",
+    # Without it `release_memory_occupation(["cuda_graph"])` keeps the CUDA-graph memory.
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1",
+}
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def without_expandable_segments(conf: Optional[str]) -> Optional[str]:
+    """The allocator config minus `expandable_segments` (None when nothing else remains).
+
+    Expandable segments map memory with cuMemCreate instead of cudaMalloc: torch_memory_saver
+    cannot release it and CUDA IPC cannot export it."""
+    if conf is None:
+        return None
+    kept = [part for part in conf.split(",") if part.strip() and
+            part.split(":", 1)[0].strip() != "expandable_segments"]
+    return ",".join(kept) or None
+
+
+def expandable_segments_enabled(environ: Mapping[str, str]) -> bool:
+    for var in ALLOC_CONF_VARS:
+        for part in (environ.get(var) or "").split(","):
+            key, _, value = part.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
+                return True
+    return False
+
+
+def engine_env_overrides(environ: Mapping[str, str]) -> dict[str, Optional[str]]:
+    """Environment changes for starting the engine (value None = unset the variable)."""
+    changes: dict[str, Optional[str]] = dict(ENGINE_ENV)
+    for var in ALLOC_CONF_VARS:
+        if var in environ:
+            cleaned = without_expandable_segments(environ[var])
+            if cleaned != environ[var]:
+                changes[var] = cleaned
+    return changes
+
+
+@contextlib.contextmanager
+def engine_environment(environ=None):
+    """Start SGLang inside this context.
+
+    Sets ENGINE_ENV and strips expandable segments for the engine's children, forces the `spawn`
+    start method (SGLang does too; CUDA cannot be forked), and afterwards restores the allocator
+    config and every NCCL_* variable SGLang changed: its child processes already have what they
+    need, while the trainer's later NCCL communicators should not inherit SGLang's choices.
+    """
+    environ = os.environ if environ is None else environ
+    changes = engine_env_overrides(environ)
+    restore_keys = [k for k in changes if k in ALLOC_CONF_VARS]
+    saved = {k: environ.get(k) for k in changes}
+    nccl_before = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
+    for key, value in changes.items():
+        if value is None:
+            environ.pop(key, None)
+        else:
+            environ[key] = value
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        yield changes
+    finally:
+        for key in restore_keys:
+            if saved[key] is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = saved[key]
+        for key in [k for k in environ if k.startswith("NCCL_")]:
+            if key not in nccl_before:
+                del environ[key]
+        environ.update(nccl_before)
+
+
+@contextlib.contextmanager
+def ipc_producer_allocations():
+    """Tensors allocated inside come from cudaMalloc even when this process runs with expandable
+    segments, so CUDA IPC can export them to the engine."""
+    switch = torch.cuda.is_available() and expandable_segments_enabled(os.environ)
+    if switch:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if switch:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+# ===================================================================== SGLang's API, found by feature
+def import_first(candidates: Iterable[tuple[str, str]]) -> Any:
+    """The first `module.attr` that imports (SGLang moves things between releases)."""
+    import importlib
+
+    for module, attr in candidates:
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+@lru_cache(maxsize=1)
+def sglang_api() -> SimpleNamespace:
+    """The SGLang pieces colo_rl uses, wherever this release keeps them."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "rollout.engine=sglang needs SGLang (GPU only; `pip install sglang` on a CUDA machine, "
+            "see `make gpu-check`), or use rollout.engine=hf") from e
+    api = SimpleNamespace(
+        serializer=import_first([("sglang.srt.utils", "MultiprocessingSerializer"),
+                                 ("sglang.srt.utils.common", "MultiprocessingSerializer")]),
+        bucket_cls=import_first([("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
+                                 ("sglang.srt.model_executor.model_runner", "FlattenedTensorBucket")]),
+        lst_cls=import_first([("sglang.srt.utils", "LocalSerializedTensor"),
+                              ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
+                              ("sglang.srt.model_executor.model_runner_components.weight_updater",
+                               "LocalSerializedTensor")]),
+        patch_reductions=import_first([("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
+                                       ("sglang.srt.patch_torch", "monkey_patch_torch_reductions")]),
+        begin_req=import_first([("sglang.srt.managers.io_struct", "BeginWeightUpdateReqInput")]),
+        end_req=import_first([("sglang.srt.managers.io_struct", "EndWeightUpdateReqInput")]),
+        memory_tags=import_first([("sglang.srt.constants", "GPU_MEMORY_ALL_TYPES")]),
+        server_args_cls=import_first([("sglang.srt.server_args", "ServerArgs")]),
+    )
+    missing = [name for name in ("serializer", "patch_reductions") if getattr(api, name) is None]
+    if api.bucket_cls is None and api.lst_cls is None:
+        missing.append("FlattenedTensorBucket or LocalSerializedTensor")
+    if missing:
+        raise ImportError(f"this SGLang ({getattr(sglang, '__version__', '?')}) lacks {missing}, which the "
+                          "CUDA-IPC weight handoff needs: install a release that has update_weights_from_tensor")
+    return api
+
+
+_REDUCTIONS_PATCHED = False
+
+
+def ensure_reductions_patched(api) -> None:
+    """SGLang's torch reductions name GPUs by UUID in IPC handles, so a handle made here opens on
+    the right device in the engine whatever CUDA_VISIBLE_DEVICES says. Once per trainer process."""
+    global _REDUCTIONS_PATCHED
+    if not _REDUCTIONS_PATCHED:
+        api.patch_reductions()
+        _REDUCTIONS_PATCHED = True
+
+
+def supported_memory_tags(all_types) -> tuple[str, ...]:
+    """Tags this SGLang can release; releases before `cuda_graph` existed know two."""
+    known = set(all_types) if all_types else {WEIGHTS, KV_CACHE}
+    return tuple(tag for tag in ALL_TAGS if tag in known)
+
+
+# ===================================================================== generation (pure)
+def sglang_sampling_params(params: SamplingParams, eos_token_ids: list[int]) -> dict:
+    """Our SamplingParams as SGLang's dict. `n` is always 1: we expand the prompts ourselves so the
+    order of the outputs is ours to define (a GRPO group is contiguous)."""
+    if params.greedy:
+        temperature, top_p, top_k = 0.0, 1.0, 1
+    else:
+        if not params.temperature > 0:
+            raise ValueError(f"sampling temperature must be > 0 (got {params.temperature}); use greedy=True")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {params.top_p})")
+        temperature, top_p, top_k = float(params.temperature), float(params.top_p), -1
+    return {
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "n": 1,
+        "stop_token_ids": list(eos_token_ids),
+        # Keep the EOS token in the output: the trainer must see (and learn) the stop.
+        "no_stop_trim": True,
+    }
+
+
+def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt n times in a row: completions j*n .. j*n+n-1 belong to prompt j."""
+    if n < 1:
+        raise ValueError(f"completions per prompt must be >= 1 (got {n})")
+    return [list(p) for p in prompts for _ in range(n)]
+
+
+class SGLangEngineError(RuntimeError):
+    """SGLang answered something colo_rl cannot use (the message says what and what to do)."""
+
+
+def finish_reason(meta: Mapping) -> str:
+    """SGLang's finish reason as "stop" / "length"; an aborted request raises."""
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind in ("stop", "length"):
+        return kind
+    if kind == "abort":
+        message = reason.get("message") if isinstance(reason, Mapping) else ""
+        raise SGLangEngineError(f"SGLang aborted a request: {message}. Common causes: a prompt longer than the "
+                                "engine's context length, or a KV cache too small for one sequence "
+                                "(raise rollout.mem_fraction_static or lower rollout.memory_margin_gib)")
+    raise SGLangEngineError(f"SGLang returned an unfinished request (finish_reason={reason!r}); "
+                            "colo_rl never streams, so this is an SGLang API change")
+
+
+def parse_completion(prompt_ids: list[int], out: Mapping) -> Completion:
+    """One SGLang output dict (from generate with return_logprob=True) as a Completion.
+
+    Token ids and sampling log-probs both come from meta_info["output_token_logprobs"] (entries
+    (logprob, token_id, text)), so they are aligned by construction; the plain output ids must
+    agree with them (trimmed by one stop token at most)."""
+    meta = out.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise SGLangEngineError("SGLang returned no meta_info['output_token_logprobs']: the request must be "
+                                "sent with return_logprob=True")
+    token_ids = [int(e[1]) for e in entries]
+    logprobs = [float(e[0]) for e in entries]
+    reason = finish_reason(meta)
+    output_ids = out.get("output_ids", out.get("token_ids"))
+    if output_ids is not None:
+        output_ids = [int(t) for t in output_ids]
+        if output_ids != token_ids and not (reason == "stop" and output_ids == token_ids[:-1]):
+            raise SGLangEngineError(f"SGLang's output ids ({len(output_ids)}) disagree with the token ids of its "
+                                    f"log-probs ({len(token_ids)}): cannot tell which tokens were sampled")
+    return Completion(prompt_ids=list(prompt_ids), token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def parse_outputs(expanded_prompts: list[list[int]], outputs) -> list[Completion]:
+    if isinstance(outputs, Mapping):  # a batch of one can come back unwrapped
+        outputs = [outputs]
+    if len(outputs) != len(expanded_prompts):
+        raise SGLangEngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded_prompts)} requests")
+    return [parse_completion(p, o) for p, o in zip(expanded_prompts, outputs)]
+
+
+# ===================================================================== weight updates (pure)
+def update_result(result, what: str, allow_none: bool = False) -> str:
+    """Check an SGLang `(success, message)` answer (tuple, dict or object); raise HandoffError
+    with the engine's message on failure. Returns the message."""
+    if result is None:
+        if allow_none:
+            return ""
+        raise HandoffError(f"SGLang's {what} returned nothing, so colo_rl cannot tell whether the engine "
+                           "took the weights; this SGLang release is not supported for the handoff")
+    if isinstance(result, Mapping):
+        success, message = result.get("success"), result.get("message", "")
+    elif isinstance(result, (tuple, list)):
+        success, message = (result[0], result[1] if len(result) > 1 else "")
+    elif hasattr(result, "success"):
+        success, message = result.success, getattr(result, "message", "")
+    else:
+        raise HandoffError(f"SGLang's {what} returned {result!r}; expected (success, message)")
+    if success is not True:
+        raise HandoffError(f"SGLang's {what} failed: {message!r}. The engine may not be sampling from the "
+                           "trainer's weights; stopping rather than training on samples from the wrong policy")
+    return str(message or "")
+
+
+@dataclasses.dataclass
+class WeightSession:
+    """How to open/close SGLang's weight-update session (SGLang >= 0.5.21 refuses updates outside
+    one). `via` is "engine" (Engine.begin/end_weight_update) or "tokenizer_manager"."""
+
+    via: str
+    begin: Any
+    end: Any
+
+
+def weight_session_api(engine, begin_req=None, end_req=None) -> Optional[WeightSession]:
+    """Detect the session API by feature: the engine's own methods, else the tokenizer manager's
+    coroutines with SGLang's request objects, else None (an older release: no session)."""
+    begin, end = getattr(engine, "begin_weight_update", None), getattr(engine, "end_weight_update", None)
+    if callable(begin) and callable(end):
+        return WeightSession("engine", lambda: begin(), lambda: end())
+    tm = getattr(engine, "tokenizer_manager", None)
+    tm_begin, tm_end = getattr(tm, "begin_weight_update", None), getattr(tm, "end_weight_update", None)
+    if callable(tm_begin) and callable(tm_end) and begin_req is not None and end_req is not None:
+        def run(coro_fn, req_cls):
+            return engine.loop.run_until_complete(coro_fn(req_cls(), None))
+
+        return WeightSession("tokenizer_manager", lambda: run(tm_begin, begin_req), lambda: run(tm_end, end_req))
+    return None
+
+
+def group_by_dtype(named_tensors: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split a bucket by dtype, groups in order of first appearance (older FlattenedTensorBucket
+    concatenates, which needs one dtype)."""
+    groups: dict[torch.dtype, list] = {}
+    for name, tensor in named_tensors:
+        groups.setdefault(tensor.dtype, []).append((name, tensor))
+    return list(groups.values())
+
+
+def check_bucket_metadata(metadata, named_tensors) -> None:
+    """The flattened bucket must describe exactly our tensors, in order, back to back. Checked
+    because a layout change in SGLang would otherwise load scrambled weights silently."""
+    if len(metadata) != len(named_tensors):
+        raise HandoffError(f"SGLang's FlattenedTensorBucket describes {len(metadata)} tensors, the bucket has "
+                           f"{len(named_tensors)}")
+    end = 0
+    for meta, (name, tensor) in zip(metadata, named_tensors):
+        size = meta.end_idx - meta.start_idx
+        ok = (meta.name == name and tuple(meta.shape) == tuple(tensor.shape) and meta.dtype == tensor.dtype
+              and meta.start_idx == end and size == meta.numel
+              and size in (tensor.numel(), tensor.numel() * tensor.element_size()))
+        if not ok:
+            raise HandoffError(f"SGLang's FlattenedTensorBucket entry {meta!r} does not match tensor {name!r} "
+                               f"{tuple(tensor.shape)} {tensor.dtype} at offset {end}: this SGLang's bucket "
+                               "layout is not the one colo_rl checks for")
+        end = meta.end_idx
+
+
+@dataclasses.dataclass
+class UpdateCall:
+    """One `update_weights_from_tensor(named_tensors=..., load_format=...)` call."""
+
+    named_tensors: list
+    load_format: Optional[str]
+
+
+def payload_calls(rank_payloads: list[dict], lst_cls=None) -> list[UpdateCall]:
+    """Engine calls for one bucket from the payloads of every TP rank (index = TP rank).
+
+    Each TP rank of the engine deserialises only its own entry, a handle to memory on its own GPU:
+    - "flattened_bucket": one call per dtype group, `named_tensors` = [payload of rank 0, 1, ...];
+    - "tensors": one call, each tensor a LocalSerializedTensor whose values[i] is rank i's handle.
+    """
+    if not rank_payloads:
+        raise ValueError("no payloads: the engine's TP group sent nothing")
+    formats = {p["format"] for p in rank_payloads}
+    if len(formats) != 1:
+        raise HandoffError(f"TP ranks prepared different payload formats {sorted(formats)}: every rank of an "
+                           "engine group must run the same SGLang")
+    fmt = formats.pop()
+    counts = {len(p["items"]) for p in rank_payloads}
+    if len(counts) != 1:
+        raise HandoffError(f"TP ranks prepared different numbers of payload items {sorted(counts)} for one bucket: "
+                           "the ranks gathered different tensors (handoff buckets must be planned identically)")
+    if fmt == "flattened_bucket":
+        return [UpdateCall([p["items"][i] for p in rank_payloads], "flattened_bucket") for i in range(counts.pop())]
+    if fmt == "tensors":
+        if lst_cls is None:
+            raise HandoffError("this SGLang has no LocalSerializedTensor for per-tensor handoff")
+        named = []
+        for j, (name, _) in enumerate(rank_payloads[0]["items"]):
+            names = {p["items"][j][0] for p in rank_payloads}
+            if names != {name}:
+                raise HandoffError(f"TP ranks disagree on tensor {j} of the bucket: {sorted(names)}")
+            named.append((name, lst_cls(values=[p["items"][j][1] for p in rank_payloads])))
+        return [UpdateCall(named, None)] if named else []
+    raise HandoffError(f"unknown payload format {fmt!r}")
+
+
+def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None) -> tuple[dict, list]:
+    """This rank's share of an engine update: CUDA IPC handles to (a flattened copy of) the bucket.
+
+    Returns (payload, keepalive). The payload is small and picklable (it can travel to the rank
+    that drives the engine); `keepalive` holds the producer tensors, which must outlive the
+    engine's update call (the engine maps their memory)."""
+    api = api or sglang_api()
+    ensure_reductions_patched(api)
+    with ipc_producer_allocations():
+        if api.bucket_cls is not None:
+            one_call = getattr(api.bucket_cls, "supports_multi_dtypes", False)
+            groups = [named_tensors] if one_call else group_by_dtype(named_tensors)
+            items, keepalive = [], []
+            for group in groups:
+                if not group:
+                    continue
+                bucket = api.bucket_cls(named_tensors=[(n, t.detach()) for n, t in group])
+                data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+                check_bucket_metadata(data["metadata"], group)
+                keepalive.append(data)
+                items.append(api.serializer.serialize(data, output_str=True))
+            return {"format": "flattened_bucket", "items": items}, keepalive
+        items = [(name, api.serializer.serialize(t.detach())) for name, t in named_tensors]
+        return {"format": "tensors", "items": items}, [t for _, t in named_tensors]
+
+
+# ===================================================================== memory tags (pure)
+class EngineStateError(RuntimeError):
+    """The engine was asked to do something its memory state does not allow."""
+
+
+class EngineMemoryState:
+    """Which SGLang memory tags are released, whether the weights are valid, whether a cache flush
+    or a weight-update session is pending.
+
+    SGLang raises when resuming a tag that is not released and must not release a tag twice
+    (torch_memory_saver aborts the process on a double pause); resumed weights are garbage
+    until a weight update finishes. `sleep`/`wake` are idempotent over this bookkeeping.
+    """
+
+    def __init__(self, supported: Iterable[str] = ALL_TAGS):
+        self.supported = tuple(supported)
+        self.released: set[str] = set()
+        self.weights_valid = False  # dummy weights at start: only the handoff makes them real
+        self.flush_pending = False
+        self.session_open = False
+
+    def _validate(self, tags: Iterable[str], verb: str) -> list[str]:
+        tags = list(tags)
+        unknown = [t for t in tags if t not in ALL_TAGS]
+        if unknown:
+            raise ValueError(f"cannot {verb} unknown memory tags {unknown}; known: {list(ALL_TAGS)}")
+        return [t for t in ALL_TAGS if t in tags and t in self.supported]  # canonical order
+
+    def plan_release(self, tags: Iterable[str]) -> list[str]:
+        if self.session_open:
+            raise EngineStateError("release requested during a weight update: call finish_weight_update() first")
+        return [t for t in self._validate(tags, "release") if t not in self.released]
+
+    def mark_released(self, tags: Iterable[str]) -> None:
+        tags = list(tags)
+        double = [t for t in tags if t in self.released]
+        if double:
+            raise EngineStateError(f"tags {double} are already released; releasing twice kills the engine")
+        self.released.update(tags)
+
+    def plan_resume(self, tags: Iterable[str]) -> list[str]:
+        return [t for t in self._validate(tags, "resume") if t in self.released]
+
+    def mark_resumed(self, tags: Iterable[str]) -> None:
+        tags = list(tags)
+        held = [t for t in tags if t not in self.released]
+        if held:
+            raise EngineStateError(f"tags {held} are not released; SGLang raises when resuming them")
+        self.released.difference_update(tags)
+        if WEIGHTS in tags:
+            self.weights_valid = False
+
+    def require_weights_resident(self, what: str) -> None:
+        if WEIGHTS in self.released:
+            raise EngineStateError(f"{what} while the engine's weights are released: wake(['weights']) first")
+
+    def finish_update(self) -> bool:
+        """A weight update finished: weights valid, cache to flush. Returns whether to flush now
+        (the KV cache is resident); otherwise the flush waits for the KV cache to be resumed."""
+        self.weights_valid = True
+        self.flush_pending = True
+        return KV_CACHE not in self.released
+
+    def require_generate(self) -> None:
+        released = [t for t in ALL_TAGS if t in self.released]
+        if released:
+            raise EngineStateError(f"generate while {released} are released: wake the engine first")
+        if self.session_open:
+            raise EngineStateError("generate during a weight update: call finish_weight_update() first")
+        if not self.weights_valid:
+            raise EngineStateError("generate on weights that no finished weight update has written (dummy or "
+                                   "just-resumed memory): run the handoff before generating")
+
+
+# ===================================================================== the engine
+def sglang_dtype(dtype: torch.dtype) -> str:
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    if dtype not in names:
+        raise ValueError(f"SGLang engine dtype {dtype} unsupported; use bf16, fp16 or fp32")
+    return names[dtype]
+
+
+def known_server_kwargs(kwargs: dict, server_args_cls, required: Iterable[str]) -> dict:
+    """Drop optional engine arguments this SGLang's ServerArgs lacks; a missing required one raises."""
+    if server_args_cls is None or not dataclasses.is_dataclass(server_args_cls):
+        return dict(kwargs)
+    fields = {f.name for f in dataclasses.fields(server_args_cls)}
+    missing = [k for k in required if k not in fields]
+    if missing:
+        raise ImportError(f"this SGLang's Engine has no {missing} argument(s), which colocation needs")
+    dropped = [k for k in kwargs if k not in fields]
+    if dropped:
+        log.warning("SGLang ServerArgs lacks %s; not passed", dropped)
+    return {k: v for k, v in kwargs.items() if k in fields}
+
+
+REQUIRED_SERVER_ARGS = ("model_path", "tp_size", "base_gpu_id", "mem_fraction_static", "enable_memory_saver",
+                        "load_format", "skip_tokenizer_init")
+
+
+def engine_model_dir(model_cfg) -> str:
+    """The directory SGLang reads the architecture from (weights are dummy: never read). A
+    shrunk random model gets its config written to a temporary directory."""
+    from colo_rl.models import model_config, resolve_model_path
+
+    if not model_cfg.random_init:
+        return str(resolve_model_path(model_cfg.path))
+    out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
+    model_config(model_cfg).save_pretrained(out)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SGLangEngine:
+    """The colo_rl engine protocol on SGLang's offline Engine (one per TP group, on its first rank).
+
+    With tp_size > 1, wrap it in colo_rl.rollout.tp_group.TPGroupEngine: every TP rank must
+    contribute a payload for its own GPU, so `load_weights` alone only serves tp_size == 1.
+    """
+
+    def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
+                 supported_tags: Iterable[str] = ALL_TAGS, api=None):
+        self.engine = engine
+        self.tp_size = tp_size
+        self.eos = list(eos_token_ids)
+        self.guard = guard
+        self.api = api
+        self.state = EngineMemoryState(supported_tags)
+        self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
+
+    @classmethod
+    def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None):
+        """Start the engine on this rank's GPU (and the next tp_size - 1), sized from the memory
+        free now: call it while the trainer is paged out (see `trainer_paged_out`)."""
+        from colo_rl import dist
+        from colo_rl.colocate.memory import plan_mem_fraction_static
+        from colo_rl.colocate.setup import eos_token_ids
+
+        api = sglang_api()
+        import sglang
+
+        rollout = cfg.rollout
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
+        if rollout.tp_size > 1 and local_world % rollout.tp_size:
+            raise ValueError(f"rollout.tp_size={rollout.tp_size} must divide the GPUs per node ({local_world}): "
+                             "an engine's TP ranks must share a node")
+        if free_bytes is None:
+            free_bytes = torch.cuda.mem_get_info()[0]
+        fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
+                                            rollout.mem_fraction_static)
+        model_dir = engine_model_dir(cfg.model)
+        kwargs = known_server_kwargs(dict(
+            model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=dist.local_rank(),
+            mem_fraction_static=fraction, enable_memory_saver=True, load_format="dummy",
+            skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
+            port=_free_port(), nccl_port=_free_port(), log_level="error",
+        ), api.server_args_cls, REQUIRED_SERVER_ARGS)
+        log.info("starting SGLang %s (tp=%d, GPU %d, mem_fraction_static=%.3f of %.1f GiB free)",
+                 getattr(sglang, "__version__", "?"), rollout.tp_size, dist.local_rank(), fraction, free_bytes / GIB)
+        t0 = time.perf_counter()
+        with engine_environment():
+            engine = sglang.Engine(**kwargs)
+        log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
+        return cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
+                   supported_tags=supported_memory_tags(api.memory_tags), api=api)
+
+    # ---------------------------------------------------------------- memory protocol
+    def _free_bytes(self) -> int:
+        if not torch.cuda.is_available():
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Release `tags`; returns the bytes freed on this rank's GPU."""
+        todo = self.state.plan_release(tags)
+        if not todo:
+            return 0
+        before = self._free_bytes()
+        self.engine.release_memory_occupation(tags=todo)
+        self.state.mark_released(todo)
+        return max(0, self._free_bytes() - before)
+
+    def wake(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Resume `tags`; returns the bytes taken on this rank's GPU. Resumed weights are garbage
+        until the next weight update finishes."""
+        todo = self.state.plan_resume(tags)
+        if not todo:
+            return 0
+        before = self._free_bytes()
+        self.engine.resume_memory_occupation(tags=todo)
+        self.state.mark_resumed(todo)
+        if KV_CACHE in todo and self.state.flush_pending:
+            self._flush()
+        return max(0, before - self._free_bytes())
+
+    def _flush(self) -> None:
+        # The radix cache holds KV computed with the old weights. Flushing touches KV-cache
+        # bookkeeping, so it runs only while the KV cache is resident.
+        result = self.engine.flush_cache()
+        if isinstance(result, bool):  # some releases answer a bare bool
+            result = (result, "")
+        update_result(result, "flush_cache", allow_none=True)
+        self.state.flush_pending = False
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self.tp_size > 1:
+            raise RuntimeError(f"SGLangEngine.load_weights with tp_size={self.tp_size}: every TP rank must send "
+                               "its own payload; use colo_rl.rollout.tp_group.TPGroupEngine")
+        payload, keepalive = prepare_rank_payload(named_tensors, self.api)
+        try:
+            self.load_rank_payloads([payload])
+        finally:
+            del keepalive
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()
+
+    def load_rank_payloads(self, rank_payloads: list[dict]) -> None:
+        """One bucket, as prepared by every TP rank (index = TP rank); producers stay alive until
+        this returns."""
+        self.state.require_weights_resident("load_weights")
+        if len(rank_payloads) != self.tp_size:
+            raise HandoffError(f"{len(rank_payloads)} payloads for an engine with tp_size={self.tp_size}")
+        if self.session is not None and not self.state.session_open:
+            update_result(self.session.begin(), "begin_weight_update", allow_none=True)
+            self.state.session_open = True
+        for call in payload_calls(rank_payloads, getattr(self.api, "lst_cls", None)):
+            result = self.engine.update_weights_from_tensor(named_tensors=call.named_tensors,
+                                                            load_format=call.load_format, flush_cache=False)
+            update_result(result, "update_weights_from_tensor")
+
+    def finish_weight_update(self) -> None:
+        if self.state.session_open:
+            self.state.session_open = False  # closed or failed: never end a session twice
+            update_result(self.session.end(), "end_weight_update", allow_none=True)
+        if self.state.finish_update():
+            self._flush()
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.guard is not None:
+            self.guard.require(Phase.GENERATION, "engine.generate")
+        self.state.require_generate()
+        if self.state.flush_pending:
+            self._flush()
+        expanded = expand_prompts(prompts, params.n)
+        if not expanded:
+            return []
+        outputs = self.engine.generate(input_ids=expanded, sampling_params=sglang_sampling_params(params, self.eos),
+                                       return_logprob=True, logprob_start_len=-1)
+        return parse_outputs(expanded, outputs)
+
+    def shutdown(self) -> None:
+        # SGLang's shutdown kills every child process of this process, not only its own.
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+@contextlib.contextmanager
+def trainer_paged_out(actor, enabled: bool = True):
+    """Page the trainer's states out while the engine starts (every rank calls it: it holds
+    barriers), so SGLang sizes its static memory from what the generation phase really has."""
+    from colo_rl import dist
+
+    if not enabled:
+        yield
+        return
+    actor.offload_states()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    dist.barrier()  # every GPU of a TP group is paged out before its engine measures memory
+    try:
+        yield
+    finally:
+        dist.barrier()  # every engine has released its memory before any trainer reloads
+        actor.reload_states()
