@@ -16,6 +16,8 @@ from colo_rl.colocate.phase import PhaseGuard
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.models import load_model
 from colo_rl.rollout.base import ALL_TAGS
+from colo_rl.rollout.sglang import trainer_paged_out
+from colo_rl.rollout.tp_group import TPGroupEngine
 from colo_rl.train.actor import DeepSpeedActor
 
 log = logging.getLogger("colo_rl")
@@ -62,14 +64,19 @@ def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
 def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,
                     grad_accum: int) -> Colocated:
     guard = PhaseGuard()
-    layout = current_layout(cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1)
+    tp_size = cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1
+    layout = current_layout(tp_size)
     actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, guard=guard)
     ref = None
     if cfg.algo.kl_coef > 0:
         ref = DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
-    engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
-    if engine is not None:
-        engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
+    # SGLang sizes its memory from what is free when it starts: start it with the trainer paged out.
+    with trainer_paged_out(actor, enabled=cfg.rollout.engine == "sglang"):
+        engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
+        if engine is not None:
+            engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
+    if tp_size > 1:  # every rank of a TP group reaches its group's engine through the group's first rank
+        engine = TPGroupEngine.build(engine, tp_size, guard=guard)
     handoff = WeightHandoff(actor, engine, cfg.rollout.handoff_bucket_mb, feeds_engine=engine is not None)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
     manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.trainer.offload_pin_memory,
