@@ -131,7 +131,7 @@ class DeepSpeedActor:
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        return {"grad_norm": norm, "lr": float(self.lr_scheduler.get_last_lr()[0]) if self.lr_scheduler else 0.0}
+        return {"grad_norm": norm, "lr": float(self.engine.get_lr()[0])}
 
     @property
     def global_step(self) -> int:
