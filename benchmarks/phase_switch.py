@@ -1,0 +1,207 @@
+"""Phase-switch benchmark: what one colocated GRPO step pays to switch the GPU between phases.
+
+Runs N GRPO-like steps (generate a small batch, take one optimizer step) through the real pieces,
+`build_colocated` -> MemoryManager -> ledger, on a random-weight Llama, and reports for each
+transition type the seconds it takes and the memory it frees:
+
+    python benchmarks/phase_switch.py                      # GPU: 0.5B-class model, HF engine
+    python benchmarks/phase_switch.py --engine sglang      # GPU: the SGLang engine
+    python benchmarks/phase_switch.py --small --steps 2    # CPU-sized model (what the tests run)
+
+Writes benchmarks/results/phase_switch-<device>-<date>.json (summary + raw ledger records) and a
+.md table next to it. "GiB moved" is what the ledger says left the device (trainer states paged
+to host, engine memory released); "device used" is measured before/after each transition (CUDA:
+device-wide used memory; CPU: this process's RSS). On CPU nothing pages, so the trainer moves
+are no-ops (moved=false) and only the protocol's overhead is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+GIB = 1 << 30
+# 0.5B class: ~0.46B parameters with a 32k vocabulary (tied embeddings, GQA 4:1).
+GPU_MODEL = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000)
+SMALL_MODEL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=1,
+                   num_key_value_heads=1, vocab_size=512)
+EOS, PAD = 2, 0
+
+
+def write_random_llama(directory: Path, **dims) -> Path:
+    """An HF model directory with only a Llama config: weights are random (model.random_init)
+    and SGLang loads dummy ones, so none are written."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(**dims, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
+                eos_token_id=EOS, pad_token_id=PAD).save_pretrained(directory)
+    return directory
+
+
+def bench_config(model_dir: Path, engine: str, dtype_name: str, steps: int, seqs: int):
+    from colo_rl.config import ModelConfig, RunConfig
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig(path=str(model_dir), dtype=dtype_name, random_init=True)
+    cfg.rollout.engine = engine
+    cfg.trainer.total_steps = steps
+    cfg.trainer.micro_batch_size = seqs
+    cfg.trainer.zero_stage = 3
+    cfg.trainer.lr = 1e-5
+    return cfg
+
+
+def grpo_like_update(actor, completions, micro_batch: int) -> float:
+    """One optimizer step on the generated batch (a policy-gradient-shaped loss, random signs)."""
+    from colo_rl.train.batch import build_batch
+
+    batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], PAD)
+    signs = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(batch))])
+    logp, _ = actor.response_logprobs(batch, grad=True)
+    mask = batch.response_mask.to(logp.device)
+    loss = -(logp * mask * signs.to(logp.device)[:, None]).sum() / mask.sum().clamp(min=1)
+    actor.backward(loss, last_micro_batch=True)
+    actor.step()
+    return float(loss.detach())
+
+
+def device_slug() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+
+
+def summarise(records: list[dict]) -> dict:
+    """Per transition type: seconds and memory, and per move inside it."""
+    out: dict = {}
+    for name in sorted({r["transition"] for r in records}):
+        recs = [r for r in records if r["transition"] == name]
+        secs = [r["seconds"] for r in recs]
+        steady = secs[1:] or secs  # the first of each kind includes one-time warm-up
+        moved = [sum(m["bytes"] for m in r["moves"] if m["from"] == "device" and m["moved"]) / GIB for r in recs]
+        key = "used_gib" if recs[0]["memory_before"]["device"] == "cuda" else "rss_gib"
+        used_before = [r["memory_before"][key] for r in recs]
+        used_after = [r["memory_after"][key] for r in recs]
+        moves: dict = {}
+        for what in dict.fromkeys(m["what"] for r in recs for m in r["moves"]):
+            ms = [m for r in recs for m in r["moves"] if m["what"] == what]
+            moves[what] = {"seconds_mean": statistics.fmean(m["seconds"] for m in ms),
+                           "gib_mean": statistics.fmean(m["bytes"] for m in ms) / GIB,
+                           "moved": any(m["moved"] for m in ms)}
+        out[name] = {
+            "count": len(recs), "seconds_mean": statistics.fmean(secs), "seconds_median": statistics.median(secs),
+            "seconds_max": max(secs), "steady_seconds_mean": statistics.fmean(steady),
+            "gib_moved_off_device_mean": statistics.fmean(moved), "memory_key": key,
+            "used_before_gib_mean": statistics.fmean(used_before), "used_after_gib_mean": statistics.fmean(used_after),
+            "freed_gib_mean": statistics.fmean(b - a for b, a in zip(used_before, used_after)),
+            "moves": moves,
+        }
+    return out
+
+
+def markdown(result: dict) -> str:
+    m = result["model"]
+    lines = [f"# Phase switch: {result['device']}, {result['date']}", "",
+             f"{m['parameters'] / 1e6:.1f}M-parameter random Llama ({m['hidden_size']}x{m['num_hidden_layers']}), "
+             f"{result['dtype']}, engine `{result['engine']}`, ZeRO-3 on {result['world_size']} rank(s), "
+             f"{result['steps']} steps of {result['sequences']} sequences.", "",
+             "| transition | count | s mean | s median | s max | s mean (steady) | GiB moved off device | "
+             "device used before -> after (GiB) | freed (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, t in result["transitions"].items():
+        lines.append(f"| {name} | {t['count']} | {t['seconds_mean']:.3f} | {t['seconds_median']:.3f} | "
+                     f"{t['seconds_max']:.3f} | {t['steady_seconds_mean']:.3f} | {t['gib_moved_off_device_mean']:.2f} | "
+                     f"{t['used_before_gib_mean']:.2f} -> {t['used_after_gib_mean']:.2f} ({t['memory_key']}) | "
+                     f"{t['freed_gib_mean']:.2f} |")
+    lines += ["", "| transition | move | s mean | GiB mean | moved |", "|---|---|---|---|---|"]
+    for name, t in result["transitions"].items():
+        for what, mv in t["moves"].items():
+            lines.append(f"| {name} | {what} | {mv['seconds_mean']:.3f} | {mv['gib_mean']:.2f} | {mv['moved']} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> dict:
+    from colo_rl import dist
+    from colo_rl.colocate.setup import build_colocated
+    from colo_rl.models import resolve_dtype
+    from colo_rl.rollout.base import SamplingParams
+
+    dist.init()
+    dist.setup_logging()
+    dims = SMALL_MODEL if args.small else GPU_MODEL
+    dtype = resolve_dtype(args.dtype)
+    work = Path(tempfile.mkdtemp(prefix="colo_rl-phase-switch-"))
+    model_dir = write_random_llama(work / "model", **dims)
+    seqs = args.prompts * args.n
+    cfg = bench_config(model_dir, args.engine, args.dtype, args.steps, seqs)
+    tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)  # random token ids: no text involved
+    colo = build_colocated(cfg, tokenizer, dtype, run_dir=work, total_steps=args.steps, grad_accum=1)
+    generator = torch.Generator().manual_seed(1234 + dist.rank())
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        colo.switch.step = step
+        prompts = torch.randint(3, dims["vocab_size"], (args.prompts, args.prompt_len), generator=generator).tolist()
+        with colo.switch.generation():
+            completions = colo.engine.generate(prompts, sampling)
+        with colo.switch.update():
+            grpo_like_update(colo.actor, completions, seqs)
+    total = time.perf_counter() - t0
+    records = colo.ledger.records
+    result = {
+        "device": device_slug(), "date": time.strftime("%Y-%m-%d"), "engine": args.engine,
+        "dtype": str(dtype).replace("torch.", ""), "world_size": dist.world_size(), "steps": args.steps,
+        "sequences": seqs, "total_seconds": total,
+        "model": {**dims, "parameters": sum(n for _, n in colo.actor.named_parameter_sizes()) //
+                  torch.empty((), dtype=dtype).element_size()},
+        "transitions": summarise(records), "records": records,
+    }
+    if colo.engine is not None:
+        colo.engine.shutdown()
+    dist.cleanup()
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=5, help="GRPO-like steps (two transitions each)")
+    p.add_argument("--engine", choices=["hf", "sglang"], default="hf")
+    p.add_argument("--small", action="store_true", help="CPU-sized model instead of the 0.5B-class one")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--n", type=int, default=4, help="completions per prompt")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if not args.small and not torch.cuda.is_available():
+        p.error("the 0.5B-class model needs a GPU; pass --small on CPU")
+    result = run(args)
+    from colo_rl import dist
+
+    if dist.is_rank0():
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem = args.out / f"phase_switch-{result['device']}-{result['date']}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        table = markdown(result)
+        stem.with_suffix(".md").write_text(table)
+        print(table)
+        print(f"wrote {stem}.json and {stem}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
