@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?![\d])(?![.,]\d)"  # a whole literal, never a prefix of one
 # A stated answer: "answer is 58", "Answer: 58", "answer = $58$", "\boxed{58}"; the number must
 # stand alone (a following operator means an expression, which does not count).
 _STATED = re.compile(

@@ -1,0 +1,99 @@
+"""Tasks, files and prompts: seeded splits, clear errors on bad records, counted over-length."""
+
+import json
+
+import pytest
+
+from colo_rl.config import DataConfig
+from colo_rl.data import ArithmeticTask, DataError, PromptBuilder, load_problems, make_arithmetic_splits, read_records
+from colo_rl.data.sampler import EpochSampler
+from colo_rl.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("embedded")
+
+
+def test_arithmetic_splits_are_seeded_disjoint_and_correct():
+    task = ArithmeticTask(1, 30, 0.3)
+    train, held = make_arithmetic_splits(task, 3000, 200, seed=7)
+    train2, held2 = make_arithmetic_splits(task, 10, 200, seed=7)
+    assert held == held2, "the held-out split must not depend on train_size"
+    assert train[:10] == train2
+    assert len({e for e, _ in held}) == 200
+    assert not {e for e, _ in train} & {e for e, _ in held}
+    for expr, value in train[:500] + held:
+        assert eval(expr) == value and value >= 0
+    assert any(expr.count(" ") == 4 for expr, _ in held), "three-operand problems are present"
+    assert make_arithmetic_splits(task, 50, 20, seed=8)[1] != held[:20]
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "oops"\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: invalid JSON"):
+        read_records(p)
+
+
+def test_missing_field_names_file_line_and_key(tmp_path):
+    p = tmp_path / "data.jsonl"
+    rows = [{"prompt": "What is 2+2?", "answer": "4"}] * 3 + [{"prompt": "What is 3+3?"}]
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    with pytest.raises(DataError, match=r"data\.jsonl:4: needs one of the keys \['answer'"):
+        load_problems(DataConfig(path=str(p), eval_size=1))
+
+
+def test_gsm8k_format_is_parsed(tmp_path):
+    p = tmp_path / "gsm.jsonl"
+    rows = [{"question": f"Q{i}?", "answer": f"work\n#### {1000 + i:,}"} for i in range(5)]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    train, held = load_problems(DataConfig(path=str(p), eval_size=2, seed=1))
+    assert len(train) == 3 and len(held) == 2
+    answers = sorted(pr.answer for pr in train + held)
+    assert answers == [str(1000 + i) for i in range(5)]
+
+
+def test_empty_prompt_is_an_error(tmp_path, tokenizer):
+    p = tmp_path / "e.jsonl"
+    p.write_text(json.dumps({"prompt": "  ", "answer": "1"}) + "\n" + json.dumps({"prompt": "x", "answer": "1"}))
+    with pytest.raises(DataError, match=r"e\.jsonl:1: empty prompt"):
+        load_problems(DataConfig(path=str(p), eval_size=0))
+
+
+def test_overlong_prompts_are_dropped_or_truncated_and_counted(tokenizer):
+    train, _ = load_problems(DataConfig(train_size=20, eval_size=5))
+    long = train[0].__class__(id="long", question="What is " + "1 + " * 200 + "1?", answer="201")
+    for policy, kept in (("drop", 20), ("truncate", 21)):
+        builder = PromptBuilder(tokenizer, DataConfig(max_prompt_tokens=64, overlong_policy=policy))
+        out = [builder.encode(p) for p in train + [long]]
+        assert sum(o is not None for o in out) == kept
+        assert all(len(o) <= 64 for o in out if o is not None)
+        assert (builder.stats.dropped, builder.stats.truncated) == ((1, 0) if policy == "drop" else (0, 1))
+    with pytest.raises(DataError, match="data.max_prompt_tokens=64"):
+        PromptBuilder(tokenizer, DataConfig(max_prompt_tokens=64, overlong_policy="error")).encode(long)
+
+
+def test_chat_prompt_without_template_is_refused(tokenizer):
+    import copy
+
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(DataError, match="no chat template.*data.use_chat_template=false"):
+        PromptBuilder(bare, DataConfig())
+    assert PromptBuilder(bare, DataConfig(use_chat_template=False)).encode(
+        load_problems(DataConfig(train_size=1, eval_size=1))[0][0])
+
+
+def test_sampler_is_seeded_and_resumable():
+    a = EpochSampler(10, seed=3)
+    first = [a.next_global(4) for _ in range(4)]  # crosses an epoch boundary
+    assert sorted(first[0] + first[1] + first[2][:2]) == list(range(10))
+    b = EpochSampler(10, seed=3)
+    b.next_global(4)
+    b.next_global(4)
+    c = EpochSampler(10, seed=3)
+    c.load_state_dict(b.state_dict())
+    assert [c.next_global(4) for _ in range(2)] == first[2:]
+    with pytest.raises(ValueError, match="data"):
+        EpochSampler(11, seed=3).load_state_dict(b.state_dict())

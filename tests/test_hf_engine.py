@@ -1,0 +1,81 @@
+"""The in-process engine: sampling log-probs are right, memory protocol, phase guard."""
+
+import pytest
+import torch
+
+from colo_rl.algos import logprobs_from_logits
+from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
+from colo_rl.config import ModelConfig
+from colo_rl.models import load_model, load_tokenizer
+from colo_rl.rollout.base import SamplingParams
+from colo_rl.rollout.hf import HFEngine
+from colo_rl.train.batch import build_batch
+
+TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = load_tokenizer("embedded")
+    model = load_model(TINY, torch.float32, seed=1)
+    guard = PhaseGuard()
+    guard.phase = Phase.GENERATION
+    return tok, model, HFEngine(model, [tok.eos_token_id], tok.pad_token_id, guard=guard, max_batch=3, seed=5), guard
+
+
+def teacher_forced(model, prompts, responses, pad, temperature):
+    batch = build_batch(prompts, responses, pad)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                       position_ids=batch.position_ids).logits[:, -batch.response_len - 1:-1]
+    return logprobs_from_logits(logits, batch.response_ids, temperature), batch.response_mask
+
+
+def test_sampling_logprobs_equal_a_full_forward(setup):
+    tok, model, engine, _ = setup
+    prompts = [tok("What is 2 + 2?")["input_ids"], tok("Hi")["input_ids"], tok("A longer prompt here, yes")["input_ids"],
+               tok("x")["input_ids"]]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.7, n=2))
+    assert len(out) == 8 and [o.prompt_ids for o in out[:2]] == [prompts[0]] * 2  # groups contiguous
+    ref, mask = teacher_forced(model, [o.prompt_ids for o in out], [o.token_ids for o in out], tok.pad_token_id, 0.7)
+    got = build_batch([o.prompt_ids for o in out], [o.token_ids for o in out], tok.pad_token_id,
+                      per_token={"lp": [o.logprobs for o in out]}).extras["lp"]
+    assert torch.allclose(got * mask, ref * mask, atol=1e-4), (got - ref).abs().max()
+    for o in out:
+        assert o.finish_reason in ("stop", "length")
+        assert (o.finish_reason == "stop") == (o.token_ids[-1] == tok.eos_token_id)
+        assert len(o.token_ids) <= 12
+
+
+def test_greedy_is_deterministic_and_batch_independent(setup):
+    tok, _, engine, _ = setup
+    prompts = [tok("What is 2 + 2?")["input_ids"], tok("Hello there")["input_ids"]]
+    together = engine.generate(prompts, SamplingParams(max_new_tokens=8, greedy=True))
+    alone = engine.generate(prompts[1:], SamplingParams(max_new_tokens=8, greedy=True))
+    assert together[1].token_ids == alone[0].token_ids
+
+
+def test_sleep_frees_weights_and_load_weights_restores_them(setup):
+    tok, model, engine, _ = setup
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prompt = [tok("What is 2 + 2?")["input_ids"]]
+    before = engine.generate(prompt, SamplingParams(max_new_tokens=6, greedy=True))
+    assert engine.sleep(["weights", "kv_cache"]) == sum(t.numel() * 4 for t in saved.values())
+    assert all(p.numel() == 0 for p in model.parameters())
+    with pytest.raises(RuntimeError, match="sleeping engine"):
+        engine.generate(prompt, SamplingParams(max_new_tokens=2))
+    engine.wake(["weights"])
+    engine.load_weights(list(saved.items()))
+    assert engine.generate(prompt, SamplingParams(max_new_tokens=6, greedy=True))[0].token_ids == before[0].token_ids
+    with pytest.raises(KeyError, match="does not have"):
+        engine.load_weights([("not.a.param", torch.zeros(1))])
+
+
+def test_generate_outside_the_generation_phase_is_refused(setup):
+    tok, _, engine, guard = setup
+    guard.phase = Phase.UPDATE
+    try:
+        with pytest.raises(PhaseError, match="switch.generation"):
+            engine.generate([tok("x")["input_ids"]], SamplingParams(max_new_tokens=2))
+    finally:
+        guard.phase = Phase.GENERATION

@@ -1,0 +1,74 @@
+"""The verifier: answer extraction, the echo trap, fault isolation."""
+
+import math
+
+import pytest
+
+from colo_rl.config import RewardConfig
+from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extract_final_answer,
+                             extract_last_number, register_reward)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("23 + 35 = 58. The answer is 58.", "58"),
+    ("Answer: 1,234", "1234"),
+    ("so \\boxed{-7}", "-7"),
+    ("The answer is 3. No wait, the answer is 4.", "4"),
+    ("I think it is 58.", None),
+    ("The answer is 23 + 35.", None),  # an expression is not an answer
+])
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+def test_echoing_the_question_scores_zero():
+    """math-verify would evaluate '23 + 35' to 58; the reward must not pay for restating it."""
+    scorer = RewardScorer(RewardConfig(format_weight=0.0))
+    for echo in ["23 + 35", "The answer is 23 + 35", "answer: 23 + 35", "\\boxed{23 + 35}"]:
+        res = scorer.score([echo], ["58"])
+        assert res.rewards == [0.0], echo
+        assert res.correct == [False]
+
+
+def test_correct_answer_scores_one_with_format_bonus():
+    scorer = RewardScorer(RewardConfig(format_weight=0.1))
+    res = scorer.score(["23 + 35 = 58. The answer is 58.", "The answer is 57.", "58"], ["58", "58", "58"])
+    assert res.rewards == pytest.approx([1.1, 0.1, 0.0])
+    assert res.correct == [True, False, False]
+    assert res.correct_lenient == [True, False, True]
+    assert extract_last_number("a 1 b 2,000") == "2000"
+
+
+def test_numeric_equivalence_via_math_verify():
+    scorer = RewardScorer(RewardConfig(format_weight=0.0))
+    assert scorer.score(["The answer is 1,000.", "The answer is 1000.0"], ["1000", "1000"]).rewards == [1.0, 1.0]
+
+
+def test_unknown_reward_function_names_the_choices():
+    with pytest.raises(RewardError, match=r"unknown reward function 'math_verfy'.*math_verify"):
+        RewardScorer(RewardConfig(functions=["math_verfy"]))
+
+
+def test_failing_reward_is_isolated_and_counted():
+    calls = {"n": 0}
+
+    @register_reward("flaky_for_test")
+    def flaky(text, truth):
+        calls["n"] += 1
+        if "boom" in text:
+            raise RuntimeError("verifier crashed")
+        if "nan" in text:
+            return math.nan
+        return 1.0
+
+    try:
+        scorer = RewardScorer(RewardConfig(functions=["flaky_for_test"], format_weight=0.0, max_failure_rate=0.5))
+        res = scorer.score(["ok", "boom", "nan", "ok"], ["1"] * 4)
+        assert res.rewards == [1.0, 0.0, 0.0, 1.0]
+        assert res.failures == 2 and scorer.total_failures == 2
+        assert "RuntimeError: verifier crashed" in res.failure_messages[0]
+        strict = RewardScorer(RewardConfig(functions=["flaky_for_test"], format_weight=0.0, max_failure_rate=0.25))
+        with pytest.raises(RewardError, match="reward.max_failure_rate"):
+            strict.score(["boom", "nan", "ok", "ok"], ["1"] * 4)
+    finally:
+        REWARD_FUNCTIONS.pop("flaky_for_test")
