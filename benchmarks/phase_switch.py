@@ -46,8 +46,9 @@ def write_random_llama(directory: Path, **dims) -> Path:
     and SGLang loads dummy ones, so none are written."""
     from transformers import LlamaConfig
 
+    # `architectures` is how SGLang picks its model class.
     LlamaConfig(**dims, max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=1,
-                eos_token_id=EOS, pad_token_id=PAD).save_pretrained(directory)
+                eos_token_id=EOS, pad_token_id=PAD, architectures=["LlamaForCausalLM"]).save_pretrained(directory)
     return directory
 
 
