@@ -65,7 +65,7 @@ def bench_config(model_dir: Path, engine: str, dtype_name: str, steps: int, seqs
     return cfg
 
 
-def grpo_like_update(actor, completions, micro_batch: int) -> float:
+def grpo_like_update(actor, completions) -> float:
     """One optimizer step on the generated batch (a policy-gradient-shaped loss, random signs)."""
     from colo_rl.train.batch import build_batch
 
@@ -159,7 +159,7 @@ def run(args) -> dict:
         with colo.switch.generation():
             completions = colo.engine.generate(prompts, sampling)
         with colo.switch.update():
-            grpo_like_update(colo.actor, completions, seqs)
+            grpo_like_update(colo.actor, completions)
     total = time.perf_counter() - t0
     records = colo.ledger.records
     result = {

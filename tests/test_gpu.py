@@ -92,7 +92,7 @@ def test_hf_engine_under_the_memory_manager_frees_device_memory(tmp_path):
         with colo.switch.generation():
             completions = colo.engine.generate(random_prompts(4, seed=step), params)
         with colo.switch.update():
-            grpo_like_update(colo.actor, completions, 8)
+            grpo_like_update(colo.actor, completions)
     with colo.switch.generation():
         pass
     records = colo.ledger.records
@@ -160,7 +160,7 @@ def test_sglang_weights_via_ipc_agree_with_the_trainer_through_training(sglang_c
         with colo.switch.update():
             diffs.append(logprob_agreement(cfg, colo, completions)["handoff/logprob_diff_mean"])
             if step < 3:
-                grpo_like_update(colo.actor, completions, 8)
+                grpo_like_update(colo.actor, completions)
     assert max(diffs) <= cfg.rollout.handoff_check_max_mean_abs, diffs
 
 

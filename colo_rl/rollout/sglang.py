@@ -28,7 +28,7 @@ import torch
 
 from colo_rl.colocate.handoff import HandoffError
 from colo_rl.colocate.phase import Phase
-from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS, Completion, SamplingParams
+from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
 
 log = logging.getLogger("colo_rl")
 
