@@ -49,6 +49,9 @@ class DataConfig:
     system_prompt: Optional[str] = None
     use_chat_template: bool = True
     shuffle: bool = True
+    # SFT / DPO: prompt + completion tokens per example (and per packed row); longer examples are
+    # cut or dropped by `overlong_policy` and counted. With a user file every record is used.
+    max_seq_len: int = 1024
 
 
 @dataclass
@@ -108,6 +111,9 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # GRPO: one micro-batch per prompt group, packed as [prompt | r_1 | ... | r_G] so the shared
+    # prompt is computed once (micro_batch_size is then unused). False = padded micro-batches.
+    pack_groups: bool = True
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
     total_steps: int = 10
     epochs: int = 1  # SFT / DPO
@@ -117,6 +123,12 @@ class TrainerConfig:
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # consecutive skipped steps before stopping
     offload_pin_memory: bool = True
+    # SFT / DPO: examples (DPO: pairs) per optimizer step over all ranks; max_steps > 0 stops
+    # before `epochs` are done; eval_generate adds greedy held-out accuracy with the rollout engine
+    # (when the held-out examples carry answers, as the embedded arithmetic task does).
+    batch_size: int = 32
+    max_steps: int = 0
+    eval_generate: bool = True
 
 
 @dataclass

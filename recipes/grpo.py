@@ -33,7 +33,7 @@ from colo_rl.metrics import MetricsLogger, Progress, Timer, plot_curves, read_js
 from colo_rl.models import load_tokenizer  # noqa: E402
 from colo_rl.rewards import RewardScorer  # noqa: E402
 from colo_rl.rollout.base import SamplingParams  # noqa: E402
-from colo_rl.train.batch import build_batch, micro_batches  # noqa: E402
+from colo_rl.train.batch import build_batch, micro_batches, pack_group  # noqa: E402
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -62,8 +62,9 @@ def main(hydra_cfg: DictConfig) -> None:
     if cfg.rollout.prompts_per_step % world:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                           f"number of ranks ({world})")
-    seqs_per_rank = cfg.rollout.prompts_per_step // world * cfg.rollout.group_size
-    n_micro = -(-seqs_per_rank // cfg.trainer.micro_batch_size)
+    prompts_per_rank = cfg.rollout.prompts_per_step // world
+    n_micro = prompts_per_rank if cfg.trainer.pack_groups else \
+        -(-prompts_per_rank * cfg.rollout.group_size // cfg.trainer.micro_batch_size)
     if n_micro % cfg.trainer.mini_batches_per_step:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide the "
                           f"{n_micro} micro-batches per rank")
@@ -114,7 +115,7 @@ def main(hydra_cfg: DictConfig) -> None:
 
             # ================= update phase =================
             with colo.switch.update():
-                step_metrics.update(train_on_batch(cfg, colo, batch, n_micro, timer))
+                step_metrics.update(train_on_batch(cfg, colo, batch, completions, n_micro, timer))
 
         # ---- metrics for the step (reduced over ranks)
         n_gen_tokens = sum(len(c.token_ids) for c in completions)
@@ -154,13 +155,19 @@ def main(hydra_cfg: DictConfig) -> None:
     runtime.finish()
 
 
-def train_on_batch(cfg, colo, batch, n_micro: int, timer: Timer) -> dict[str, float]:
+def train_on_batch(cfg, colo, batch, completions, n_micro: int, timer: Timer) -> dict[str, float]:
     """Policy-gradient update on one rollout batch: mini_batches_per_step optimizer steps over
     n_micro micro-batches; losses normalised by global token / sequence counts (all ranks)."""
     actor, ref, algo = colo.actor, colo.ref, cfg.algo
     temp = cfg.rollout.temperature
-    lengths = batch.response_mask.sum(-1).tolist()
-    mbs = micro_batches(len(batch), cfg.trainer.micro_batch_size, lengths)
+    G = cfg.rollout.group_size
+    if cfg.trainer.pack_groups:  # one micro-batch per group, its prompt computed once
+        mbs = [list(range(g * G, (g + 1) * G)) for g in range(len(batch) // G)]
+        select = lambda idx: pack_group(completions[idx[0]].prompt_ids,  # noqa: E731
+                                        [completions[i].token_ids for i in idx], batch.select(idx), actor.dtype)
+    else:
+        mbs = micro_batches(len(batch), cfg.trainer.micro_batch_size, batch.response_mask.sum(-1).tolist())
+        select = batch.select
     assert len(mbs) == n_micro, (len(mbs), n_micro)  # equal on every rank: ZeRO-3 gathers are collectives
     on_policy = cfg.trainer.mini_batches_per_step == 1
     agreement = LogprobAgreement()
@@ -168,14 +175,14 @@ def train_on_batch(cfg, colo, batch, n_micro: int, timer: Timer) -> dict[str, fl
         if not on_policy:  # pi_old: the weights before this batch's first optimizer step
             batch.extras["old_logp"] = torch.zeros_like(batch.extras["rollout_logp"])
             for idx in mbs:
-                mb = batch.select(idx)
+                mb = select(idx)
                 old, _ = actor.response_logprobs(mb, temp, grad=False)
                 agreement.add(mb.extras["rollout_logp"], old, mb.response_mask)
                 batch.extras["old_logp"][idx, :old.shape[1]] = old
         if ref is not None:
             batch.extras["ref_logp"] = torch.zeros_like(batch.extras["rollout_logp"])
             for idx in mbs:
-                mb = batch.select(idx)
+                mb = select(idx)
                 ref_lp, _ = ref.response_logprobs(mb, temp, grad=False)
                 batch.extras["ref_logp"][idx, :ref_lp.shape[1]] = ref_lp
     per_step = len(mbs) // cfg.trainer.mini_batches_per_step
@@ -189,7 +196,7 @@ def train_on_batch(cfg, colo, batch, n_micro: int, timer: Timer) -> dict[str, fl
                                                 float(len(rows))])
             for j, idx in enumerate(group):
                 last = j == len(group) - 1
-                mb = batch.select(idx)
+                mb = select(idx)
                 logp, entropy = actor.response_logprobs(mb, temp, with_entropy=True)
                 old = logp.detach() if on_policy else mb.extras["old_logp"]
                 if on_policy:

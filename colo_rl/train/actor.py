@@ -12,7 +12,7 @@ import torch
 from colo_rl import dist
 from colo_rl.colocate.phase import Phase, PhaseGuard
 from colo_rl.models import load_model
-from colo_rl.train.batch import TokenBatch
+from colo_rl.train.batch import TokenBatch, unpack_group
 
 log = logging.getLogger("colo_rl")
 
@@ -108,10 +108,14 @@ class DeepSpeedActor:
         batch = batch.to(self.engine.device)
         ctx = contextlib.nullcontext() if grad else torch.no_grad()
         with ctx:
+            packed = batch.logit_positions is not None
             out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                               position_ids=batch.position_ids, use_cache=False,
-                              logits_to_keep=batch.response_len + 1)
-            logits = out.logits[:, :-1]  # position P-1+j predicts response token j
+                              logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
+            if packed:  # one group-packed row -> [G, R, V] in the padded layout
+                logits = unpack_group(out.logits[0], batch.packed_lengths, batch.response_len)
+            else:
+                logits = out.logits[:, :-1]  # position P-1+j predicts response token j
             logp = logprobs_from_logits(logits, batch.response_ids, temperature)
             entropy = None
             if with_entropy:

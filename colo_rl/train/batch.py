@@ -21,6 +21,11 @@ class TokenBatch:
     response_ids: torch.Tensor  # [B, R] targets
     response_mask: torch.Tensor  # [B, R] 1 on tokens that count for the loss
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row [B] or per-token [B, R]
+    # Group-packed rows (see `pack_group`): the input is one row [prompt | r_1 | ... | r_G]; targets
+    # and extras keep the [G, R] layout. `logit_positions` are the input positions whose logits
+    # predict the concatenated response tokens; `packed_lengths` splits them back per response.
+    logit_positions: Optional[torch.Tensor] = None
+    packed_lengths: Optional[list[int]] = None
 
     @property
     def response_len(self) -> int:
@@ -44,7 +49,9 @@ class TokenBatch:
     def to(self, device) -> "TokenBatch":
         return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
                                                     self.response_ids, self.response_mask)),
-                          extras={k: v.to(device) for k, v in self.extras.items()})
+                          extras={k: v.to(device) for k, v in self.extras.items()},
+                          logit_positions=None if self.logit_positions is None else self.logit_positions.to(device),
+                          packed_lengths=self.packed_lengths)
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -86,3 +93,40 @@ def micro_batches(n: int, size: int, lengths: Optional[list[int]] = None) -> lis
     micro-batch pads little."""
     order = sorted(range(n), key=lambda i: lengths[i]) if lengths is not None else list(range(n))
     return [order[i:i + size] for i in range(0, n, size)]
+
+
+def pack_group(prompt: list[int], responses: list[list[int]], group: TokenBatch, dtype: torch.dtype) -> TokenBatch:
+    """The G completions of one prompt as a single row [prompt | r_1 | ... | r_G], so the trainer
+    computes the shared prompt once instead of G times (GRPO groups share their prompt).
+
+    Each response keeps the position ids it has unpacked (P, P+1, ...) and attends to the prompt
+    and to its own earlier tokens only (a prefix-shared block-causal mask), so its log-probs equal
+    the unpacked ones to float tolerance. `group` is the same rows in the padded layout
+    (`TokenBatch.select`): its targets, mask and extras are kept as they are.
+    """
+    from colo_rl.data.packing import block_causal_mask
+
+    P, lengths = len(prompt), [len(r) for r in responses]
+    if min(lengths) < 1:
+        raise ValueError("pack_group needs at least one token per response")
+    ids = list(prompt) + [t for r in responses for t in r]
+    positions = list(range(P)) + [P + j for n in lengths for j in range(n)]
+    segments = [0] * P + [i + 1 for i, n in enumerate(lengths) for _ in range(n)]
+    mask = block_causal_mask(torch.tensor([segments]), dtype)
+    mask[..., P:, :P] = 0.0  # every response sees the whole prompt (causality holds: P <= query)
+    logit_positions, start = [], P
+    for n in lengths:  # token 0 is predicted by the last prompt position, token j by start + j - 1
+        logit_positions += [P - 1] + [start + j - 1 for j in range(1, n)]
+        start += n
+    return TokenBatch(torch.tensor([ids]), mask, torch.tensor([positions]), group.response_ids,
+                      group.response_mask, extras=group.extras,
+                      logit_positions=torch.tensor(logit_positions), packed_lengths=lengths)
+
+
+def unpack_group(flat: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
+    """[sum(lengths), ...] -> [len(lengths), width, ...], zero-padded (differentiable)."""
+    rows = list(torch.split(flat, lengths))
+    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, [0, 0] * (out.dim() - 2) + [0, width - out.shape[1]])
+    return out
