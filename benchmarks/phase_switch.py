@@ -18,8 +18,6 @@ are no-ops (moved=false) and only the protocol's overhead is measured.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 import tempfile
@@ -31,6 +29,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
 
 GIB = 1 << 30
 # 0.5B class: ~0.46B parameters with a 32k vocabulary (tied embeddings, GQA 4:1).
@@ -79,10 +79,7 @@ def grpo_like_update(actor, completions) -> float:
     return float(loss.detach())
 
 
-def device_slug() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+device_slug = common.device_slug
 
 
 def summarise(records: list[dict]) -> dict:
@@ -163,7 +160,7 @@ def run(args) -> dict:
     total = time.perf_counter() - t0
     records = colo.ledger.records
     result = {
-        "device": device_slug(), "date": time.strftime("%Y-%m-%d"), "engine": args.engine,
+        "device": device_slug(), "date": common.today(), "engine": args.engine,
         "dtype": str(dtype).replace("torch.", ""), "world_size": dist.world_size(), "steps": args.steps,
         "sequences": seqs, "total_seconds": total,
         "model": {**dims, "parameters": sum(n for _, n in colo.actor.named_parameter_sizes()) //
@@ -194,11 +191,8 @@ def main(argv=None) -> int:
     from colo_rl import dist
 
     if dist.is_rank0():
-        args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"phase_switch-{result['device']}-{result['date']}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         table = markdown(result)
-        stem.with_suffix(".md").write_text(table)
+        stem = common.write_results("phase_switch", result, table, args.out)
         print(table)
         print(f"wrote {stem}.json and {stem}.md")
     return 0
