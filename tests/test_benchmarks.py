@@ -1,0 +1,138 @@
+"""Benchmark logic that can be wrong without a benchmark run noticing: the results README keeps the
+latest table per benchmark, the handoff's ratio to memcpy, the step breakdown's shares, the race's
+median over steps 3-8, Hydra override merging, per-phase memory attribution. Fast: no models."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common, handoff, race_trl, step_breakdown  # noqa: E402
+
+
+def _fake_result(out: Path, name: str, device: str, date: str, ts: str, marker: str) -> None:
+    stem = common.result_stem(name, device, date, out)
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"benchmark": name, "device": device, "date": date, "meta": {"timestamp": ts}}))
+    stem.with_suffix(".md").write_text(f"# {name}\n\n| x |\n|---|\n| {marker} |\n")
+
+
+def test_readme_keeps_the_latest_table_per_benchmark_and_device(tmp_path):
+    _fake_result(tmp_path, "handoff", "cpu", "2026-01-01", "2026-01-01T10:00:00", "OLD-HANDOFF")
+    _fake_result(tmp_path, "handoff", "cpu", "2026-02-01", "2026-02-01T10:00:00", "NEW-HANDOFF")
+    _fake_result(tmp_path, "step_breakdown", "cpu", "2026-01-15", "2026-01-15T10:00:00", "ONLY-STEP")
+    _fake_result(tmp_path, "handoff", "nvidia-h100", "2026-01-10", "2026-01-10T10:00:00", "GPU-HANDOFF")
+    (tmp_path / "handoff-cpu-2026-02-01.png").write_bytes(b"png")
+    (tmp_path / "notes.json").write_text("[1, 2]")  # not a result: ignored
+    text = common.refresh_readme(tmp_path).read_text()
+    assert "NEW-HANDOFF" in text and "OLD-HANDOFF" not in text
+    assert "ONLY-STEP" in text and "GPU-HANDOFF" in text
+    assert "![handoff-cpu-2026-02-01](handoff-cpu-2026-02-01.png)" in text
+    # the benchmarks' fixed order: step breakdown before handoff
+    assert text.index("ONLY-STEP") < text.index("NEW-HANDOFF")
+    assert text.count("# handoff") == 0  # each table's own title is dropped under the section heading
+
+
+def test_readme_breaks_same_day_ties_by_timestamp(tmp_path):
+    _fake_result(tmp_path, "race_trl", "cpu", "2026-03-01", "2026-03-01T09:00:00", "MORNING")
+    latest = common.latest_results(tmp_path)
+    assert latest[("race_trl", "cpu")]["meta"]["timestamp"].endswith("09:00:00")
+    # a later run the same day overwrites the same files: the newest content wins
+    _fake_result(tmp_path, "race_trl", "cpu", "2026-03-01", "2026-03-01T17:00:00", "EVENING")
+    text = common.refresh_readme(tmp_path).read_text()
+    assert "EVENING" in text and "MORNING" not in text
+
+
+def test_write_results_records_provenance_and_load(tmp_path):
+    stem = common.write_results("demo", {"device": "cpu", "date": "2026-01-02", "x": 1}, "# Demo\n\n| a |\n", tmp_path,
+                                argv=[str(ROOT / "benchmarks" / "demo.py"), "--fast"])
+    assert stem.name == "demo-cpu-2026-01-02"
+    r = json.loads(stem.with_suffix(".json").read_text())
+    assert r["benchmark"] == "demo" and r["x"] == 1
+    load = r["meta"]["load_avg_1m"]
+    assert load["max"] >= load["start"] >= 0 and load["cores"] >= 1
+    assert r["meta"]["command"] == "python benchmarks/demo.py --fast"
+    assert r["meta"]["versions"]["torch"]
+    md = stem.with_suffix(".md").read_text()
+    assert "| a |" in md and "- command: `python benchmarks/demo.py --fast`" in md and "load average" in md
+
+
+def test_handoff_ratio_to_memcpy():
+    # 1 GiB in 0.5 s = 2 GiB/s against a 4 GiB/s memcpy: half the physical limit
+    assert handoff.bandwidth_ratio(1 << 30, 0.5, 4 * (1 << 30)) == pytest.approx(0.5)
+    assert handoff.bandwidth_ratio(3e9, 1.0, 3e9) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        handoff.bandwidth_ratio(1, 0.0, 1.0)
+
+
+def test_handoff_sizes_are_one_architecture_at_the_advertised_sizes():
+    counts = {k: handoff.parameter_count(d) / 1e6 for k, d in handoff.SIZES.items()}
+    assert 25 < counts["30m"] < 35 and 130 < counts["135m"] < 140 and 450 < counts["500m"] < 550
+    for d in handoff.SIZES.values():
+        assert d["hidden_size"] // d["num_attention_heads"] == 64  # same head size throughout
+
+
+def _row(step, gen, rew, lp, upd, ho, sw, other):
+    return {"step": step, "time/generation": gen, "time/reward": rew, "time/logprobs": lp, "time/update": upd,
+            "time/handoff": ho, "time/phase_switch": sw, "time/step": gen + rew + lp + upd + ho + sw + other,
+            "throughput/gen_tokens_per_s": 100.0, "throughput/train_tokens": 50.0, "response/len_mean": 10.0,
+            "reward/mean": 0.5}
+
+
+def test_step_breakdown_shares_sum_to_one_and_skip_warmup():
+    rows = [{"step": 0, "eval/accuracy": 0.1},  # the step-0 evaluation row has no time/step
+            _row(1, 50.0, 1.0, 0.0, 40.0, 0.0, 0.1, 0.5),  # warm-up: dropped
+            _row(2, 10.0, 1.0, 2.0, 6.0, 0.5, 0.3, 0.2),
+            _row(3, 12.0, 1.0, 2.0, 4.0, 0.7, 0.1, 0.2)]
+    b = step_breakdown.breakdown(rows, skip=1)
+    assert b["steps_kept"] == [2, 3]
+    assert sum(p["share"] for p in b["phases"].values()) == pytest.approx(1.0)
+    assert b["step_seconds_mean"] == pytest.approx(20.0)
+    assert b["phases"]["generation"]["seconds_mean"] == pytest.approx(11.0)
+    assert b["phases"]["other"]["seconds_mean"] == pytest.approx(0.2)
+    assert b["colocation_share"] == pytest.approx((0.6 + 0.2) / 20.0)
+    assert b["train_response_tokens_per_s"] == pytest.approx((50 / 6 + 50 / 4) / 2)
+    # never drop every step
+    assert step_breakdown.breakdown(rows[:2], skip=3)["steps_kept"] == [1]
+    with pytest.raises(ValueError):
+        step_breakdown.breakdown(rows[:1], skip=0)
+
+
+def test_hydra_overrides_merge_user_wins():
+    merged = step_breakdown.merge_overrides(["trainer.total_steps=4", "plots=false", "data.eval_size=8"],
+                                            ["trainer.total_steps=2", "model=tiny", "+extra.key=1"])
+    assert merged == ["plots=false", "data.eval_size=8", "trainer.total_steps=2", "model=tiny", "+extra.key=1"]
+
+
+def test_race_median_over_steps_3_to_8():
+    colo = [100, 90, 10, 11, 12, 13, 14, 15]  # steps 1-2 are warm-up
+    trl = [200, 190, 20, 22, 24, 26, 28, 30]
+    assert race_trl.median_step(colo, skip=2) == pytest.approx(12.5)
+    assert race_trl.race_ratio(colo, trl, skip=2) == pytest.approx(12.5 / 25.0)
+    assert race_trl.median_step([5.0], skip=2) == 5.0  # fewer steps than skip: keep the last
+
+
+def test_phase_memory_attributes_peaks_to_every_open_phase():
+    mem = step_breakdown.PhaseMemory()
+    values = iter([100, 300, 200, 150, 120, 500, 400, 90])
+    mem._probe = lambda: next(values)
+    with mem.phase("step"):  # 100 at entry
+        with mem.phase("generation"):  # 300 at entry
+            mem.sample()  # 200
+        # 150 at generation's exit
+        with mem.phase("update"):  # 120
+            mem.sample()  # 500
+        # 400 at update's exit
+    # 90 at step's exit
+    s = mem.summary([0])
+    assert s["generation"]["peak_gib"] * common.GIB == 300
+    assert s["update"]["peak_gib"] * common.GIB == 500
+    assert s["step"]["peak_gib"] * common.GIB == 500
+    assert s["step"]["entry_gib"] * common.GIB == 100
+    assert mem.summary([1]) == {}
