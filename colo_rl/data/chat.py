@@ -1,0 +1,201 @@
+"""Conversations to token ids with a loss mask, and the over-length policy (shared by SFT and DPO).
+
+A conversation is rendered with the tokenizer's chat template and cut into segments at the
+assistant turns that are trained on. Each segment is tokenised on its own, so every boundary is a
+token boundary and the prompt segment is exactly what `PromptBuilder` gives the rollout engine
+(the model trains on the tokens it is later prompted with). The loss covers each trained
+assistant turn up to and including its end-of-turn token; whitespace after it does not count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from colo_rl.data.files import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass
+class Encoded:
+    """prompt_ids: everything before the first trained token; responses: (ids, mask) per response."""
+
+    prompt_ids: list[int]
+    responses: list[tuple[list[int], list[int]]]
+
+
+@dataclass
+class LengthStats:
+    """What the over-length policy did; reported by the recipes."""
+
+    kept: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    dropped_origins: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        text = f"{self.kept} kept, {self.truncated} truncated, {self.dropped} dropped as over-length"
+        if self.dropped_origins:
+            text += f" (first: {', '.join(self.dropped_origins[:3])})"
+        return text
+
+
+def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, str]]:
+    """A list of {role, content} dicts, or a DataError naming the record, key and message."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{origin}: key {key!r} must be a non-empty list of {{role, content}} messages or a string")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DataError(f"{origin}: {key}[{i}] must be an object with 'role' and 'content'")
+        for k in ("role", "content"):
+            if m.get(k) is None:
+                raise DataError(f"{origin}: {key}[{i}] is missing key {k!r}")
+        if m["role"] not in ROLES:
+            raise DataError(f"{origin}: {key}[{i}] has role {m['role']!r}; use one of {list(ROLES)}")
+    return [{"role": m["role"], "content": str(m["content"])} for m in messages]
+
+
+class ChatEncoder:
+    """Token ids + loss masks for prompt/response records, with or without a chat template."""
+
+    def __init__(self, tokenizer, data_cfg):
+        self.tokenizer = tokenizer
+        self.cfg = data_cfg
+        if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, but "
+                "data.use_chat_template=true: set data.use_chat_template=false (plain prompt + completion "
+                "strings), or use a model directory whose tokenizer defines one")
+
+    # ------------------------------------------------------------------ building conversations
+    def prompt_messages(self, prompt: Any, origin: str, key: str = "prompt") -> list[dict[str, str]]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DataError(f"{origin}: key {key!r} is empty")
+            msgs = [{"role": "user", "content": prompt}]
+            if self.cfg.system_prompt:
+                msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+            return msgs
+        return check_messages(prompt, origin, key)
+
+    @staticmethod
+    def response_messages(response: Any, origin: str, key: str) -> list[dict[str, str]]:
+        if isinstance(response, str):
+            if not response.strip():
+                raise DataError(f"{origin}: key {key!r} is empty")
+            return [{"role": "assistant", "content": response}]
+        msgs = check_messages(response, origin, key)
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{origin}: key {key!r} has no assistant message to train on")
+        return msgs
+
+    # ------------------------------------------------------------------ rendering
+    def _template(self, messages: list[dict[str, str]], generation_prompt: bool, origin: str) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                      tokenize=False)
+        except Exception as e:  # noqa: BLE001 - jinja errors: say which record
+            raise DataError(f"{origin}: the chat template cannot render this conversation ({e})") from None
+
+    def segments(self, messages: list[dict[str, str]], train_from: int, origin: str) -> list[tuple[str, bool]]:
+        """(text, trained) segments whose concatenation is the rendered conversation; assistant
+        turns at index >= train_from are trained."""
+        full = self._template(messages, False, origin)
+        out: list[tuple[str, bool]] = []
+        cursor = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i < train_from:
+                continue
+            start = self._template(messages[:i], True, origin) if i else ""
+            end = self._template(messages[:i + 1], False, origin)
+            if not (end.startswith(start) and full.startswith(end) and len(start) >= cursor):
+                raise DataError(f"{origin}: the chat template does not render turn {i} as a prefix of the whole "
+                                "conversation, so its tokens cannot be located; use single-turn records or "
+                                "another template")
+            body = end[len(start):].rstrip()
+            out.append((full[cursor:len(start)], False))
+            out.append((body, True))
+            cursor = len(start) + len(body)
+        if not any(trained for _, trained in out):
+            raise DataError(f"{origin}: no assistant turn to train on")
+        out.append((full[cursor:], False))
+        return [(t, trained) for t, trained in out if t]
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def encode_conversation(self, messages: list[dict[str, str]], origin: str) -> Encoded:
+        """SFT `messages`: loss on every assistant turn; the prompt is what precedes the first."""
+        if not self.cfg.use_chat_template:
+            raise DataError(f"{origin}: 'messages' records need a chat template (data.use_chat_template=true)")
+        segs = self.segments(messages, 0, origin)
+        first = next(i for i, (_, trained) in enumerate(segs) if trained)
+        prompt = [t for text, _ in segs[:first] for t in self._ids(text)]
+        ids, mask = self._tokens(segs[first:])
+        return Encoded(prompt, [(ids, mask)])
+
+    def encode_pair(self, prompt: Any, responses: list[tuple[str, Any]], origin: str) -> Encoded:
+        """A prompt (string or messages) and one or more responses (string or messages), each
+        `(key, value)`: SFT prompt/completion, DPO prompt/chosen/rejected. Every response shares
+        the prompt's tokens."""
+        if not self.cfg.use_chat_template:
+            if not isinstance(prompt, str) or not all(isinstance(r, str) for _, r in responses):
+                raise DataError(f"{origin}: message lists need a chat template (data.use_chat_template=true)")
+            eos = self.tokenizer.eos_token or ""
+            out = []
+            for key, r in responses:
+                if not r.strip():
+                    raise DataError(f"{origin}: key {key!r} is empty")
+                ids = self._ids(r + eos)
+                out.append((ids, [1] * len(ids)))
+            return Encoded(self._ids(prompt), out)
+        p_msgs = self.prompt_messages(prompt, origin)
+        prompt_text = self._template(p_msgs, True, origin)
+        prompt_ids = self._ids(prompt_text)
+        out = []
+        for key, r in responses:
+            segs = self.segments(p_msgs + self.response_messages(r, origin, key), len(p_msgs), origin)
+            if segs[0][0] != prompt_text:
+                raise DataError(f"{origin}: the chat template renders the prompt differently once {key!r} is "
+                                "appended; its tokens cannot be located")
+            out.append(self._tokens(segs[1:]))
+        return Encoded(prompt_ids, out)
+
+    def _tokens(self, segs: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, trained in segs:
+            t = self._ids(text)
+            ids += t
+            mask += [int(trained)] * len(t)
+        return ids, mask
+
+
+def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str) -> Optional[Encoded]:
+    """data.overlong_policy on prompt (> data.max_prompt_tokens: keep its end) and prompt + response
+    (> data.max_seq_len: cut the response's end). `drop` drops the example, `error` raises;
+    an example left with no trained token is dropped. Updates `stats`."""
+    max_prompt, max_seq = data_cfg.max_prompt_tokens, data_cfg.max_seq_len
+    longest = max(len(ids) for ids, _ in enc.responses)
+    too_long = len(enc.prompt_ids) > max_prompt or len(enc.prompt_ids) + longest > max_seq
+    if not too_long:
+        stats.kept += 1
+        return enc
+    if data_cfg.overlong_policy == "error":
+        raise DataError(f"{origin}: {len(enc.prompt_ids)} prompt + {longest} response tokens exceed "
+                        f"data.max_prompt_tokens={max_prompt} / data.max_seq_len={max_seq}; raise the limits "
+                        "or set data.overlong_policy=drop|truncate")
+    if data_cfg.overlong_policy == "drop":
+        stats.dropped += 1
+        stats.dropped_origins.append(origin)
+        return None
+    prompt = enc.prompt_ids[-max_prompt:] if len(enc.prompt_ids) > max_prompt else enc.prompt_ids
+    room = max_seq - len(prompt)
+    responses = [(ids[:room], mask[:room]) for ids, mask in enc.responses]
+    if room <= 0 or any(sum(mask) == 0 for _, mask in responses):
+        stats.dropped += 1
+        stats.dropped_origins.append(origin)
+        return None
+    stats.truncated += 1
+    return Encoded(prompt, responses)
