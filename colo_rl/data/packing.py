@@ -77,3 +77,52 @@ def packed_batch(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, dty
     attn = block_causal_mask(segments, dtype)
     return TokenBatch(ids, attn, pos, ids[:, 1:].clone(), target_mask[:, 1:].clone(),
                       extras={"example": owner[:, 1:].clone()})
+
+
+def packed_pairs(pairs: list, pad_id: int, dtype: torch.dtype = torch.float32) -> TokenBatch:
+    """k preference pairs (.prompt_ids, .chosen_ids/.chosen_mask, .rejected_ids/.rejected_mask) as
+    one row [p_1 | c_1 | r_1 | p_2 | c_2 | r_2 | ...]: every prompt is computed once instead of
+    twice. Each response attends to its own prompt and its own earlier tokens only and keeps its
+    unpacked position ids, so its log-probs equal the padded layout's to float tolerance.
+
+    Targets, masks and the returned log-probs keep the padded pair layout [2k, R]: chosen rows
+    first, then rejected (as `build_batch(prompts * 2, chosen + rejected)`); the actor reads the
+    logits at `logit_positions` and splits them back per response (`packed_lengths`)."""
+    from colo_rl.train.batch import build_batch
+
+    ids: list[int] = []
+    positions: list[int] = []
+    segments: list[int] = []
+    shares: list[tuple[int, int]] = []  # (response segment, its prompt's segment)
+    where = {"chosen": [], "rejected": []}
+    lengths = {"chosen": [], "rejected": []}
+    seg = 0
+    for p in pairs:
+        start, P = len(ids), len(p.prompt_ids)
+        ids += p.prompt_ids
+        positions += range(P)
+        segments += [seg] * P
+        prompt_seg, seg = seg, seg + 1
+        for side, resp in (("chosen", p.chosen_ids), ("rejected", p.rejected_ids)):
+            if not resp:
+                raise ValueError("packed_pairs needs at least one token per response")
+            r0 = len(ids)
+            ids += resp
+            positions += range(P, P + len(resp))
+            segments += [seg] * len(resp)
+            shares.append((seg, prompt_seg))
+            # response token 0 is predicted by the prompt's last position, token j by r0 + j - 1
+            where[side] += [start + P - 1] + [r0 + j - 1 for j in range(1, len(resp))]
+            lengths[side].append(len(resp))
+            seg += 1
+    seg_t = torch.tensor([segments])
+    mask = block_causal_mask(seg_t, dtype)
+    for resp_seg, prompt_seg in shares:  # a response sees its whole prompt (which precedes it)
+        rows, cols = seg_t[0] == resp_seg, seg_t[0] == prompt_seg
+        mask[0, 0][rows[:, None] & cols[None, :]] = 0.0
+    padded = build_batch([p.prompt_ids for p in pairs] * 2, [p.chosen_ids for p in pairs] +
+                         [p.rejected_ids for p in pairs], pad_id,
+                         response_masks=[p.chosen_mask for p in pairs] + [p.rejected_mask for p in pairs])
+    return TokenBatch(torch.tensor([ids]), mask, torch.tensor([positions]), padded.response_ids, padded.response_mask,
+                      logit_positions=torch.tensor(where["chosen"] + where["rejected"]),
+                      packed_lengths=lengths["chosen"] + lengths["rejected"])

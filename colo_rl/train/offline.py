@@ -1,0 +1,116 @@
+"""Pieces shared by the fixed-dataset recipes (SFT, DPO): micro-batches, sequence-level forward
+passes, the greedy held-out accuracy.
+
+Under ZeRO-3 every forward and backward gathers parameters collectively, so all ranks must run
+the same number of passes: `equalise` pads a rank's list of micro-batches with empty ones
+(a single masked token: it joins the collectives and adds nothing to the loss or the gradient).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from colo_rl import algos, dist
+from colo_rl.data.packing import pack_bins, packed_batch, packed_pairs
+from colo_rl.train.batch import TokenBatch, build_batch, micro_batches
+
+log = logging.getLogger("colo_rl")
+
+
+def empty_batch(pad_id: int) -> TokenBatch:
+    """One row, one masked target: a forward / backward that contributes exactly zero."""
+    return build_batch([[pad_id]], [[pad_id]], pad_id, response_masks=[[0]])
+
+
+def equalise(batches: list, pad_id: int, make=None) -> tuple[list, int]:
+    """Pad `batches` to the largest count over ranks; returns (batches, how many are real)."""
+    real = len(batches)
+    (n,) = dist.all_reduce_max([float(real)])
+    filler = make or (lambda: empty_batch(pad_id))
+    return batches + [filler() for _ in range(int(n) - real)], real
+
+
+# ------------------------------------------------------------------ SFT
+def sft_micro_batches(examples: list, micro_batch_size: int, pad_id: int, packing: bool = False,
+                      max_len: int = 1024, dtype: torch.dtype = torch.float32) -> list[TokenBatch]:
+    """This rank's examples as micro-batches: unpacked (micro_batch_size examples each, sorted by
+    length) or packed (rows of at most max_len tokens, micro_batch_size rows each)."""
+    if not examples:
+        return []
+    if packing:
+        seqs = [(ex.prompt_ids + ex.completion_ids, [0] * len(ex.prompt_ids) + ex.completion_mask)
+                for ex in examples]
+        bins = pack_bins([len(s) for s, _ in seqs], max_len)
+        bins.sort(key=lambda b: -sum(len(seqs[i][0]) for i in b))
+        return [packed_batch([[seqs[i] for i in b] for b in bins[k:k + micro_batch_size]], pad_id, dtype,
+                             example_ids=bins[k:k + micro_batch_size])
+                for k in range(0, len(bins), micro_batch_size)]
+    batch = build_batch([ex.prompt_ids for ex in examples], [ex.completion_ids for ex in examples], pad_id,
+                        response_masks=[ex.completion_mask for ex in examples])
+    return [batch.select(idx) for idx in micro_batches(len(examples), micro_batch_size, [len(ex) for ex in examples])]
+
+
+def masked_token_count(batches: list[TokenBatch]) -> float:
+    return float(sum(float(b.response_mask.sum()) for b in batches))
+
+
+# ------------------------------------------------------------------ DPO
+def pair_micro_batches(pairs: list, micro_batch_size: int, pad_id: int, packing: bool = False,
+                       dtype: torch.dtype = torch.float32) -> list[tuple[list[int], TokenBatch]]:
+    """(indices into `pairs`, batch) per micro-batch of micro_batch_size pairs. Targets are in the
+    padded pair layout, chosen rows first, then rejected, behind the shared prompt; with packing
+    the micro-batch is one row [p_1 | c_1 | r_1 | ...] that computes each prompt once."""
+    out = []
+    for idx in micro_batches(len(pairs), micro_batch_size, [len(p) for p in pairs]):
+        sel = [pairs[i] for i in idx]
+        if packing:
+            out.append((idx, packed_pairs(sel, pad_id, dtype)))
+            continue
+        batch = build_batch([p.prompt_ids for p in sel] * 2,
+                            [p.chosen_ids for p in sel] + [p.rejected_ids for p in sel], pad_id,
+                            response_masks=[p.chosen_mask for p in sel] + [p.rejected_mask for p in sel])
+        out.append((idx, batch))
+    return out
+
+
+def split_pair_logps(logp: torch.Tensor, batch: TokenBatch, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs of a pair batch -> (chosen [k], rejected [k])."""
+    seq = algos.sequence_logprobs(logp, batch.response_mask, average)
+    k = seq.shape[0] // 2
+    return seq[:k], seq[k:]
+
+
+@torch.no_grad()
+def pair_logps(model, pairs: list, micro_batch_size: int, pad_id: int, average: bool, packing: bool = False,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs (chosen, rejected) [len(pairs)] of this rank's pairs under `model`
+    (a DeepSpeedActor: policy or frozen reference); every rank must call it (collectives)."""
+    chosen = torch.zeros(len(pairs))
+    rejected = torch.zeros(len(pairs))
+    mbs, _ = equalise(pair_micro_batches(pairs, micro_batch_size, pad_id, packing, dtype), pad_id,
+                      make=lambda: ([], empty_batch(pad_id)))
+    for idx, batch in mbs:
+        logp, _ = model.response_logprobs(batch, grad=False)
+        if idx:
+            c, r = split_pair_logps(logp.cpu(), batch, average)
+            chosen[idx], rejected[idx] = c, r
+    return chosen, rejected
+
+
+# ------------------------------------------------------------------ greedy held-out accuracy
+def held_out_accuracy(colo, tokenizer, examples: list, scorer, max_new_tokens: int, step: int) -> dict[str, float]:
+    """GRPO's evaluation (colo_rl.evaluation.evaluate: greedy decoding, the verifier's answer
+    extraction) on `examples` (with .prompt_ids and .answer), in the generation phase: the engine
+    gets the trainer's current weights through the handoff first."""
+    from colo_rl.evaluation import evaluate
+
+    with colo.switch.generation():
+        res = evaluate(colo.engine, tokenizer, [ex.prompt_ids for ex in examples], [ex.answer for ex in examples],
+                       scorer, max_new_tokens)
+    samples = res.pop("eval/samples")
+    log.info("eval @ step %d: held-out accuracy %.3f (lenient %.3f, format %.3f) on %d problems; e.g. %r",
+             step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
+             int(res["eval/count"]), samples[0]["completion"][:100] if samples else "")
+    return res
