@@ -33,6 +33,12 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py $(ARGS)
 
+sft: $(STAMP)
+	$(TORCHRUN) recipes/sft.py $(ARGS)
+
+dpo: $(STAMP)
+	$(TORCHRUN) recipes/dpo.py $(ARGS)
+
 clean-venv:
 	rm -rf $(VENV)
 
