@@ -42,6 +42,27 @@ dpo: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
+# ---- benchmarks (benchmarks/suite.py): step breakdown, handoff vs memcpy, phase switch, race against
+# TRL. `make bench`: the CPU suite on the embedded default (about 10 minutes on an idle 2-core machine);
+# results (JSON, Markdown, PNG) and the refreshed README land in benchmarks/results/. BENCH_ARGS is
+# passed to the suite (e.g. BENCH_ARGS="--only handoff").
+BENCH_STAMP := $(VENV)/.colo_rl-bench-installed
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	DS_BUILD_OPS=0 $(PIP) install -q -e '.[bench]'
+	touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/suite.py --preset cpu $(BENCH_ARGS)
+
+# The same suite with GPU-sized settings on the GPU machine (same wheel set-up as gpu-check; the race
+# needs trl's wheel in .whl/ and is skipped without it; the embedded model must be in COLO_RL_CACHE).
+bench-gpu:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "bench-gpu needs an NVIDIA GPU (nvidia-smi lists none)"; exit 1; }
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	export PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1; \
+	$(GPU_PY) benchmarks/suite.py --preset gpu --keep-going $(BENCH_ARGS)
+
 # ---- GPU machine (the device tool's): its image has torch, transformers, accelerate and peft;
 # what it lacks travels as wheels in .whl/ (made here by `make gpu-wheels`, see
 # colo_rl/colocate/NOTES.md). Installs them, then runs the GPU tests and the phase-switch benchmark.

@@ -1,0 +1,95 @@
+"""The benchmark suite: every benchmark in its own process, one after the other, then the results
+README. `make bench` runs the CPU preset (embedded SmolLM2-135M-Instruct), `make bench-gpu` the GPU
+one (bigger handoff sizes, the 0.5B-class phase-switch model).
+
+    python benchmarks/suite.py                     # CPU preset
+    python benchmarks/suite.py --preset gpu
+    python benchmarks/suite.py --only race_trl --dry-run
+
+The CPU preset is sized for about ten minutes on an idle 2-core machine (the race's 8 steps per side
+dominate); on a loaded machine it takes longer, and every result records the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+# The race's work (8 prompts x 8 completions, <= 64 new tokens) is also the step breakdown's.
+RACE_WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=64",
+             "rollout.eval_batch_size=64"]
+PRESETS = {
+    "cpu": {
+        "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "1", "trainer.total_steps=4", *RACE_WORK],
+        "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
+        "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
+        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
+    },
+    "gpu": {
+        "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
+        "handoff": ["benchmarks/handoff.py", "--sizes", "135m,500m,1.7b", "--repeats", "5", "--memcpy-mb", "2048"],
+        "phase_switch": ["benchmarks/phase_switch.py", "--steps", "5"],
+        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
+    },
+}
+
+
+def plan(preset: str, only: list[str] | None, extra: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+    steps = []
+    for name, argv in PRESETS[preset].items():
+        if only and name not in only:
+            continue
+        argv = list(argv) + extra.get(name, [])
+        if name in ("step_breakdown", "handoff", "race_trl"):
+            argv.append("--no-readme")  # the suite writes the README once at the end
+        steps.append((name, argv))
+    return steps
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", choices=list(PRESETS), default="cpu")
+    p.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(PRESETS["cpu"]))
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--keep-going", action="store_true", help="run the rest when one benchmark fails")
+    args = p.parse_args(argv)
+    only = [s for s in args.only.split(",") if s]
+    steps = plan(args.preset, only, {})
+    if args.preset == "gpu" and importlib.util.find_spec("trl") is None:
+        print("suite: trl is not importable here; the race against TRL is skipped (carry its wheel in .whl/)")
+        steps = [s for s in steps if s[0] != "race_trl"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONUNBUFFERED": "1"}
+    failed = []
+    t_all = time.perf_counter()
+    for name, cmd in steps:
+        full = [sys.executable, *cmd]
+        print(f"\n=== {name}: {common.command(full[1:])}  (load avg {os.getloadavg()[0]:.1f})", flush=True)
+        if args.dry_run:
+            continue
+        t0 = time.perf_counter()
+        rc = subprocess.run(full, cwd=ROOT, env=env).returncode
+        print(f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.perf_counter() - t0:.0f} s", flush=True)
+        if rc != 0:
+            failed.append(name)
+            if not args.keep_going:
+                break
+    if not args.dry_run:
+        readme = common.refresh_readme()
+        print(f"\nsuite: {len(steps) - len(failed)}/{len(steps)} benchmarks ok in {time.perf_counter() - t_all:.0f} s; "
+              f"results in {readme.parent}, summary in {readme}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
