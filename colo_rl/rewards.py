@@ -70,6 +70,18 @@ def math_verify_reward(completion: str, truth: str) -> float:
     return 1.0 if answers_match(extract_final_answer(completion), truth) else 0.0
 
 
+@register_reward("last_number")
+def last_number_reward(completion: str, truth: str) -> float:
+    """1.0 when the last number in the response equals the ground truth, stated or not.
+
+    Partial credit for a worked answer that computed the right result ("18 - 17 = 1.") but did not
+    state it: with `math_verify` beside it, a correct stated answer earns 2, a correct unstated one
+    1, so the policy is pulled towards working the problem out and then stating the result, not
+    towards guessing in the required format. Echoing the question ends on an operand: it scores 0.
+    """
+    return 1.0 if answers_match(extract_last_number(completion), truth) else 0.0
+
+
 @register_reward("format")
 def format_reward(completion: str, truth: str) -> float:
     """1.0 when a final answer is stated as a number literal, whatever its value."""

@@ -72,3 +72,10 @@ def test_failing_reward_is_isolated_and_counted():
             strict.score(["boom", "nan", "ok", "ok"], ["1"] * 4)
     finally:
         REWARD_FUNCTIONS.pop("flaky_for_test")
+
+
+def test_partial_credit_ladder_prefers_worked_and_stated_answers():
+    scorer = RewardScorer(RewardConfig(functions=["math_verify", "last_number"], format_weight=0.1))
+    texts = ["23 + 35 = 58. The answer is 58.", "23 + 35 = 58.", "The answer is 57.", "23 + 35", "The answer is 23 + 35"]
+    res = scorer.score(texts, ["58"] * len(texts))
+    assert res.rewards == pytest.approx([2.1, 1.0, 0.1, 0.0, 0.0])
