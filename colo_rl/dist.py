@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
-from typing import Any
+import time
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,12 +38,25 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init(timeout_minutes: float = 30.0) -> None:
+# How long a collective may wait for a peer before it fails (instead of hanging): a rank that
+# died mid-run makes the others raise within this time. torchrun also stops the whole group as soon
+# as one rank exits with an error (SIGTERM, then SIGKILL after its 30 s grace), and under gloo a peer
+# that died closes its sockets, so the others usually fail at once; the timeout is the last resort.
+# Long enough for the slowest legitimate wait (one rank generating while another waits to train).
+TIMEOUT_ENV = "COLO_RL_DIST_TIMEOUT_MIN"
+
+
+def init(timeout_minutes: Optional[float] = None) -> None:
     """Initialise the default process group the way DeepSpeed expects.
 
     Single-process runs (plain `python recipes/grpo.py`) get a world of one, so the same code
-    path runs with and without torchrun.
+    path runs with and without torchrun. The collective timeout is `timeout_minutes`, else
+    $COLO_RL_DIST_TIMEOUT_MIN, else 30 minutes.
     """
+    if timeout_minutes is None:
+        timeout_minutes = float(os.environ.get(TIMEOUT_ENV, 30.0))
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
+        _exit_with_parent()
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")
@@ -60,6 +75,25 @@ def init(timeout_minutes: float = 30.0) -> None:
         timeout=datetime.timedelta(minutes=timeout_minutes),
         verbose=False,
     )
+
+
+def _exit_with_parent(sig: int = signal.SIGTERM) -> None:
+    """torchrun starts each rank in its own session, so a SIGKILLed torchrun (OOM killer, `kill -9`)
+    would leave the ranks running, holding memory and GPUs. Ask Linux to send this process `sig`
+    when its parent dies: SIGTERM reaches the StopSignal handler, so the ranks still stop together
+    after the current step. No-op where prctl is unavailable."""
+    try:
+        import ctypes
+
+        parent = os.getppid()
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), sig)
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -154,3 +188,57 @@ def cleanup() -> None:
         except Exception:
             pass
         dist.destroy_process_group()
+
+
+class StopSignal:
+    """Graceful stop on SIGINT / SIGTERM, for every rank.
+
+    The handler only sets a flag; the training loop calls `requested()` once per step (a
+    collective: every rank calls it at the same point) and stops when any rank was signalled, so
+    all ranks stop after the same step and can write a checkpoint together. Ctrl-C in a terminal
+    signals torchrun and every rank; torchrun forwards the signal and SIGKILLs ranks still alive
+    30 s later, so a step plus a checkpoint must fit in that grace period. Signalling rank 0 alone
+    (`kill -INT <pid>`) stops every rank after the current step the same way. A second signal more
+    than `force_after_s` after the first restores the default behaviour (KeyboardInterrupt /
+    termination now): torchrun's forwarded copy arrives at once and must not count as a second.
+    """
+
+    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM), force_after_s: float = 3.0):
+        self.signum: Optional[int] = None
+        self.first_at = 0.0
+        self.force_after_s = force_after_s
+        self._previous = {}
+        for sig in signals:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.first_at = signum, now
+            log.warning("rank %d got %s: stopping after the current step (send it again to stop now)",
+                        rank(), signal.Signals(signum).name)
+            return
+        if now - self.first_at > self.force_after_s:
+            self.restore()
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
+
+    def requested(self) -> Optional[str]:
+        """The signal's name when any rank was signalled, else None (the same answer on every rank)."""
+        signalled = all_reduce_max([float(self.signum or 0)])[0]
+        return signal.Signals(int(signalled)).name if signalled else None
+
+    def exit_code(self, name: str) -> int:
+        return 128 + int(signal.Signals[name])
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            try:
+                signal.signal(sig, handler)
+            except (ValueError, TypeError):
+                pass
+        self._previous = {}

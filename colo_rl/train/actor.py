@@ -11,6 +11,7 @@ import torch
 
 from colo_rl import dist
 from colo_rl.colocate.phase import Phase, PhaseGuard
+from colo_rl.config import ConfigError
 from colo_rl.models import load_model
 from colo_rl.train.batch import TokenBatch, unpack_group
 
@@ -49,6 +50,53 @@ def build_ds_config(trainer_cfg, dtype: torch.dtype, with_optimizer: bool, grad_
     return cfg
 
 
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+# DeepSpeed optimizer types that resolve to its FusedAdam (the only optimizer whose ZeRO-3 states
+# `engine.offload_states` can move, DeepSpeed 0.19: stage3.py asserts it).
+_FUSED_ADAM_TYPES = ("adam", "adamw")
+
+
+def check_pageable(zero_stage: int, ds_config: dict) -> None:
+    """Raise ConfigError when DeepSpeed cannot page this trainer's states to the host, which the
+    colocated GPU loop does twice a step. DeepSpeed 0.19.8 (source read): stage 0 optimizers have
+    no `offload_states`; ZeRO-3's requires FusedAdam; states under ZeRO offload cannot be moved.
+    colo_rl pages ZeRO-3 only, so stages 1/2 are refused too, with what to use instead."""
+    optimizer = ds_config.get("optimizer") or {}
+    opt_type = str(optimizer.get("type", "<none>"))
+    params = optimizer.get("params", {})
+    zero = ds_config.get("zero_optimization", {})
+    if zero_stage == 0:
+        raise ConfigError(
+            "trainer.zero_stage=0 cannot be paged: DeepSpeed has no offload_states for stage-0 optimizers, so "
+            "the trainer's weights, gradients and Adam states would stay on the GPU while the rollout engine "
+            "runs. Use trainer.zero_stage=3 for colocated training on GPU.")
+    if zero_stage in (1, 2):
+        raise ConfigError(
+            f"trainer.zero_stage={zero_stage} is not paged by colo_rl (it moves ZeRO-3 states only), so the "
+            "trainer's states would stay on the GPU while the rollout engine runs. Use trainer.zero_stage=3 "
+            "for colocated training on GPU.")
+    if opt_type.lower() not in _FUSED_ADAM_TYPES or params.get("torch_adam") or params.get("adam_w_mode") is False:
+        raise ConfigError(
+            f"trainer.zero_stage=3 with optimizer {opt_type!r}{' (torch_adam)' if params.get('torch_adam') else ''} "
+            "cannot be paged: DeepSpeed 0.19's offload_states moves ZeRO-3 optimizer states only for its "
+            "FusedAdam. Use the optimizer type 'AdamW' (or 'Adam') without torch_adam.")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(
+                f"zero_optimization.{key}.device={device!r} cannot be combined with paging: DeepSpeed refuses "
+                "to move states that ZeRO offload already manages. Drop the ZeRO offload setting; colo_rl pages "
+                "the trainer's states itself between phases.")
+
+
+def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard]) -> bool:
+    """A colocated (guarded) trainer on GPU pages its states out for every generation phase."""
+    return with_optimizer and guard is not None and torch.cuda.is_available()
+
+
 def lr_lambda(trainer_cfg, total_steps: int):
     """Linear warm-up to lr, then constant or cosine decay to lr * min_lr_ratio."""
     warm = trainer_cfg.warmup_steps
@@ -77,13 +125,20 @@ class DeepSpeedActor:
         self.guard = guard
         self.zero_stage = cfg.trainer.zero_stage
         self.with_optimizer = with_optimizer
+        ds_config = build_ds_config(cfg.trainer, dtype, with_optimizer, grad_accum)
+        self.pages = paging_needed(with_optimizer, guard)
+        if self.pages:  # before loading anything: a bad combination costs seconds, not a model load
+            check_pageable(self.zero_stage, ds_config)
+        self.max_nonfinite_steps = cfg.trainer.max_nonfinite_steps
+        self.nonfinite_total = 0  # optimizer steps skipped for a non-finite loss / gradient
+        self.nonfinite_in_a_row = 0
+        self._loss_nonfinite = False
         model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
         if cfg.model.gradient_checkpointing and with_optimizer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not with_optimizer:
             model.requires_grad_(False)
         self.config = model.config
-        ds_config = build_ds_config(cfg.trainer, dtype, with_optimizer, grad_accum)
         kwargs = {}
         if with_optimizer:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
@@ -125,17 +180,105 @@ class DeepSpeedActor:
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Accumulate gradients; `loss` is already normalised by the global token / sequence count,
-        so DeepSpeed must not divide again by its accumulation steps."""
+        so DeepSpeed must not divide again by its accumulation steps. A non-finite loss is
+        remembered: the next `step()` skips the update on every rank."""
+        if not bool(torch.isfinite(loss.detach()).all()):
+            self._loss_nonfinite = True
         self.engine.set_gradient_accumulation_boundary(last_micro_batch)
         # ZeRO averages gradients over data-parallel ranks; our loss is a share of a global sum.
         self.engine.backward(loss * dist.world_size(), scale_wrt_gas=False)
 
     def step(self) -> dict[str, float]:
-        """Optimizer step at the accumulation boundary; returns grad norm and lr."""
-        self.engine.step()
+        """Optimizer step at the accumulation boundary; returns grad norm, lr and whether it was
+        skipped. Every rank calls it. A step whose loss (any rank) or gradient is not finite is
+        skipped on every rank: the ranks agree through one all-reduce, and under ZeRO 1-3
+        DeepSpeed 0.19 itself discards a step whose global gradient norm is inf/NaN (the norm is
+        reduced over ranks, so all ranks skip). After `trainer.max_nonfinite_steps` such steps in a
+        row: NonFiniteError on every rank."""
+        bad_loss = self._loss_nonfinite
+        self._loss_nonfinite = False
+        bad_grad = False
+        if self.zero_stage == 0:  # stage 0 steps whatever the gradients: check them here
+            bad_grad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
+                           for p in self.module.parameters())
+        bad_loss, bad_grad = (v > 0 for v in dist.all_reduce_max([float(bad_loss), float(bad_grad)]))
+        if bad_grad:  # stage 0 only: drop the gradients, no update
+            self.engine.zero_grad()
+            applied = False
+        else:
+            self.engine.step()
+            applied = bool(self.engine.was_step_applied())
+        applied = dist.all_reduce_max([0.0 if applied else 1.0])[0] == 0.0
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        return {"grad_norm": norm, "lr": float(self.engine.get_lr()[0])}
+        if bad_loss and applied and dist.is_rank0():
+            log.warning("a loss was not finite but DeepSpeed found every gradient finite and applied the step")
+        skipped = not applied
+        if skipped:
+            self.nonfinite_total += 1
+            self.nonfinite_in_a_row += 1
+            what = "loss" if bad_loss else "gradient"
+            if dist.is_rank0():
+                log.warning("optimizer step skipped: non-finite %s (%d in a row, %d in total; the run stops at "
+                            "trainer.max_nonfinite_steps=%d in a row)", what, self.nonfinite_in_a_row,
+                            self.nonfinite_total, self.max_nonfinite_steps)
+            if 0 < self.max_nonfinite_steps <= self.nonfinite_in_a_row:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite {what} (grad norm "
+                    f"{norm}) and were skipped; stopping at trainer.max_nonfinite_steps={self.max_nonfinite_steps}. "
+                    f"The weights are those before these steps. Lower trainer.lr, check the data and reward "
+                    f"functions, then continue from the last checkpoint (resume=auto).")
+        else:
+            self.nonfinite_in_a_row = 0
+        return {"grad_norm": norm, "lr": float(self.engine.get_lr()[0]), "skipped": float(skipped)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, directory: str, tag: str) -> None:
+        """DeepSpeed's checkpoint: every rank writes its shards (model, optimizer, scheduler)."""
+        self.engine.save_checkpoint(directory, tag=tag, client_state={}, save_latest=False)
+
+    def load_checkpoint(self, directory: str, tag: str) -> None:
+        """Load DeepSpeed's checkpoint into this freshly built engine (ZeRO-3 needs a pristine one)."""
+        load_path, _ = self.engine.load_checkpoint(directory, tag=tag, load_module_strict=True,
+                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+        if load_path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} under {directory}")
+        self._replay_cpu_adam_steps()
+
+    def _replay_cpu_adam_steps(self) -> None:
+        """Make the first step after a resume bit-identical on CPU.
+
+        DeepSpeed's CPU FusedAdam kernel (csrc/includes/cpu_adam.h, 0.19) keeps beta^t in one
+        process-wide float32 that it multiplies by beta once per step, and recomputes it with
+        pow(beta, t) when the step jumps, as on the first step after a resume. The two differ in
+        the last bit, and so would every update after it. Replaying steps 1..t on a one-element
+        dummy tensor puts the kernel's float in exactly the state an uninterrupted run has. (The
+        CUDA kernel computes the correction from t each step: nothing to do there.)"""
+        if not self.with_optimizer or self.engine.device.type != "cpu":
+            return
+        opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        try:
+            from deepspeed.ops.adam.fused_adam import FusedAdam, multi_tensor_applier
+        except ImportError:
+            return
+        if not isinstance(opt, FusedAdam):
+            return
+        steps = max((int(st.get("step", 0)) for st in opt.state.values()), default=0)
+        group = opt.param_groups[0]
+        beta1, beta2 = group["betas"]
+        g, p, m, v = (torch.zeros(1) for _ in range(4))
+        for t in range(1, steps + 1):
+            multi_tensor_applier(opt.multi_tensor_adam, opt._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"],
+                                 beta1, beta2, group["eps"], t, opt.adam_w_mode,
+                                 1 if group["bias_correction"] else 0, group["weight_decay"])
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps of the actor besides DeepSpeed's own state."""
+        return {"nonfinite_total": self.nonfinite_total, "nonfinite_in_a_row": self.nonfinite_in_a_row}
+
+    def load_counters(self, state: dict) -> None:
+        self.nonfinite_total = int(state.get("nonfinite_total", 0))
+        self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
     @property
     def global_step(self) -> int:
@@ -145,7 +288,7 @@ class DeepSpeedActor:
     def offload_states(self, pin_memory: bool = True) -> bool:
         """Page optimizer state, master weights and gradient buffers to host memory (GPU only).
         Returns whether anything moved."""
-        if not (self.with_optimizer and torch.cuda.is_available() and self.zero_stage == 3):
+        if not self.pages:
             return False
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
@@ -153,7 +296,7 @@ class DeepSpeedActor:
         return True
 
     def reload_states(self) -> bool:
-        if not (self.with_optimizer and torch.cuda.is_available() and self.zero_stage == 3):
+        if not self.pages:
             return False
         self.engine.reload_states(non_blocking=False)
         return True

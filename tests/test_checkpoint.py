@@ -1,0 +1,234 @@
+"""Checkpoint bookkeeping in one process (no torchrun): atomic save, which checkpoint resume picks,
+config compatibility, RNG capture, a kill in the middle of a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from colo_rl.checkpoint import (COMPLETE, CheckpointError, CheckpointManager, capture_rng, compare_configs,
+                                config_container, newest_checkpoint, resolve_resume, restore_rng)
+from colo_rl.config import RunConfig, TrainerConfig
+from colo_rl.data.sampler import EpochSampler
+from conftest import ROOT
+
+
+class FakeActor:
+    """What CheckpointManager needs from an actor; `save_checkpoint` can stall or fail mid-write."""
+
+    def __init__(self, stall: float = 0.0, fail: bool = False):
+        self.dtype = torch.float32
+        self.stall, self.fail = stall, fail
+        self.loaded = None
+        self.nonfinite = {"nonfinite_total": 0, "nonfinite_in_a_row": 0}
+
+    def save_checkpoint(self, directory, tag):
+        d = Path(directory) / tag
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "zero_pp_rank_0_optim_states.pt").write_bytes(b"x" * 1000)
+        if self.stall:
+            print("SAVING", flush=True)
+            time.sleep(self.stall)
+        if self.fail:
+            raise OSError("disk full")
+
+    def load_checkpoint(self, directory, tag):
+        self.loaded = (directory, tag)
+
+    def counters(self):
+        return dict(self.nonfinite)
+
+    def load_counters(self, state):
+        self.nonfinite = dict(state)
+
+
+def make_cfg(run_dir: Path, **trainer) -> RunConfig:
+    return RunConfig(run_dir=str(run_dir), trainer=TrainerConfig(**trainer))
+
+
+def save_steps(run_dir: Path, steps, **trainer) -> CheckpointManager:
+    mgr = CheckpointManager(run_dir, make_cfg(run_dir, **trainer))
+    sampler = EpochSampler(10, seed=1)
+    for s in steps:
+        sampler.next_global(4)
+        mgr.save(s, FakeActor(), sampler)
+    return mgr
+
+
+def test_save_is_complete_and_keeps_the_last_k(tmp_path):
+    save_steps(tmp_path, [1, 2, 3, 4], keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step-000003", "step-000004"]
+    ckpt = tmp_path / "checkpoints" / "step-000004"
+    for name in [COMPLETE, "state.json", "config.yaml", "rank00000.pt", "ds/zero_pp_rank_0_optim_states.pt"]:
+        assert (ckpt / name).exists(), name
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 4 and state["world_size"] == 1
+    assert state["sampler"] == {"epoch": 1, "position": 6, "seed": 1, "num_items": 10}
+
+
+def test_resume_auto_picks_the_newest_complete_and_ignores_partial_ones(tmp_path):
+    save_steps(tmp_path, [2, 4], keep_last=0)
+    root = tmp_path / "checkpoints"
+    (root / "step-000006.tmp").mkdir()  # killed mid-save
+    (root / "step-000008").mkdir()  # final name but no COMPLETE marker (copied by hand, say)
+    assert resolve_resume("auto", tmp_path) == root / "step-000004"
+    assert newest_checkpoint(root).name == "step-000004"
+    assert resolve_resume(None, tmp_path) is None and resolve_resume("null", tmp_path) is None
+    assert resolve_resume(str(tmp_path), tmp_path) == (root / "step-000004").resolve()  # a run dir: its newest
+    assert resolve_resume(str(root / "step-000002"), tmp_path) == (root / "step-000002").resolve()
+
+
+def test_resume_names_an_incomplete_or_missing_checkpoint(tmp_path):
+    save_steps(tmp_path, [2], keep_last=0)
+    partial = tmp_path / "checkpoints" / "step-000004.tmp"
+    partial.mkdir()
+    with pytest.raises(CheckpointError, match=r"not a complete checkpoint .*interrupted.*step-000002"):
+        resolve_resume(str(partial), tmp_path)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
+    save_steps(tmp_path, [3], keep_last=2)
+    (tmp_path / "checkpoints" / "step-000004.tmp").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    cfg = make_cfg(tmp_path, keep_last=2)
+    cfg.resume = "auto"
+    mgr = CheckpointManager(tmp_path, cfg)
+    assert not (tmp_path / "checkpoints" / "step-000004.tmp").exists()
+    actor, sampler = FakeActor(), EpochSampler(10, seed=1)
+    assert mgr.maybe_resume(actor, sampler) == 3
+    assert actor.loaded[1] == "ds" and (sampler.epoch, sampler.position) == (0, 4)
+    # rows an interrupted run logged after its last checkpoint are redone by the resumed run
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_existing_checkpoints_without_resume_are_not_overwritten(tmp_path):
+    save_steps(tmp_path, [2])
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step-000002\).*resume=auto"):
+        CheckpointManager(tmp_path, make_cfg(tmp_path))
+
+
+def test_config_change_that_breaks_the_state_is_refused_naming_the_key(tmp_path):
+    save_steps(tmp_path, [2])
+    cfg = make_cfg(tmp_path, zero_stage=2)
+    cfg.resume = "auto"
+    cfg.rollout.group_size = 4
+    with pytest.raises(CheckpointError) as e:
+        CheckpointManager(tmp_path, cfg)
+    msg = str(e.value)
+    assert "rollout.group_size: checkpoint 8, now 4" in msg
+    assert "trainer.zero_stage: checkpoint 3, now 2" in msg
+    assert "Set them back" in msg
+
+
+def test_harmless_changes_resume_silently_and_others_with_a_warning(tmp_path, caplog):
+    save_steps(tmp_path, [2])
+    cfg = make_cfg(tmp_path, total_steps=50, save_every=5, keep_last=4, eval_every=3)
+    cfg.resume, cfg.debug, cfg.tensorboard = "auto", True, False
+    assert CheckpointManager(tmp_path, cfg).checkpoint.name == "step-000002"
+    assert "changed config" not in caplog.text
+    cfg.algo.kl_coef = 0.05
+    CheckpointManager(tmp_path, cfg)
+    assert "algo.kl_coef: checkpoint 0.0, now 0.05" in caplog.text
+
+
+def test_compare_configs_refuses_model_data_seeds_and_optimizer_values():
+    base = config_container(RunConfig())
+    for key, value in [("model.path", "/other"), ("data.seed", 7), ("trainer.seed", 1), ("rollout.seed", 3),
+                       ("trainer.lr", 1.0), ("model.dtype", "bf16"), ("rollout.prompts_per_step", 16)]:
+        changed = json.loads(json.dumps(base))
+        section, name = key.split(".")
+        changed[section][name] = value
+        refusals, _ = compare_configs(base, changed)
+        assert len(refusals) == 1 and refusals[0].startswith(f"{key}: checkpoint"), (key, refusals)
+
+
+def test_world_size_change_is_refused(tmp_path, monkeypatch):
+    save_steps(tmp_path, [2])
+    monkeypatch.setattr("colo_rl.checkpoint.dist.world_size", lambda: 4)
+    cfg = make_cfg(tmp_path)
+    cfg.resume = "auto"
+    with pytest.raises(CheckpointError, match=r"written by 1 rank\(s\), this run has 4.*--nproc_per_node=1"):
+        CheckpointManager(tmp_path, cfg)
+
+
+class SeededEngine:
+    def __init__(self, seed):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def rng_state(self):
+        return self.generator.get_state()
+
+    def set_rng_state(self, state):
+        self.generator.set_state(state)
+
+
+def test_rng_states_round_trip_including_the_engine_and_tolerate_engines_without_one():
+    engine = SeededEngine(5)
+    state = capture_rng(engine)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)),
+                float(torch.rand(1, generator=engine.generator)))
+    for _ in range(3):
+        random.random(), np.random.rand(), torch.rand(1), torch.rand(1, generator=engine.generator)
+    assert restore_rng(state, engine) == []
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1)),
+            float(torch.rand(1, generator=engine.generator))) == expected
+    # an engine without rng_state (SGLang's): saved as None, restored with a note, no error
+    no_rng = object()
+    state = capture_rng(no_rng)
+    assert state["engine_sampling"] is None and restore_rng(state, no_rng) == []
+    notes = restore_rng(capture_rng(engine), no_rng)
+    assert notes and "no set_rng_state" in notes[0]
+    wrapped = SimpleNamespace(inner=engine)  # a TPGroupEngine-like wrapper holds the engine
+    assert capture_rng(wrapped)["engine_sampling"] is not None
+
+
+def test_a_failed_save_leaves_no_checkpoint_that_looks_complete(tmp_path):
+    mgr = save_steps(tmp_path, [2])
+    with pytest.raises(OSError, match="disk full"):
+        mgr.save(4, FakeActor(fail=True), EpochSampler(10, seed=1))
+    assert resolve_resume("auto", tmp_path).name == "step-000002"
+
+
+KILL_MID_SAVE = r"""
+import sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_checkpoint import FakeActor, save_steps
+from colo_rl.data.sampler import EpochSampler
+mgr = save_steps(Path({run!r}), [2])
+mgr.save(4, FakeActor(stall=60), EpochSampler(10, seed=1))
+"""
+
+
+def test_sigkill_in_the_middle_of_a_save(tmp_path):
+    """A real process killed with SIGKILL while it writes checkpoint 4: resume picks checkpoint 2."""
+    code = KILL_MID_SAVE.format(tests=str(ROOT / "tests"), run=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout.readline().strip() == "SAVING"  # inside the save, shards half written
+        assert (tmp_path / "checkpoints" / "step-000004.tmp" / "ds").is_dir()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert resolve_resume("auto", tmp_path).name == "step-000002"
+    cfg = make_cfg(tmp_path)
+    cfg.resume = "auto"
+    mgr = CheckpointManager(tmp_path, cfg)  # the next run cleans the debris up and resumes from 2
+    assert mgr.checkpoint.name == "step-000002"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]
