@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import export_hf  # noqa: E402
+from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
 from colo_rl.colocate.handoff import LogprobAgreement  # noqa: E402
 from colo_rl.colocate.setup import build_colocated  # noqa: E402
 from colo_rl.config import ConfigError, register_configs  # noqa: E402
@@ -47,6 +47,8 @@ def main(hydra_cfg: DictConfig) -> None:
     ctx = runtime.start(hydra_cfg, recipe="grpo")
     cfg, run_dir = ctx.cfg, ctx.run_dir
     world = dist.world_size()
+    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    stop = dist.StopSignal()  # SIGINT / SIGTERM: every rank stops after the current step, with a checkpoint
 
     # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -86,12 +88,17 @@ def main(hydra_cfg: DictConfig) -> None:
                  int(result["eval/count"]), samples[0]["completion"][:120] if samples else "")
         return result
 
-    with colo.switch.generation():  # step-0 evaluation of the starting model
-        metrics.log(0, run_eval(0), console=False)
-    progress = Progress(cfg.trainer.total_steps, "GRPO")
+    with colo.switch.update():  # DeepSpeed state, data position, RNGs (the engine's sampling RNG too)
+        start_step = ckpt.maybe_resume(colo.actor, sampler, colo.engine)
+    if start_step == 0:
+        with colo.switch.generation():  # step-0 evaluation of the starting model
+            metrics.log(0, {**run_eval(0), "data/overlong_dropped": builder.stats.dropped,
+                            "data/overlong_truncated": builder.stats.truncated}, console=False)
+    progress = Progress(cfg.trainer.total_steps, "GRPO", start=start_step)
     timer = Timer()
     eval_every = cfg.trainer.eval_every or cfg.trainer.total_steps
-    for step in range(cfg.trainer.total_steps):
+    stopped_by = None
+    for step in range(start_step, cfg.trainer.total_steps):
         colo.switch.step = step
         colo.switch.reset_timers()
         step_metrics: dict[str, float] = {}
@@ -139,10 +146,22 @@ def main(hydra_cfg: DictConfig) -> None:
                 step_metrics.update(timer.pop())
         metrics.log(step + 1, step_metrics)
         progress.advance()
+        stopped_by = stop.requested()  # collective: all ranks stop after the same step
+        if ckpt.due(step + 1) or stopped_by:
+            with colo.switch.update():
+                ckpt.save(step + 1, colo.actor, sampler, colo.engine)
+        if stopped_by:
+            break
     progress.close()
+    if stopped_by:
+        log.warning("stopped by %s after step %d; continue with resume=auto run_dir=%s", stopped_by, step + 1, run_dir)
+        metrics.close()
+        runtime.finish()
+        sys.exit(stop.exit_code(stopped_by))
 
-    # ---- outputs: final HF checkpoint, plots
+    # ---- outputs: final checkpoint (resumable) and HF model, plots
     with colo.switch.update():
+        ckpt.save(cfg.trainer.total_steps, colo.actor, sampler, colo.engine)
         export_hf(colo.actor, tokenizer, run_dir / "checkpoint-final")
     if cfg.plots:
         plot_curves(read_jsonl(run_dir / "metrics.jsonl"), run_dir / "reward_curve.png",
@@ -188,6 +207,7 @@ def train_on_batch(cfg, colo, batch, completions, n_micro: int, timer: Timer) ->
     per_step = len(mbs) // cfg.trainer.mini_batches_per_step
     sums = {"loss": 0.0, "clip_frac": 0.0, "entropy": 0.0, "kl": 0.0, "tokens": 0.0}
     step_stats: dict[str, float] = {}
+    skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
     with timer("update"):
         for k in range(cfg.trainer.mini_batches_per_step):
             group = mbs[k * per_step:(k + 1) * per_step]
@@ -216,13 +236,15 @@ def train_on_batch(cfg, colo, batch, completions, n_micro: int, timer: Timer) ->
                 sums["entropy"] += float((entropy * mb.response_mask).sum())
                 sums["tokens"] += m_tok
             step_stats = actor.step()
+            skipped += step_stats["skipped"]
             if k == 0:  # before any weight change: engine and trainer saw the same weights
                 step_stats.update(agreement.check(cfg.rollout.handoff_check_max_mean_abs))
     loss_sum, clip_sum, ent_sum, kl_sum, tok = dist.all_reduce_sum(
         [sums["loss"], sums["clip_frac"], sums["entropy"], sums["kl"], sums["tokens"]])
     out = {"train/loss": loss_sum / cfg.trainer.mini_batches_per_step, "train/clip_frac": clip_sum / max(tok, 1),
            "train/entropy": ent_sum / max(tok, 1), "train/grad_norm": step_stats["grad_norm"],
-           "train/lr": step_stats["lr"], "throughput/train_tokens": tok,
+           "train/lr": step_stats["lr"], "throughput/train_tokens": tok, "train/skipped_steps": skipped,
+           "train/skipped_steps_total": float(actor.nonfinite_total),
            **{k: v for k, v in step_stats.items() if k.startswith("handoff/")}}
     if ref is not None:
         out["train/kl"] = kl_sum / max(tok, 1)

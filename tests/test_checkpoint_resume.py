@@ -1,0 +1,158 @@
+"""Kill and resume with the real trainer: recipes/grpo.py under torchrun (2 gloo ranks, ZeRO-3,
+tiny model, a reference model for the KL term).
+
+Run A goes through 4 steps uninterrupted. Run B is the same config checkpointing every step; once
+checkpoint 2 is complete, torchrun and both ranks get SIGKILL at once (the machine going away:
+nothing runs after it, possibly in the middle of step 3 or of its save). Run B is then started
+again with resume=auto. Its metrics from the step after the checkpoint it resumed from must equal
+run A's, and so must the final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from colo_rl.checkpoint import is_complete, newest_checkpoint
+from conftest import ROOT, WORKERS, run_torchrun
+
+pytestmark = pytest.mark.slow
+
+WORKER = WORKERS / "grpo_resume_worker.py"
+STEPS, KILL_AFTER = 4, 2
+OVERRIDES = ["model=tiny", f"trainer.total_steps={STEPS}", "trainer.eval_every=2", "trainer.lr=1e-3",
+             "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+             "rollout.eval_max_new_tokens=4", "data.train_size=64", "data.eval_size=4", "algo.kl_coef=0.01",
+             "reward.functions=[letter_share]", "reward.format_weight=0", "tensorboard=false", "plots=false"]
+COMPARED = ["reward/mean", "reward/std", "response/len_mean", "response/stop_rate", "train/loss", "train/kl",
+            "train/entropy", "train/clip_frac", "train/grad_norm", "train/lr", "handoff/logprob_diff_mean",
+            "eval/accuracy", "eval/format_rate"]
+
+
+def torchrun_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), *args]
+
+
+def kill_all(proc: subprocess.Popen) -> list[psutil.Process]:
+    """SIGKILL torchrun and every process under it at once (torchrun starts each rank in its own
+    session, so its process group alone would miss them)."""
+    root = psutil.Process(proc.pid)
+    procs = [root] + root.children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("resume")
+    a_dir, b_dir = base / "uninterrupted", base / "killed"
+    timings = {}
+    t0 = time.perf_counter()
+    run_torchrun(WORKER, OVERRIDES + [f"run_dir={a_dir}"])
+    timings["uninterrupted"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(base / "killed.log", "w") as out:
+        proc = subprocess.Popen(torchrun_cmd(OVERRIDES + [f"run_dir={b_dir}", "trainer.save_every=1"]), cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not is_complete(b_dir / "checkpoints" / f"step-{KILL_AFTER:06d}"):
+                assert proc.poll() is None, (base / "killed.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "run B never wrote its checkpoint"
+                time.sleep(0.05)
+            killed = kill_all(proc)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+    _, alive = psutil.wait_procs(killed, timeout=10)
+    killed_newest = newest_checkpoint(b_dir / "checkpoints").name
+    timings["killed"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    resumed = run_torchrun(WORKER, OVERRIDES + [f"run_dir={b_dir}", "trainer.save_every=1", "resume=auto"])
+    timings["resumed"] = time.perf_counter() - t0
+    print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
+    return {"a": a_dir, "b": b_dir, "resumed_log": resumed.stdout + resumed.stderr, "alive": alive,
+            "killed": killed, "killed_newest": killed_newest, "timings": timings}
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_kill_leaves_no_process_and_resume_picks_the_newest_complete_checkpoint(runs):
+    assert len(runs["killed"]) >= 3 and runs["alive"] == []  # torchrun + 2 ranks (at least), all gone
+    k = int(runs["killed_newest"].split("-")[1])
+    assert k >= KILL_AFTER
+    assert f"resumed from {runs['b'] / 'checkpoints' / runs['killed_newest']}: continuing after step {k}" \
+        in runs["resumed_log"]
+    # keep_last=2: only the two newest complete checkpoints remain, no debris of the kill
+    assert sorted(p.name for p in (runs["b"] / "checkpoints").iterdir()) == [f"step-{STEPS - 1:06d}", f"step-{STEPS:06d}"]
+
+
+def test_resumed_metrics_equal_the_uninterrupted_run_step_for_step(runs):
+    a, b = rows(runs["a"]), rows(runs["b"])
+    assert [r["step"] for r in b] == list(range(STEPS + 1))  # each step once: rows after the checkpoint redone
+    k = int(runs["killed_newest"].split("-")[1])
+    for ra, rb in zip(a, b):
+        assert ra["step"] == rb["step"]
+        for key in COMPARED:
+            if key in ra or key in rb:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), (rb["step"], key, ra[key], rb[key])
+    assert k < STEPS and all("train/loss" in r for r in b[k + 1:])
+
+
+def test_final_weights_equal_the_uninterrupted_run(runs):
+    from safetensors.torch import load_file
+
+    wa = load_file(runs["a"] / "checkpoint-final" / "model.safetensors")
+    wb = load_file(runs["b"] / "checkpoint-final" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[n] - wb[n]).abs().max()) for n in wa)
+    assert worst <= 1e-6, worst
+
+
+def test_a_saved_checkpoint_exports_to_a_model_transformers_loads(runs, tmp_path):
+    """`python -m colo_rl.checkpoint <run dir or checkpoint> <out>` (called in-process here): one
+    process, no torchrun; the final step's checkpoint gives exactly the weights of the HF model the
+    run exported itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from colo_rl.checkpoint import main as export_main
+
+    out = tmp_path / "hf"
+    export_main([str(runs["b"]), str(out)])  # a run dir: its newest complete checkpoint
+    model = AutoModelForCausalLM.from_pretrained(out)
+    final = AutoModelForCausalLM.from_pretrained(runs["b"] / "checkpoint-final")
+    assert model.state_dict().keys() == final.state_dict().keys()
+    for (n, p), (_, q) in zip(model.state_dict().items(), final.state_dict().items()):
+        assert torch.equal(p, q), n
+    ids = AutoTokenizer.from_pretrained(out)("What is 2 + 3?", return_tensors="pt")["input_ids"]
+    assert torch.isfinite(model(ids).logits).all()
+
+
+def test_resuming_with_a_config_that_changes_the_state_is_refused_by_key(runs):
+    changed = [o for o in OVERRIDES if not o.startswith("rollout.group_size=")] + ["rollout.group_size=2",
+                                                                                    "data.seed=7"]
+    proc = subprocess.run(torchrun_cmd(changed + [f"run_dir={runs['b']}", "resume=auto", "trainer.save_every=1"]),
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "config key(s) data.seed, rollout.group_size differ" in out, out[-3000:]
+    assert "rollout.group_size: checkpoint 4, now 2" in out and "data.seed: checkpoint 1234, now 7" in out

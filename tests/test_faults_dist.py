@@ -1,0 +1,145 @@
+"""Shutdown and dead ranks with the real GRPO recipe under torchrun (2 gloo ranks, tiny model).
+
+- SIGINT to rank 0 alone: every rank stops after the same step, a checkpoint is written, all exit.
+- SIGKILL to rank 1 (a dead rank): rank 0 and torchrun exit with an error within bounded time.
+- SIGKILL to torchrun alone: the ranks (each in its own session) do not outlive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from colo_rl.checkpoint import newest_checkpoint
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ["model=tiny", "trainer.total_steps=200", "rollout.prompts_per_step=4", "rollout.group_size=4",
+             "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=4", "data.train_size=64", "data.eval_size=4",
+             "data.max_prompt_tokens=56", "tensorboard=false", "plots=false"]
+
+
+class Run:
+    """recipes/grpo.py under torchrun in the background; its ranks found by their RANK variable."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.log_path = run_dir.parent / f"{run_dir.name}.log"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "recipes" / "grpo.py"), *OVERRIDES, f"run_dir={run_dir}"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.launcher = psutil.Process(self.proc.pid)
+
+    def wait_for_step(self, step: int, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        path = self.run_dir / "metrics.jsonl"
+        while True:
+            assert self.proc.poll() is None, self.output()[-4000:]
+            if path.exists() and any(json.loads(line)["step"] >= step for line in path.read_text().splitlines()):
+                return
+            assert time.monotonic() < deadline, f"no step {step} in {timeout}s"
+            time.sleep(0.1)
+
+    def rank(self, r: int) -> psutil.Process:
+        for child in self.launcher.children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(r):
+                    return child
+            except psutil.Error:
+                continue
+        raise AssertionError(f"rank {r} not found")
+
+    def everything(self) -> list[psutil.Process]:
+        return [self.launcher] + self.launcher.children(recursive=True)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def close(self) -> None:
+        for p in self.everything() if self.launcher.is_running() else []:
+            p.kill()
+        self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture
+def run(tmp_path):
+    runs = []
+
+    def start(name="run"):
+        runs.append(Run(tmp_path / name))
+        return runs[-1]
+
+    yield start
+    for r in runs:
+        try:
+            r.close()
+        except psutil.Error:
+            pass
+
+
+def test_sigint_to_rank0_stops_every_rank_after_the_step_with_a_checkpoint(run):
+    r = run()
+    r.wait_for_step(2)
+    procs = r.everything()
+    t0 = time.monotonic()
+    r.rank(0).send_signal(signal.SIGINT)
+    rc = r.proc.wait(timeout=60)
+    seconds = time.monotonic() - t0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    out = r.output()
+    print(f"SIGINT to rank 0: all ranks gone {seconds:.1f}s later, torchrun rc {rc}")
+    assert alive == [], alive
+    assert seconds < 30, seconds
+    assert "rank 0 got SIGINT: stopping after the current step" in out
+    rows = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]["step"]
+    assert f"stopped by SIGINT after step {last}; continue with resume=auto run_dir={r.run_dir}" in out
+    assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
+    assert "Traceback" not in out.split("stopped by SIGINT")[0]  # the ranks stopped, nothing crashed
+    # the over-length prompts the data policy dropped are reported in the metrics, not only logged
+    assert rows[0]["data/overlong_dropped"] > 0 and rows[0]["data/overlong_truncated"] == 0
+    assert f"({int(rows[0]['data/overlong_dropped'])} over-length dropped" in out
+
+
+def test_a_dead_rank_makes_the_others_exit_with_an_error_not_hang(run):
+    r = run()
+    r.wait_for_step(2)
+    procs = r.everything()
+    t0 = time.monotonic()
+    r.rank(1).send_signal(signal.SIGKILL)
+    rc = r.proc.wait(timeout=90)
+    seconds = time.monotonic() - t0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    print(f"rank 1 SIGKILLed: torchrun exited rc {rc} {seconds:.1f}s later")
+    assert rc != 0 and alive == []
+    assert seconds < 45, seconds  # torchrun's grace before SIGKILL is 30 s; gloo usually fails at once
+    assert "exitcode  : -9" in r.output()  # torchrun names the rank that died
+
+
+def test_a_killed_launcher_leaves_no_orphan_ranks(run):
+    r = run()
+    r.wait_for_step(2)
+    ranks = [r.rank(0), r.rank(1)]
+    t0 = time.monotonic()
+    r.launcher.send_signal(signal.SIGKILL)  # the ranks live in their own sessions: nothing else reaches them
+    r.proc.wait(timeout=10)
+    _, alive = psutil.wait_procs(ranks, timeout=60)
+    seconds = time.monotonic() - t0
+    print(f"torchrun SIGKILLed: ranks gone {seconds:.1f}s later")
+    assert alive == [], alive
+    # parent-death signal -> SIGTERM -> the ranks stopped together after a step, with a checkpoint
+    assert "got SIGTERM: stopping after the current step" in r.output()
+    assert newest_checkpoint(r.run_dir / "checkpoints") is not None
