@@ -274,7 +274,9 @@ class CheckpointManager:
         if path is None:
             existing = newest_checkpoint(self.root)
             if str(self.cfg.resume).strip().lower() == "auto":
-                log.info("resume=auto: no complete checkpoint in %s, starting at step 0", self.root)
+                hint = "" if (self.cfg.run_dir or self.cfg.run_name) else \
+                    " (this run got a new directory: pass run_dir=<the interrupted run's directory> to continue it)"
+                log.info("resume=auto: no complete checkpoint in %s, starting at step 0%s", self.root, hint)
                 return None
             if existing is None:
                 return None
