@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 
 import hydra
@@ -44,6 +45,7 @@ CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "train/clip_fr
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> None:
+    t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="grpo")
     cfg, run_dir = ctx.cfg, ctx.run_dir
     world = dist.world_size()
@@ -170,7 +172,14 @@ def main(hydra_cfg: DictConfig) -> None:
                      ("seconds per step", ["time/generation", "time/update", "time/handoff", "time/phase_switch"])],
                     f"GRPO {run_dir.name}")
     metrics.close()
-    log.info("done: %s", run_dir)
+    evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    if len(evals) >= 2:
+        first, last = evals[0], evals[-1]
+        log.info("held-out accuracy (greedy, %d problems): step %d %.3f -> step %d %.3f (%+.1f points); "
+                 "lenient %.3f -> %.3f", int(last["eval/count"]), first["step"], first["eval/accuracy"],
+                 last["step"], last["eval/accuracy"], 100 * (last["eval/accuracy"] - first["eval/accuracy"]),
+                 first["eval/accuracy_lenient"], last["eval/accuracy_lenient"])
+    log.info("done in %.1f min: %s", (time.perf_counter() - t_start) / 60, run_dir)
     runtime.finish()
 
 
