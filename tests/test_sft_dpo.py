@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,10 +183,10 @@ def test_packed_pairs_give_the_same_sequence_logprobs_as_padded_pairs():
             mbs = pair_micro_batches(pairs, 4, 0, packing=packing)
             assert len(mbs) == 3
             for idx, batch in mbs:
-                if packing:
-                    assert batch.input_ids.shape[0] == 1  # one row per micro-batch, each prompt once
-                    assert batch.input_ids.shape[1] == sum(len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids)
-                                                           + len(pairs[i].rejected_ids) for i in idx)
+                if packing:  # one row per pair, each prompt once (+ one token)
+                    assert batch.input_ids.shape[0] == len(idx)
+                    assert int(batch.input_ids.ne(0).sum()) == sum(len(pairs[i].prompt_ids) + len(pairs[i].chosen_ids)
+                                                                   + 1 + len(pairs[i].rejected_ids) for i in idx)
                 c, r = split_pair_logps(_forward_logp(model, batch), batch, average=False)
                 chosen[idx], rejected[idx] = c, r
             results[packing] = (chosen, rejected)
@@ -311,20 +312,33 @@ def test_worked_answers():
     assert worked_answer("6 * 3 + 17") == "6 * 3 + 17 = 18 + 17 = 35. The answer is 35."
 
 
+def _composed_data(name: str):
+    """The data config a recipe composes (conf/<name>.yaml), typed."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from colo_rl.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return OmegaConf.to_object(compose(name)).data
+
+
 def test_embedded_data_matches_grpo_eval_and_verifier(tokenizer):
     from colo_rl.data import PromptBuilder, load_problems
     from colo_rl.rewards import math_verify_reward
 
-    cfg = DataConfig(train_size=40, eval_size=200)
-    train, held, stats = load_sft_data(tokenizer, cfg)
-    assert stats.dropped == 0 and len(held) == 200
-    _, grpo_held = load_problems(DataConfig())  # GRPO's default arithmetic data
-    builder = PromptBuilder(tokenizer, DataConfig())
+    grpo_cfg, sft_cfg, dpo_cfg = _composed_data("config"), _composed_data("sft"), _composed_data("dpo")
+    sft_cfg.train_size, dpo_cfg.train_size = 40, 40
+    train, held, stats = load_sft_data(tokenizer, sft_cfg)
+    assert stats.dropped == 0 and len(held) == grpo_cfg.eval_size
+    _, grpo_held = load_problems(grpo_cfg)  # GRPO's default held-out problems and prompts
+    builder = PromptBuilder(tokenizer, grpo_cfg)
     assert [builder.encode(p) for p in grpo_held] == [e.prompt_ids for e in held]
     assert [p.answer for p in grpo_held] == [e.answer for e in held]
     text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     assert all(math_verify_reward(text(e.completion_ids), e.answer) == 1.0 for e in train + held)
-    pairs, pheld, _ = load_preference_data(tokenizer, DataConfig(train_size=40, eval_size=50))
+    pairs, pheld, _ = load_preference_data(tokenizer, dpo_cfg)
+    assert [p.prompt_ids for p in pheld] == [e.prompt_ids for e in held]  # the same held-out problems
     assert all(math_verify_reward(text(p.chosen_ids), p.answer) == 1.0 for p in pairs + pheld)
     assert all(math_verify_reward(text(p.rejected_ids), p.answer) == 0.0 for p in pairs + pheld)
-    assert [p.prompt_ids for p in pheld] == [e.prompt_ids for e in held[:50]]  # the same held-out problems

@@ -80,49 +80,51 @@ def packed_batch(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, dty
 
 
 def packed_pairs(pairs: list, pad_id: int, dtype: torch.dtype = torch.float32) -> TokenBatch:
-    """k preference pairs (.prompt_ids, .chosen_ids/.chosen_mask, .rejected_ids/.rejected_mask) as
-    one row [p_1 | c_1 | r_1 | p_2 | c_2 | r_2 | ...]: every prompt is computed once instead of
-    twice. Each response attends to its own prompt and its own earlier tokens only and keeps its
-    unpacked position ids, so its log-probs equal the padded layout's to float tolerance.
+    """k preference pairs (.prompt_ids, .chosen_ids/.chosen_mask, .rejected_ids/.rejected_mask)
+    as k rows [prompt | chosen | p' | rejected]: each prompt is computed once instead of twice.
 
-    Targets, masks and the returned log-probs keep the padded pair layout [2k, R]: chosen rows
-    first, then rejected (as `build_batch(prompts * 2, chosen + rejected)`); the actor reads the
-    logits at `logit_positions` and splits them back per response (`packed_lengths`)."""
+    p' is a copy of the prompt's last token at its position (P - 1) that attends to the rest of
+    the prompt only, so its output is the prompt's last output again and predicts the rejected
+    response's first token. Chosen attends to the prompt and itself; rejected to the prompt's
+    first P - 1 tokens, p' and itself; both keep their unpacked position ids (P, P + 1, ...).
+    So every log-prob equals the padded layout's (to float tolerance) while a pair costs
+    P + C + 1 + R tokens instead of 2P + C + R.
+
+    The rows use the standard [left-padded prompt | response] layout with a 4D additive mask;
+    extras chosen_mask / rejected_mask [k, R] pick each side's trained tokens (see
+    `offline.split_pair_logps`)."""
     from colo_rl.train.batch import build_batch
 
-    ids: list[int] = []
-    positions: list[int] = []
-    segments: list[int] = []
-    shares: list[tuple[int, int]] = []  # (response segment, its prompt's segment)
-    where = {"chosen": [], "rejected": []}
-    lengths = {"chosen": [], "rejected": []}
-    seg = 0
+    responses, masks, chosen_masks, rejected_masks = [], [], [], []
     for p in pairs:
-        start, P = len(ids), len(p.prompt_ids)
-        ids += p.prompt_ids
-        positions += range(P)
-        segments += [seg] * P
-        prompt_seg, seg = seg, seg + 1
-        for side, resp in (("chosen", p.chosen_ids), ("rejected", p.rejected_ids)):
-            if not resp:
-                raise ValueError("packed_pairs needs at least one token per response")
-            r0 = len(ids)
-            ids += resp
-            positions += range(P, P + len(resp))
-            segments += [seg] * len(resp)
-            shares.append((seg, prompt_seg))
-            # response token 0 is predicted by the prompt's last position, token j by r0 + j - 1
-            where[side] += [start + P - 1] + [r0 + j - 1 for j in range(1, len(resp))]
-            lengths[side].append(len(resp))
-            seg += 1
-    seg_t = torch.tensor([segments])
-    mask = block_causal_mask(seg_t, dtype)
-    for resp_seg, prompt_seg in shares:  # a response sees its whole prompt (which precedes it)
-        rows, cols = seg_t[0] == resp_seg, seg_t[0] == prompt_seg
-        mask[0, 0][rows[:, None] & cols[None, :]] = 0.0
-    padded = build_batch([p.prompt_ids for p in pairs] * 2, [p.chosen_ids for p in pairs] +
-                         [p.rejected_ids for p in pairs], pad_id,
-                         response_masks=[p.chosen_mask for p in pairs] + [p.rejected_mask for p in pairs])
-    return TokenBatch(torch.tensor([ids]), mask, torch.tensor([positions]), padded.response_ids, padded.response_mask,
-                      logit_positions=torch.tensor(where["chosen"] + where["rejected"]),
-                      packed_lengths=lengths["chosen"] + lengths["rejected"])
+        if not p.prompt_ids or not p.chosen_ids or not p.rejected_ids:
+            raise ValueError("packed_pairs needs a prompt and at least one token per response")
+        C, R = len(p.chosen_ids), len(p.rejected_ids)
+        responses.append(p.chosen_ids + [p.prompt_ids[-1]] + p.rejected_ids)
+        masks.append(list(p.chosen_mask) + [0] + list(p.rejected_mask))
+        chosen_masks.append(list(p.chosen_mask) + [0] * (1 + R))
+        rejected_masks.append([0] * (C + 1) + list(p.rejected_mask))
+    batch = build_batch([p.prompt_ids for p in pairs], responses, pad_id, response_masks=masks,
+                        per_token={"chosen_mask": chosen_masks, "rejected_mask": rejected_masks})
+    B, L = batch.input_ids.shape
+    Pmax = L - batch.response_len
+    allowed = torch.eye(L, dtype=torch.bool).repeat(B, 1, 1)  # padding attends to itself only
+    positions = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(pairs):
+        P, C, R = len(p.prompt_ids), len(p.chosen_ids), len(p.rejected_ids)
+        s, c0 = Pmax - P, Pmax  # prompt start, chosen start
+        b = c0 + C  # p'
+        r0 = b + 1
+        tril = lambda n: torch.ones(n, n, dtype=torch.bool).tril()  # noqa: E731
+        allowed[i, s:c0, s:c0] = tril(P)
+        allowed[i, c0:b, s:c0] = True
+        allowed[i, c0:b, c0:b] = tril(C)
+        allowed[i, b:r0 + R, s:c0 - 1] = True  # p' and rejected see the prompt but its last token
+        allowed[i, b:r0 + R, b:r0 + R] = tril(R + 1)
+        positions[i, s:c0] = torch.arange(P)
+        positions[i, c0:b] = torch.arange(P, P + C)
+        positions[i, b] = P - 1
+        positions[i, r0:r0 + R] = torch.arange(P, P + R)
+    mask = torch.zeros((B, 1, L, L), dtype=dtype)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return TokenBatch(batch.input_ids, mask, positions, batch.response_ids, batch.response_mask, extras=batch.extras)

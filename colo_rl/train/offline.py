@@ -59,9 +59,9 @@ def masked_token_count(batches: list[TokenBatch]) -> float:
 # ------------------------------------------------------------------ DPO
 def pair_micro_batches(pairs: list, micro_batch_size: int, pad_id: int, packing: bool = False,
                        dtype: torch.dtype = torch.float32) -> list[tuple[list[int], TokenBatch]]:
-    """(indices into `pairs`, batch) per micro-batch of micro_batch_size pairs. Targets are in the
-    padded pair layout, chosen rows first, then rejected, behind the shared prompt; with packing
-    the micro-batch is one row [p_1 | c_1 | r_1 | ...] that computes each prompt once."""
+    """(indices into `pairs`, batch) per micro-batch of micro_batch_size pairs: padded (chosen rows
+    first, then rejected, each behind its prompt) or, with packing (data/packing.packed_pairs),
+    each pair is one row [prompt | chosen | p' | rejected] that computes its prompt once."""
     out = []
     for idx in micro_batches(len(pairs), micro_batch_size, [len(p) for p in pairs]):
         sel = [pairs[i] for i in idx]
@@ -76,7 +76,11 @@ def pair_micro_batches(pairs: list, micro_batch_size: int, pad_id: int, packing:
 
 
 def split_pair_logps(logp: torch.Tensor, batch: TokenBatch, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence log-probs of a pair batch -> (chosen [k], rejected [k])."""
+    """Sequence log-probs of a pair micro-batch -> (chosen [k], rejected [k]): from the padded
+    layout (chosen rows, then rejected rows) or the packed one (one row per pair, masks in extras)."""
+    if "rejected_mask" in batch.extras:
+        return (algos.sequence_logprobs(logp, batch.extras["chosen_mask"].to(logp.device), average),
+                algos.sequence_logprobs(logp, batch.extras["rejected_mask"].to(logp.device), average))
     seq = algos.sequence_logprobs(logp, batch.response_mask, average)
     k = seq.shape[0] // 2
     return seq[:k], seq[k:]
