@@ -14,11 +14,14 @@ so speed is not bought with learning.
 
 TRL is configured as its documentation recommends for speed on one CPU process: no vLLM (GPU only),
 gradient checkpointing off (TRL's GRPOConfig turns it on by default, which costs a recomputation),
-the whole group batch generated and trained in one micro-batch (generation_batch_size = 64,
-steps_per_generation = 1, gradient_accumulation_steps = 1), num_iterations = 1 (so TRL skips its
-old-log-prob pass), beta = 0 (no reference model), logging every step (to read the reward), no
+the whole batch generated at once (generation_batch_size = 64) and trained in micro-batches of 8 with
+gradient accumulation up to one optimizer step per batch (steps_per_generation = gradient_accumulation_steps
+= 8; one micro-batch of 64 needs several GiB for its logits and was killed for memory here), num_iterations =
+1 (so TRL skips its old-log-prob pass), beta = 0 (no reference model), logging every step (to read the reward), no
 checkpoints, no completion logging. colo_rl runs its recipe (recipes/grpo.py) with the same
-settings and its own default micro-batch (8 sequences).
+settings and its defaults otherwise (group packing: each group one micro-batch, its prompt computed
+once). By default the colo_rl side runs under benchmarks/step_breakdown.py, so the same run also
+writes the step breakdown (time and memory per phase); its sampler thread costs well under 1 %.
 
 Step time: colo_rl's time/step (prompt sampling to optimizer step, both phase switches and the
 handoff included); TRL's from on_step_begin to on_step_end (generation, reward, loss, backward,
@@ -75,7 +78,12 @@ def colo_overrides(args, run_dir: Path) -> list[str]:
 
 def run_colo(args, work: Path) -> dict:
     run_dir = work / "colo_rl"
-    cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *colo_overrides(args, run_dir)]
+    if args.colo_runner == "breakdown":  # the recipe under the step-breakdown harness: one run, two results
+        overrides = [o for o in colo_overrides(args, run_dir) if not o.startswith("run_dir=")]
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "step_breakdown.py"), "--skip", str(args.skip),
+               "--out", str(args.out), "--run-dir", str(run_dir), "--no-readme", *overrides]
+    else:
+        cmd = [sys.executable, str(ROOT / "recipes" / "grpo.py"), *colo_overrides(args, run_dir)]
     t0 = time.perf_counter()
     load0 = len(common.LOAD.samples)
     _run(cmd, work / "colo_rl.log")
@@ -314,9 +322,13 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--colo-micro-batch", type=int, default=8, help="colo_rl trainer.micro_batch_size")
-    p.add_argument("--trl-micro-batch", type=int, default=0,
-                   help="TRL per_device_train_batch_size (0 = the whole batch; GA makes up the rest)")
+    p.add_argument("--trl-micro-batch", type=int, default=8,
+                   help="TRL per_device_train_batch_size; gradient accumulation makes up the batch (0 = the whole "
+                        "batch in one micro-batch, which needs several GiB for the logits of 64 sequences)")
     p.add_argument("--colo-override", action="append", default=[], help="extra Hydra override for the colo_rl side")
+    p.add_argument("--colo-runner", choices=["breakdown", "recipe"], default="breakdown",
+                   help="breakdown (default): run the recipe under benchmarks/step_breakdown.py, which also writes "
+                        "the step breakdown of this very run; recipe: plain recipes/grpo.py")
     p.add_argument("--sides", default="colo_rl,trl", help="which sides to run (both for a ratio)")
     p.add_argument("--note", default="", help="a sentence added under the table (e.g. why fewer steps)")
     p.add_argument("--out", type=Path, default=common.RESULTS)

@@ -28,25 +28,31 @@ from benchmarks import common  # noqa: E402
 # The race's work (8 prompts x 8 completions, <= 64 new tokens) is also the step breakdown's.
 RACE_WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=64",
              "rollout.eval_batch_size=64"]
+# The race's colo_rl side runs under the step-breakdown harness, so the race also writes the step
+# breakdown of the raced run (steps 3-8); `step_breakdown` alone runs only when the race does not.
 PRESETS = {
     "cpu": {
-        "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "1", "trainer.total_steps=4", *RACE_WORK],
+        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
+        "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
-        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
     },
     "gpu": {
+        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
         "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
         "handoff": ["benchmarks/handoff.py", "--sizes", "135m,500m,1.7b", "--repeats", "5", "--memcpy-mb", "2048"],
         "phase_switch": ["benchmarks/phase_switch.py", "--steps", "5"],
-        "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
     },
 }
 
 
 def plan(preset: str, only: list[str] | None, extra: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
     steps = []
-    for name, argv in PRESETS[preset].items():
+    names = list(PRESETS[preset])
+    if "race_trl" in names and (not only or "race_trl" in only) and not (only and "step_breakdown" in only):
+        names.remove("step_breakdown")  # the race writes it
+    for name in names:
+        argv = PRESETS[preset][name]
         if only and name not in only:
             continue
         argv = list(argv) + extra.get(name, [])
@@ -64,10 +70,12 @@ def main(argv=None) -> int:
     p.add_argument("--keep-going", action="store_true", help="run the rest when one benchmark fails")
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
+    if importlib.util.find_spec("trl") is None and (not only or "race_trl" in only):
+        print("suite: trl is not importable here, so the race against TRL is skipped and the step breakdown runs "
+              "alone (`pip install -e '.[bench]'`; on the GPU machine carry trl's wheel in .whl/)")
+        only = [n for n in (only or PRESETS[args.preset]) if n != "race_trl"]
+        only = only + ["step_breakdown"] if "step_breakdown" not in only else only
     steps = plan(args.preset, only, {})
-    if args.preset == "gpu" and importlib.util.find_spec("trl") is None:
-        print("suite: trl is not importable here; the race against TRL is skipped (carry its wheel in .whl/)")
-        steps = [s for s in steps if s[0] != "race_trl"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
     failed = []
