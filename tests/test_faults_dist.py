@@ -41,7 +41,7 @@ class Run:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.launcher = psutil.Process(self.proc.pid)
 
-    def wait_for_step(self, step: int, timeout: float = 300) -> None:
+    def wait_for_step(self, step: int, timeout: float = 900) -> None:
         deadline = time.monotonic() + timeout
         path = self.run_dir / "metrics.jsonl"
         while True:
