@@ -87,6 +87,25 @@ def memcpy_bandwidth(nbytes: int, repeats: int, device: torch.device, fresh: boo
     return nbytes / best
 
 
+def fresh_memcpy_with_thp(nbytes: int, repeats: int) -> float | None:
+    """CPU only: fresh-memory memcpy bandwidth when PyTorch's allocator asks for transparent huge
+    pages (THP_MEM_ALLOC_ENABLE=1, read once at start-up, hence a child process). Shows what the
+    page faults of freshly allocated engine buffers cost."""
+    import os
+    import subprocess
+
+    if torch.cuda.is_available():
+        return None
+    code = ("import sys; sys.path.insert(0, %r); import torch; from benchmarks.handoff import memcpy_bandwidth; "
+            "print(memcpy_bandwidth(%d, %d, torch.device('cpu'), fresh=True))" % (str(ROOT), nbytes, repeats))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"})
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
 def measure_size(name: str, dims: dict, dtype: torch.dtype, dtype_name: str, repeats: int, bucket_mb: int,
                  work: Path) -> dict:
     from benchmarks.phase_switch import write_random_llama
@@ -150,6 +169,7 @@ def run(args) -> dict:
     nbytes = args.memcpy_mb << 20
     memcpy_warm = memcpy_bandwidth(nbytes, args.repeats + 2, device)
     memcpy_fresh = memcpy_bandwidth(nbytes, args.repeats + 2, device, fresh=True)
+    memcpy_fresh_thp = fresh_memcpy_with_thp(nbytes, args.repeats + 2)
     work = Path(tempfile.mkdtemp(prefix="colo_rl-handoff-"))
     sizes = []
     for name in args.sizes:
@@ -163,7 +183,7 @@ def run(args) -> dict:
     return {"device": common.device_slug(), "date": common.today(), "dtype": str(dtype).replace("torch.", ""),
             "engine": "hf", "zero_stage": 3, "world_size": 1, "bucket_mb": args.bucket_mb, "repeats": args.repeats,
             "memcpy": {"buffer_mib": args.memcpy_mb, "warm_bytes_per_s": memcpy_warm,
-                       "fresh_bytes_per_s": memcpy_fresh,
+                       "fresh_bytes_per_s": memcpy_fresh, "fresh_thp_bytes_per_s": memcpy_fresh_thp,
                        "method": "best of repeats, dst.copy_(src) of a float32 buffer; bytes copied per second"},
             "sizes": sizes}
 
@@ -175,7 +195,10 @@ def markdown(result: dict) -> str:
              f"{result['bucket_mb']} MiB buckets, median of {result['repeats']} handoffs (each into freshly "
              f"allocated engine buffers, as every step does). memcpy ({m['buffer_mib']} MiB buffer): "
              f"**{m['warm_bytes_per_s'] / common.GIB:.2f} GiB/s** into warm memory (the limit), "
-             f"{m['fresh_bytes_per_s'] / common.GIB:.2f} GiB/s into fresh memory.", "",
+             f"{m['fresh_bytes_per_s'] / common.GIB:.2f} GiB/s into fresh memory" +
+             (f" ({m['fresh_thp_bytes_per_s'] / common.GIB:.2f} GiB/s with THP_MEM_ALLOC_ENABLE=1: the engine's "
+              "buffers are fresh every step, so page faults, not copying, bound the handoff)."
+              if m.get("fresh_thp_bytes_per_s") else "."), "",
              "| size | parameters | GiB | buckets | handoff s | GiB/s | ratio to memcpy | ratio to fresh memcpy | "
              "ZeRO-3 gather alone s |",
              "|---|---|---|---|---|---|---|---|---|"]

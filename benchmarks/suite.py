@@ -37,6 +37,15 @@ PRESETS = {
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
     },
+    # Seconds-scale plumbing check (tiny random model, few tokens): not a measurement.
+    "smoke": {
+        "race_trl": ["benchmarks/race_trl.py", "--model", "tiny", "--steps", "3", "--skip", "1",
+                     "--max-new-tokens", "8"],
+        "step_breakdown": ["benchmarks/step_breakdown.py", "model=tiny", "trainer.total_steps=2",
+                           "rollout.max_new_tokens=8"],
+        "handoff": ["benchmarks/handoff.py", "--sizes", "30m", "--repeats", "1", "--memcpy-mb", "64"],
+        "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "2", "--max-new-tokens", "4"],
+    },
     "gpu": {
         "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
         "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
@@ -46,7 +55,7 @@ PRESETS = {
 }
 
 
-def plan(preset: str, only: list[str] | None, extra: dict[str, list[str]]) -> list[tuple[str, list[str]]]:
+def plan(preset: str, only: list[str] | None, out: Path = common.RESULTS) -> list[tuple[str, list[str]]]:
     steps = []
     names = list(PRESETS[preset])
     if "race_trl" in names and (not only or "race_trl" in only) and not (only and "step_breakdown" in only):
@@ -55,7 +64,7 @@ def plan(preset: str, only: list[str] | None, extra: dict[str, list[str]]) -> li
         argv = PRESETS[preset][name]
         if only and name not in only:
             continue
-        argv = list(argv) + extra.get(name, [])
+        argv = list(argv) + ["--out", str(out)]
         if name in ("step_breakdown", "handoff", "race_trl"):
             argv.append("--no-readme")  # the suite writes the README once at the end
         steps.append((name, argv))
@@ -66,6 +75,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=list(PRESETS), default="cpu")
     p.add_argument("--only", default="", help="comma-separated subset of " + ", ".join(PRESETS["cpu"]))
+    p.add_argument("--out", type=Path, default=common.RESULTS, help="results folder (default benchmarks/results)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--keep-going", action="store_true", help="run the rest when one benchmark fails")
     args = p.parse_args(argv)
@@ -75,7 +85,7 @@ def main(argv=None) -> int:
               "alone (`pip install -e '.[bench]'`; on the GPU machine carry trl's wheel in .whl/)")
         only = [n for n in (only or PRESETS[args.preset]) if n != "race_trl"]
         only = only + ["step_breakdown"] if "step_breakdown" not in only else only
-    steps = plan(args.preset, only, {})
+    steps = plan(args.preset, only, args.out)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
     failed = []
@@ -93,7 +103,7 @@ def main(argv=None) -> int:
             if not args.keep_going:
                 break
     if not args.dry_run:
-        readme = common.refresh_readme()
+        readme = common.refresh_readme(args.out)
         print(f"\nsuite: {len(steps) - len(failed)}/{len(steps)} benchmarks ok in {time.perf_counter() - t_all:.0f} s; "
               f"results in {readme.parent}, summary in {readme}")
     return 1 if failed else 0
