@@ -1,0 +1,96 @@
+"""SFT and DPO recipes under torchrun (2 gloo ranks, ZeRO-3, tiny model), and the SFT -> DPO ->
+GRPO chain: each recipe's checkpoint-final is the next one's model.path."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, run_torchrun
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["model=tiny", "trainer.zero_stage=3", "data.train_size=24", "data.eval_size=8", "trainer.batch_size=8",
+          "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.lr=1e-3", "trainer.warmup_steps=0",
+          "trainer.lr_schedule=constant", "rollout.eval_max_new_tokens=4"]
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _outputs_exist(run_dir):
+    for name in ["metrics.jsonl", "loss_curve.png", "summary.json", "config.yaml", "checkpoint-final/config.json",
+                 "checkpoint-final/model.safetensors", "checkpoint-final/tokenizer_config.json"]:
+        assert (run_dir / name).exists(), name
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+@pytest.fixture(scope="module")
+def sft_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sft") / "run"
+    # packing on: micro-batch counts differ between ranks and are equalised (ZeRO-3 collectives)
+    run_torchrun(ROOT / "recipes" / "sft.py", COMMON + ["algo.packing=true", "trainer.eval_generate=true",
+                                                        f"run_dir={d}"], timeout=600)
+    return d
+
+
+@pytest.fixture(scope="module")
+def dpo_dirs(tmp_path_factory, sft_dir):
+    out = {}
+    for mode in ("frozen", "precomputed"):
+        d = tmp_path_factory.mktemp(f"dpo-{mode}") / "run"
+        run_torchrun(ROOT / "recipes" / "dpo.py",
+                     COMMON + [f"model.path={sft_dir / 'checkpoint-final'}", "model.random_init=false",
+                               f"algo.precompute_ref_logprobs={mode == 'precomputed'}", "trainer.eval_every=1",
+                               f"run_dir={d}"], timeout=600)
+        out[mode] = d
+    return out
+
+
+def test_sft_step_under_zero3(sft_dir):
+    _outputs_exist(sft_dir)
+    rows = _rows(sft_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/loss" in rows[0] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for r in rows[1:]:
+        assert r["train/loss"] > 0 and torch.isfinite(torch.tensor(r["train/loss"]))
+        assert r["train/grad_norm"] > 0 and r["train/lr"] == pytest.approx(1e-3)
+    assert rows[-1]["train/loss"] < rows[1]["train/loss"]  # lr 1e-3 on a random model: the loss falls
+    summary = json.loads((sft_dir / "summary.json").read_text())
+    assert summary["overlong"]["dropped"] == 0 and summary["train_examples"] == 24
+
+
+def test_dpo_step_under_zero3_from_the_sft_checkpoint(dpo_dirs):
+    for d in dpo_dirs.values():
+        _outputs_exist(d)
+        rows = _rows(d)
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        assert rows[0]["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-5)  # policy == reference
+        for r in rows[1:]:
+            for k in ("train/loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracy",
+                      "eval/rewards/accuracy", "eval/rewards/margins", "train/grad_norm"):
+                assert k in r and r[k] is not None, k
+        assert rows[1]["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # step 1 starts at the reference
+    cfg = (dpo_dirs["frozen"] / "config.yaml").read_text()
+    assert "checkpoint-final" in cfg and "random_init: false" in cfg
+    assert (dpo_dirs["precomputed"] / "ref_logprobs.pt").exists()
+
+
+def test_precomputed_reference_equals_frozen_reference_model(dpo_dirs):
+    a, b = _rows(dpo_dirs["frozen"]), _rows(dpo_dirs["precomputed"])
+    for ra, rb in zip(a[1:], b[1:]):
+        for k in ("train/loss", "rewards/margins", "eval/rewards/margins", "eval/loss"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-3, abs=1e-4), k
+
+
+def test_grpo_starts_from_the_dpo_checkpoint(dpo_dirs, tmp_path):
+    d = tmp_path / "grpo"
+    ckpt = dpo_dirs["precomputed"] / "checkpoint-final"
+    run_torchrun(ROOT / "recipes" / "grpo.py",
+                 ["model=tiny", f"model.path={ckpt}", "model.random_init=false", "trainer.total_steps=1",
+                  "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
+                  "rollout.eval_max_new_tokens=4", "trainer.micro_batch_size=4", f"run_dir={d}"], timeout=600)
+    assert (d / "checkpoint-final" / "config.json").exists()
+    rows = _rows(d)
+    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
