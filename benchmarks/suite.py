@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     steps = plan(args.preset, only, args.out)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "PYTHONUNBUFFERED": "1"}
-    failed = []
+    failed, ran = [], 0
     t_all = time.perf_counter()
     for name, cmd in steps:
         full = [sys.executable, *cmd]
@@ -97,6 +97,7 @@ def main(argv=None) -> int:
             continue
         t0 = time.perf_counter()
         rc = subprocess.run(full, cwd=ROOT, env=env).returncode
+        ran += 1
         print(f"=== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.perf_counter() - t0:.0f} s", flush=True)
         if rc != 0:
             failed.append(name)
@@ -104,7 +105,8 @@ def main(argv=None) -> int:
                 break
     if not args.dry_run:
         readme = common.refresh_readme(args.out)
-        print(f"\nsuite: {len(steps) - len(failed)}/{len(steps)} benchmarks ok in {time.perf_counter() - t_all:.0f} s; "
+        print(f"\nsuite: {ran - len(failed)} of {len(steps)} benchmarks ran ok"
+              f"{f', failed: {failed}' if failed else ''} in {time.perf_counter() - t_all:.0f} s; "
               f"results in {readme.parent}, summary in {readme}")
     return 1 if failed else 0
 
