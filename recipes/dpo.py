@@ -11,16 +11,16 @@ One step:
     the next trainer.batch_size pairs (each rank takes its share)
     micro-batches of [chosen; rejected] behind the shared prompt -> sequence log-probs
     -> algos.dpo_loss against the reference -> summed over pairs / pairs on all ranks -> step
+Checkpoints (every trainer.save_every steps, on SIGINT / SIGTERM, at the end) resume exactly
+with resume=auto run_dir=<the run's directory>.
 Held-out evaluation (trainer.eval_every, end): loss, implicit rewards of chosen and rejected,
 their margin, and preference accuracy (share of pairs whose chosen reward is higher).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -32,18 +32,16 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import export_hf  # noqa: E402
-from colo_rl.colocate.setup import build_colocated  # noqa: E402
+from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
 from colo_rl.config import ConfigError, register_configs  # noqa: E402
-from colo_rl.data.files import DataError  # noqa: E402
 from colo_rl.data.preference import load_preference_data  # noqa: E402
 from colo_rl.data.sampler import EpochSampler  # noqa: E402
-from colo_rl.metrics import MetricsLogger, Progress, Timer, plot_curves, read_jsonl  # noqa: E402
+from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl  # noqa: E402
 from colo_rl.models import load_tokenizer  # noqa: E402
-from colo_rl.rewards import RewardScorer  # noqa: E402
 from colo_rl.train.actor import DeepSpeedActor  # noqa: E402
 from colo_rl.train.offline import (empty_batch, equalise, held_out_accuracy, pair_logps,  # noqa: E402
                                    pair_micro_batches, split_pair_logps)
+from colo_rl.train.offline_loop import build_offline_trainer, plan_steps, run_offline_loop  # noqa: E402
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -57,7 +55,7 @@ def main(hydra_cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="dpo")
     cfg, run_dir, tr, algo = ctx.cfg, ctx.run_dir, ctx.cfg.trainer, ctx.cfg.algo
-    world = dist.world_size()
+    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
     average = algo.dpo_loss == "ipo"  # IPO works on length-normalised log-probs
 
     # ---- data: prompt / chosen / rejected, tokenised once, over-length policy (counted)
@@ -66,40 +64,22 @@ def main(hydra_cfg: DictConfig) -> None:
     train, held, length_stats = load_preference_data(tokenizer, cfg.data)
     log.info("data: %d train / %d held-out pairs from %s; data.overlong_policy=%s: %s", len(train), len(held),
              cfg.data.path or "the embedded arithmetic task", cfg.data.overlong_policy, length_stats.summary())
-    if not train:
-        raise DataError("no training pairs left (all over-length?): raise data.max_seq_len")
-    if tr.batch_size % world:
-        raise ConfigError(f"trainer.batch_size={tr.batch_size} must be divisible by the number of ranks ({world})")
-    if algo.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"algo.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
-                          f"not {cfg.model.attn_implementation!r}")
+    plan = plan_steps(cfg, len(train), "pairs")
     if not 0.0 <= algo.label_smoothing < 0.5:
         raise ConfigError(f"algo.label_smoothing={algo.label_smoothing} must be in [0, 0.5)")
-    steps_per_epoch = math.ceil(len(train) / tr.batch_size)
-    total_steps = tr.epochs * steps_per_epoch
-    if tr.max_steps:
-        total_steps = min(total_steps, tr.max_steps)
-    local_batch = tr.batch_size // world
     sampler = EpochSampler(len(train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     log.info("plan: %d steps (%d epoch(s) x %d steps of %d pairs; %d per rank, micro-batches of %d pairs); "
-             "loss %s, beta %g, label smoothing %g; reference log-probs %s", total_steps, tr.epochs, steps_per_epoch,
-             tr.batch_size, local_batch, tr.micro_batch_size, algo.dpo_loss, algo.beta, algo.label_smoothing,
-             "precomputed once" if algo.precompute_ref_logprobs else "from a frozen reference model")
+             "loss %s, beta %g, label smoothing %g; reference log-probs %s", plan.total_steps, tr.epochs,
+             plan.steps_per_epoch, tr.batch_size, plan.local_batch, tr.micro_batch_size, algo.dpo_loss, algo.beta,
+             algo.label_smoothing, "precomputed once" if algo.precompute_ref_logprobs else "from a frozen reference model")
 
     # ---- policy (+ rollout engine for the optional greedy accuracy) and reference
     gen_eval = bool(tr.eval_generate and held and all(p.answer is not None for p in held))
-    grad_accum = math.ceil(local_batch / tr.micro_batch_size)
-    if gen_eval:
-        colo = build_colocated(cfg, tokenizer, ctx.dtype, run_dir, total_steps=total_steps, grad_accum=grad_accum)
-        actor, update_phase, guard = colo.actor, colo.switch.update, colo.guard
-        scorer = RewardScorer(cfg.reward)
-    else:
-        colo, guard = None, None
-        actor, update_phase = DeepSpeedActor(cfg, ctx.dtype, total_steps=total_steps, grad_accum=grad_accum), \
-            contextlib.nullcontext
+    trainer = build_offline_trainer(cfg, ctx, tokenizer, plan, gen_eval)
+    actor = trainer.actor
     ref = None
     if not algo.precompute_ref_logprobs:
-        ref = DeepSpeedActor(cfg, ctx.dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
+        ref = DeepSpeedActor(cfg, ctx.dtype, total_steps=plan.total_steps, with_optimizer=False, guard=trainer.guard)
     metrics = MetricsLogger(run_dir, cfg.tensorboard, CONSOLE)
     timer = Timer()
 
@@ -113,10 +93,11 @@ def main(hydra_cfg: DictConfig) -> None:
             chosen[idx], rejected[idx] = ci, ri
         return chosen, rejected
 
-    # ---- reference log-probs, precomputed: the starting weights are the reference
+    # ---- reference log-probs, precomputed: the starting weights are the reference (also on a
+    # resume: the actor holds model.path's weights until the loop loads the checkpoint)
     cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     if algo.precompute_ref_logprobs:
-        with update_phase(), timer("ref_precompute"):
+        with trainer.update_phase(), timer("ref_precompute"):
             cache["train"] = logps_all(actor, train)
             cache["eval"] = logps_all(actor, held) if held else (torch.zeros(0), torch.zeros(0))
         log.info("reference log-probs of %d pairs precomputed in %.1fs", len(train) + len(held),
@@ -127,7 +108,7 @@ def main(hydra_cfg: DictConfig) -> None:
     def run_eval(step: int) -> dict:
         out: dict = {}
         if held:
-            with update_phase():
+            with trainer.update_phase():
                 # at step 0 the policy is the reference: with precomputing, its log-probs are the cached ones
                 pol = cache["eval"] if step == 0 and ref is None else logps_all(actor, held)
                 ref_lp = cache["eval"] if ref is None else logps_all(ref, held)
@@ -138,33 +119,24 @@ def main(hydra_cfg: DictConfig) -> None:
                      "loss %.4f on %d pairs", step, out["eval/rewards/accuracy"], out["eval/rewards/margins"],
                      out["eval/rewards/chosen"], out["eval/rewards/rejected"], out["eval/loss"], len(held))
         if gen_eval:
-            out.update(held_out_accuracy(colo, tokenizer, held, scorer, cfg.rollout.eval_max_new_tokens, step))
+            out.update(held_out_accuracy(trainer.colo, tokenizer, held, trainer.scorer,
+                                         cfg.rollout.eval_max_new_tokens, step))
         return out
 
-    with timer("eval"):
-        first_eval = run_eval(0)
-    metrics.log(0, {**first_eval, **timer.pop()}, console=False)
-    progress = Progress(total_steps, "DPO")
-    eval_every = tr.eval_every or total_steps
-    last_eval = first_eval
-    for step in range(total_steps):
-        with timer("step"):
-            gidx = sampler.next_local(tr.batch_size)
-            with update_phase():
-                step_metrics = train_step(cfg, actor, ref, [train[i] for i in gidx], gidx, cache.get("train"), pad,
-                                          average, ctx.dtype)
-        step_metrics.update(timer.pop())
-        step_metrics["train/epoch"] = (step + 1) * tr.batch_size / len(train)
-        if (step + 1) % eval_every == 0 or step + 1 == total_steps:
-            with timer("eval"):
-                last_eval = run_eval(step + 1)
-            step_metrics.update({**last_eval, **timer.pop()})
-        metrics.log(step + 1, step_metrics)
-        progress.advance()
-    progress.close()
+    def step_fn(indices: list[int]) -> dict:
+        return train_step(cfg, actor, ref, [train[i] for i in indices], indices, cache.get("train"), pad, average,
+                          ctx.dtype)
+
+    # ---- the loop: resume or evaluate the starting model, steps, evaluations, checkpoints
+    result = run_offline_loop("DPO", cfg, plan, trainer, sampler, ckpt, metrics, step_fn, run_eval, len(train))
+    if result.stopped_by:
+        metrics.close()
+        runtime.finish()
+        sys.exit(result.exit_code)
+    first_eval, last_eval = result.first_eval, result.last_eval
 
     # ---- outputs: HF checkpoint, curves, summary
-    with update_phase():
+    with trainer.update_phase():
         final = export_hf(actor, tokenizer, run_dir / "checkpoint-final")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if cfg.plots:
@@ -174,15 +146,15 @@ def main(hydra_cfg: DictConfig) -> None:
                      ("preference accuracy", ["rewards/accuracy", "eval/rewards/accuracy"]),
                      ("implicit rewards", ["rewards/chosen", "rewards/rejected", "eval/rewards/chosen",
                                            "eval/rewards/rejected"])], f"DPO ({algo.dpo_loss}) {run_dir.name}")
-    summary = {"recipe": "dpo", "loss": algo.dpo_loss, "beta": algo.beta, "steps": total_steps,
-               "train_pairs": len(train), "held_out_pairs": len(held),
+    summary = {"recipe": "dpo", "loss": algo.dpo_loss, "beta": algo.beta, "steps": plan.total_steps,
+               "train_pairs": len(train), "held_out_pairs": len(held), "resumed_at_step": result.start_step,
                "overlong": vars(length_stats) | {"dropped_origins": length_stats.dropped_origins[:10]},
                "start": first_eval, "end": last_eval, "checkpoint": str(final),
                "seconds": time.perf_counter() - t_start}
     if dist.is_rank0():
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     metrics.close()
-    if held:
+    if held and "eval/rewards/accuracy" in first_eval:
         log.info("held-out preference accuracy %.3f -> %.3f, margin %.4f -> %.4f (%d pairs)",
                  first_eval["eval/rewards/accuracy"], last_eval["eval/rewards/accuracy"],
                  first_eval["eval/rewards/margins"], last_eval["eval/rewards/margins"], len(held))

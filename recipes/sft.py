@@ -7,6 +7,8 @@ One step:
     the next trainer.batch_size examples (each rank takes its share)
     micro-batches (packed when algo.packing) -> log-probs of the completion tokens
     -> NLL averaged over the step's completion tokens on all ranks -> backward -> optimizer step
+Checkpoints (every trainer.save_every steps, on SIGINT / SIGTERM, at the end) resume exactly
+with resume=auto run_dir=<the run's directory>.
 Evaluation (start, every trainer.eval_every steps, end): held-out loss; where the held-out
 examples carry answers (the embedded arithmetic task does), greedy accuracy with the rollout
 engine: the same problems, prompts and answer extraction as GRPO's evaluation.
@@ -15,10 +17,8 @@ The final HF checkpoint (<run dir>/checkpoint-final) is a model.path for dpo.py 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -29,17 +29,14 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import export_hf  # noqa: E402
-from colo_rl.colocate.setup import build_colocated  # noqa: E402
-from colo_rl.config import ConfigError, register_configs  # noqa: E402
-from colo_rl.data.files import DataError  # noqa: E402
+from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
+from colo_rl.config import register_configs  # noqa: E402
 from colo_rl.data.sampler import EpochSampler  # noqa: E402
 from colo_rl.data.sft import load_sft_data  # noqa: E402
-from colo_rl.metrics import MetricsLogger, Progress, Timer, plot_curves, read_jsonl  # noqa: E402
+from colo_rl.metrics import MetricsLogger, plot_curves, read_jsonl  # noqa: E402
 from colo_rl.models import load_tokenizer  # noqa: E402
-from colo_rl.rewards import RewardScorer  # noqa: E402
-from colo_rl.train.actor import DeepSpeedActor  # noqa: E402
 from colo_rl.train.offline import equalise, held_out_accuracy, masked_token_count, sft_micro_batches  # noqa: E402
+from colo_rl.train.offline_loop import build_offline_trainer, plan_steps, run_offline_loop  # noqa: E402
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -53,7 +50,7 @@ def main(hydra_cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="sft")
     cfg, run_dir, tr = ctx.cfg, ctx.run_dir, ctx.cfg.trainer
-    world = dist.world_size()
+    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
 
     # ---- data: tokenised once, completion masks, over-length policy (counted)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -61,34 +58,16 @@ def main(hydra_cfg: DictConfig) -> None:
     train, held, length_stats = load_sft_data(tokenizer, cfg.data)
     log.info("data: %d train / %d held-out examples from %s; data.overlong_policy=%s: %s", len(train), len(held),
              cfg.data.path or "the embedded arithmetic task", cfg.data.overlong_policy, length_stats.summary())
-    if not train:
-        raise DataError("no training examples left (all over-length?): raise data.max_seq_len")
-    if tr.batch_size % world:
-        raise ConfigError(f"trainer.batch_size={tr.batch_size} must be divisible by the number of ranks ({world})")
-    if cfg.algo.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"algo.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
-                          f"not {cfg.model.attn_implementation!r}")
-    steps_per_epoch = math.ceil(len(train) / tr.batch_size)
-    total_steps = tr.epochs * steps_per_epoch
-    if tr.max_steps:
-        total_steps = min(total_steps, tr.max_steps)
-    local_batch = tr.batch_size // world
+    plan = plan_steps(cfg, len(train), "examples")
     sampler = EpochSampler(len(train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of %d%s)",
-             total_steps, tr.epochs, steps_per_epoch, tr.batch_size, local_batch, tr.micro_batch_size,
+             plan.total_steps, tr.epochs, plan.steps_per_epoch, tr.batch_size, plan.local_batch, tr.micro_batch_size,
              ", packed" if cfg.algo.packing else "")
 
     # ---- trainer; plus the rollout engine when the held-out examples can be scored
     gen_eval = bool(tr.eval_generate and held and all(ex.answer is not None for ex in held))
-    grad_accum = math.ceil(local_batch / tr.micro_batch_size)
-    if gen_eval:
-        colo = build_colocated(cfg, tokenizer, ctx.dtype, run_dir, total_steps=total_steps, grad_accum=grad_accum)
-        actor, update_phase = colo.actor, colo.switch.update
-        scorer = RewardScorer(cfg.reward)
-    else:
-        colo = None
-        actor, update_phase = DeepSpeedActor(cfg, ctx.dtype, total_steps=total_steps, grad_accum=grad_accum), \
-            contextlib.nullcontext
+    trainer = build_offline_trainer(cfg, ctx, tokenizer, plan, gen_eval)
+    actor = trainer.actor
     metrics = MetricsLogger(run_dir, cfg.tensorboard, CONSOLE)
 
     def micro(examples):
@@ -98,39 +77,28 @@ def main(hydra_cfg: DictConfig) -> None:
     def run_eval(step: int) -> dict:
         out: dict = {}
         if held:
-            with update_phase():
+            with trainer.update_phase():
                 out.update(held_out_loss(actor, micro(dist.shard(held)), pad))
         if gen_eval:
-            out.update(held_out_accuracy(colo, tokenizer, held, scorer, cfg.rollout.eval_max_new_tokens, step))
+            out.update(held_out_accuracy(trainer.colo, tokenizer, held, trainer.scorer,
+                                         cfg.rollout.eval_max_new_tokens, step))
         if "eval/loss" in out:
             log.info("eval @ step %d: held-out loss %.4f", step, out["eval/loss"])
         return out
 
-    timer = Timer()
-    with timer("eval"):
-        first_eval = run_eval(0)
-    metrics.log(0, {**first_eval, **timer.pop()}, console=False)
-    progress = Progress(total_steps, "SFT")
-    eval_every = tr.eval_every or total_steps
-    last_eval = first_eval
-    for step in range(total_steps):
-        with timer("step"):
-            examples = [train[i] for i in sampler.next_local(tr.batch_size)]
-            with update_phase():
-                step_metrics = train_step(actor, micro(examples), pad, examples)
-        step_metrics.update(timer.pop())
-        step_metrics["throughput/tokens_per_s"] = step_metrics["train/tokens"] / step_metrics["time/step"]
-        step_metrics["train/epoch"] = (step + 1) * tr.batch_size / len(train)
-        if (step + 1) % eval_every == 0 or step + 1 == total_steps:
-            with timer("eval"):
-                last_eval = run_eval(step + 1)
-            step_metrics.update({**last_eval, **timer.pop()})
-        metrics.log(step + 1, step_metrics)
-        progress.advance()
-    progress.close()
+    def step_fn(indices: list[int]) -> dict:
+        examples = [train[i] for i in indices]
+        return train_step(actor, micro(examples), pad, examples)
+
+    # ---- the loop: resume or evaluate the base model, steps, evaluations, checkpoints
+    result = run_offline_loop("SFT", cfg, plan, trainer, sampler, ckpt, metrics, step_fn, run_eval, len(train))
+    if result.stopped_by:
+        metrics.close()
+        runtime.finish()
+        sys.exit(result.exit_code)
 
     # ---- outputs: HF checkpoint, loss curve, summary
-    with update_phase():
+    with trainer.update_phase():
         final = export_hf(actor, tokenizer, run_dir / "checkpoint-final")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     if cfg.plots:
@@ -138,14 +106,16 @@ def main(hydra_cfg: DictConfig) -> None:
                     [("loss (completion-token NLL)", ["train/loss", "eval/loss"]),
                      ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient", "eval/format_rate"]),
                      ("train tokens / s", ["throughput/tokens_per_s"])], f"SFT {run_dir.name}")
-    summary = {"recipe": "sft", "steps": total_steps, "train_examples": len(train), "held_out_examples": len(held),
+    first_eval, last_eval = result.first_eval, result.last_eval
+    summary = {"recipe": "sft", "steps": plan.total_steps, "train_examples": len(train),
+               "held_out_examples": len(held), "resumed_at_step": result.start_step,
                "overlong": vars(length_stats) | {"dropped_origins": length_stats.dropped_origins[:10]},
                "start": first_eval, "end": last_eval, "checkpoint": str(final),
                "seconds": time.perf_counter() - t_start}
     if dist.is_rank0():
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
     metrics.close()
-    if gen_eval:
+    if gen_eval and "eval/accuracy" in first_eval:
         log.info("held-out accuracy: %.3f before -> %.3f after SFT (%d problems)", first_eval["eval/accuracy"],
                  last_eval["eval/accuracy"], int(last_eval["eval/count"]))
     log.info("done in %.0fs: %s (next: recipes/dpo.py or recipes/grpo.py model.path=%s)",

@@ -2,9 +2,12 @@
 GRPO chain: each recipe's checkpoint-final is the next one's model.path."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import ROOT, run_torchrun
 
@@ -94,3 +97,42 @@ def test_grpo_starts_from_the_dpo_checkpoint(dpo_dirs, tmp_path):
     assert (d / "checkpoint-final" / "config.json").exists()
     rows = _rows(d)
     assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+
+
+def _continue_and_compare(script, args: list[str], stopped: Path, tmp_path):
+    """Resume a copy of `stopped` (a 2-step run: its final checkpoint is step 2) to 4 steps; an
+    uninterrupted 4-step run with the same arguments must log the same steps 3-4 and end with the
+    same weights."""
+    resumed, full = tmp_path / "resumed", tmp_path / "full"
+    shutil.copytree(stopped, resumed)
+    assert (resumed / "checkpoints" / "step-000002" / "COMPLETE").exists()
+    # 24 examples in batches of 8: the second epoch starts at step 4 (the sampler's reshuffle resumes too)
+    longer = [a for a in args if not a.startswith("trainer.max_steps=")] + ["trainer.max_steps=4", "trainer.epochs=2"]
+    run_torchrun(script, longer + [f"run_dir={resumed}", "resume=auto"], timeout=900)
+    run_torchrun(script, longer + [f"run_dir={full}"], timeout=900)
+    a, b = _rows(full), _rows(resumed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # nothing logged twice
+    for ra, rb in zip(a[1:], b[1:]):
+        for k in ("train/loss", "train/grad_norm", "train/lr"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-7), (ra["step"], k)
+    for k in a[-1]:
+        if k.startswith("eval/") and isinstance(a[-1][k], float):
+            assert b[-1][k] == pytest.approx(a[-1][k], rel=1e-5, abs=1e-6), k
+    assert json.loads((resumed / "summary.json").read_text())["resumed_at_step"] == 2
+    wa = load_file(str(full / "checkpoint-final" / "model.safetensors"))
+    wb = load_file(str(resumed / "checkpoint-final" / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_sft_resumes_exactly(sft_dir, tmp_path):
+    _continue_and_compare(ROOT / "recipes" / "sft.py", COMMON + ["algo.packing=true", "trainer.eval_generate=true"],
+                          sft_dir, tmp_path)
+
+
+def test_dpo_resumes_exactly_with_the_reference_of_the_starting_weights(dpo_dirs, sft_dir, tmp_path):
+    # the resumed run precomputes the reference from model.path before loading the step-2 weights
+    _continue_and_compare(ROOT / "recipes" / "dpo.py",
+                          COMMON + [f"model.path={sft_dir / 'checkpoint-final'}", "model.random_init=false",
+                                    "algo.precompute_ref_logprobs=true", "trainer.eval_every=1"],
+                          dpo_dirs["precomputed"], tmp_path)

@@ -9,10 +9,13 @@ assistant turn up to and including its end-of-turn token; whitespace after it do
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
-from colo_rl.data.files import DataError
+from colo_rl.data.files import DataError, Record, read_records
+
+T = TypeVar("T")
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -199,3 +202,42 @@ def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str)
         return None
     stats.truncated += 1
     return Encoded(prompt, responses)
+
+
+def split_records(records: list[Record], data_cfg) -> tuple[list[Record], list[Record]]:
+    """Seeded held-out split of a user file (data.eval_size records); the rest is trained on."""
+    if data_cfg.eval_size and len(records) <= data_cfg.eval_size:
+        raise DataError(f"data.path={data_cfg.path!r} has {len(records)} records, not more than "
+                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
+    order = list(range(len(records)))
+    random.Random(data_cfg.seed).shuffle(order)
+    held = [records[i] for i in order[:data_cfg.eval_size]]
+    train = [records[i] for i in sorted(order[data_cfg.eval_size:])]
+    return train, held
+
+
+def encode_splits(tokenizer, data_cfg, embedded: Callable[[Any], tuple[list[Record], list[Record]]],
+                  encode_record: Callable[[Record, "ChatEncoder"], Encoded],
+                  make: Callable[[str, Encoded, Optional[str], str], T]) -> tuple[list[T], list[T], LengthStats]:
+    """Train and held-out examples of data.path (split by `split_records`), or of the embedded
+    task (`embedded(data_cfg)`) when data.path is null: each record encoded, put through the
+    over-length policy and turned into an example by make(id, encoded, answer or None, origin).
+    Also returns what the policy did."""
+    if data_cfg.path is None:
+        train_recs, held_recs = embedded(data_cfg)
+    else:
+        train_recs, held_recs = split_records(read_records(data_cfg.path), data_cfg)
+    encoder = ChatEncoder(tokenizer, data_cfg)
+    stats = LengthStats()
+
+    def encode(recs: list[Record]) -> list[T]:
+        out = []
+        for i, rec in enumerate(recs):
+            enc = apply_length_policy(encode_record(rec, encoder), data_cfg, stats, rec.origin)
+            if enc is None:
+                continue
+            answer = rec.data.get("answer")
+            out.append(make(str(rec.data.get("id", i)), enc, None if answer is None else str(answer), rec.origin))
+        return out
+
+    return encode(train_recs), encode(held_recs), stats

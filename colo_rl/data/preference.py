@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from colo_rl.data.arithmetic_demos import preference_records
-from colo_rl.data.chat import ChatEncoder, LengthStats, apply_length_policy
-from colo_rl.data.files import Record, read_records
-from colo_rl.data.sft import split_records
+from colo_rl.data.chat import ChatEncoder, Encoded, LengthStats, encode_splits
+from colo_rl.data.files import Record
 
 
 @dataclass
@@ -34,27 +33,13 @@ class PreferencePair:
         return len(self.prompt_ids) + max(len(self.chosen_ids), len(self.rejected_ids))
 
 
+def encode_preference_record(rec: Record, encoder: ChatEncoder) -> Encoded:
+    prompt, chosen, rejected = rec.require("prompt", "chosen", "rejected")
+    return encoder.encode_pair(prompt, [("chosen", chosen), ("rejected", rejected)], rec.origin)
+
+
 def load_preference_data(tokenizer, data_cfg) -> tuple[list[PreferencePair], list[PreferencePair], LengthStats]:
     """Train and held-out pairs after the over-length policy, and what the policy did."""
-    if data_cfg.path is None:
-        train_recs, held_recs = preference_records(data_cfg)
-    else:
-        train_recs, held_recs = split_records(read_records(data_cfg.path), data_cfg)
-    encoder = ChatEncoder(tokenizer, data_cfg)
-    stats = LengthStats()
-
-    def encode(recs: list[Record]) -> list[PreferencePair]:
-        out = []
-        for i, rec in enumerate(recs):
-            prompt, chosen, rejected = rec.require("prompt", "chosen", "rejected")
-            enc = encoder.encode_pair(prompt, [("chosen", chosen), ("rejected", rejected)], rec.origin)
-            enc = apply_length_policy(enc, data_cfg, stats, rec.origin)
-            if enc is None:
-                continue
-            (c_ids, c_mask), (r_ids, r_mask) = enc.responses
-            answer = rec.data.get("answer")
-            out.append(PreferencePair(str(rec.data.get("id", i)), enc.prompt_ids, c_ids, c_mask, r_ids, r_mask,
-                                      None if answer is None else str(answer), rec.origin))
-        return out
-
-    return encode(train_recs), encode(held_recs), stats
+    return encode_splits(tokenizer, data_cfg, preference_records, encode_preference_record,
+                         lambda pair_id, enc, answer, origin: PreferencePair(
+                             pair_id, enc.prompt_ids, *enc.responses[0], *enc.responses[1], answer, origin))
