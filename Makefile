@@ -28,7 +28,7 @@ endif
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=12 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

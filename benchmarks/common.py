@@ -191,6 +191,21 @@ def write_results(name: str, result: dict, table_md: str, out_dir: Path = RESULT
     return stem
 
 
+def publish(name: str, result: dict, table_md: str, out_dir: Path, chart=None, readme: bool = True) -> Path:
+    """What every benchmark does at the end: write the results files, draw `chart(result, png)`
+    when given, refresh the results README, print the table and where it went."""
+    stem = write_results(name, result, table_md, out_dir)
+    wrote = [".json", ".md"]
+    if chart is not None:
+        chart(result, stem.with_suffix(".png"))
+        wrote.append(".png")
+    if readme:
+        refresh_readme(out_dir)
+    print(table_md)
+    print(f"wrote {stem} ({', '.join(wrote)})")
+    return stem
+
+
 def _jsonable(obj):
     if hasattr(obj, "item"):
         return obj.item()

@@ -219,6 +219,8 @@ def chart(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from colo_rl.metrics import save_figure
+
     rs = result["sizes"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     xs = [r["parameters"] / 1e6 for r in rs]
@@ -234,10 +236,7 @@ def chart(result: dict, path: Path) -> Path:
     ax.set_ylim(bottom=0)
     ax.set_title(f"weight handoff bandwidth ({result['device']}, {result['dtype']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -255,13 +254,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown size {unknown[0]!r}; choose from {list(SIZES)}")
     result = run(args)
-    table = markdown(result)
-    stem = common.write_results("handoff", result, table, args.out)
-    chart(result, stem.with_suffix(".png"))
-    if not args.no_readme:
-        common.refresh_readme(args.out)
-    print(table)
-    print(f"wrote {stem}.json, .md and .png")
+    common.publish("handoff", result, markdown(result), args.out, chart, readme=not args.no_readme)
     return 0
 
 

@@ -191,10 +191,7 @@ def main(argv=None) -> int:
     from colo_rl import dist
 
     if dist.is_rank0():
-        table = markdown(result)
-        stem = common.write_results("phase_switch", result, table, args.out)
-        print(table)
-        print(f"wrote {stem}.json and {stem}.md")
+        common.publish("phase_switch", result, markdown(result), args.out, readme=False)
     return 0
 
 

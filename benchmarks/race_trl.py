@@ -104,7 +104,8 @@ def run_trl(args, work: Path) -> dict:
     out = work / "trl.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "trl", "--worker-json", str(out),
            "--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
-           "--max-new-tokens", str(args.max_new_tokens), "--trl-micro-batch", str(args.trl_micro_batch)]
+           "--max-new-tokens", str(args.max_new_tokens), "--trl-micro-batch", str(args.trl_micro_batch),
+           *[a for o in args.colo_override for a in ("--colo-override", o)]]  # e.g. data.* for both sides
     t0 = time.perf_counter()
     load0 = len(common.LOAD.samples)
     _run(cmd, work / "trl.log")
@@ -120,17 +121,24 @@ def trl_worker(args) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from colo_rl.config import DataConfig, ModelConfig, RewardConfig
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from colo_rl.config import ModelConfig, register_configs
     from colo_rl.data import PromptBuilder, load_problems
     from colo_rl.models import cpu_supports_bf16, load_model, load_tokenizer
     from colo_rl.rewards import RewardScorer
 
+    # The colo_rl side's config, composed from the same conf/ and overrides: the same problems,
+    # prompts (instruction, chat template) and reward.
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=colo_overrides(args, Path(tempfile.gettempdir()))))
     tokenizer = load_tokenizer("embedded")
-    data_cfg = DataConfig(train_size=512, eval_size=8)  # the same problems as the colo_rl side
-    train, _ = load_problems(data_cfg)
-    builder = PromptBuilder(tokenizer, data_cfg)
+    train, _ = load_problems(cfg.data)
+    builder = PromptBuilder(tokenizer, cfg.data)
     dataset = Dataset.from_list([{"prompt": builder.messages(p), "answer": p.answer} for p in train])
-    scorer = RewardScorer(RewardConfig())
+    scorer = RewardScorer(cfg.reward)
     accuracy: list[float] = []
 
     def arithmetic_reward(completions, answer, **_):
@@ -294,6 +302,8 @@ def chart(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from colo_rl.metrics import save_figure
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
     for side, label in (("colo_rl", "colo_rl"), ("trl", "TRL")):
         s = result[side]
@@ -307,10 +317,7 @@ def chart(result: dict, path: Path) -> Path:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -360,13 +367,7 @@ def main(argv=None) -> int:
         print(json.dumps({s: result[s]["summary"] for s in sides}, indent=1))
         return 0
     result["ratio"] = race_ratio(result["colo_rl"]["step_seconds"], result["trl"]["step_seconds"], args.skip)
-    table = markdown(result)
-    stem = common.write_results("race_trl", result, table, args.out)
-    chart(result, stem.with_suffix(".png"))
-    if not args.no_readme:
-        common.refresh_readme(args.out)
-    print(table)
-    print(f"wrote {stem}.json, .md and .png")
+    common.publish("race_trl", result, markdown(result), args.out, chart, readme=not args.no_readme)
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import json
 import statistics
 import sys
 import threading
@@ -289,6 +288,8 @@ def chart(result: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from colo_rl.metrics import save_figure
+
     b, mem = result["breakdown"], result["memory"]
     names = list(b["phases"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6), gridspec_kw={"width_ratios": [3, 2]})
@@ -307,10 +308,7 @@ def chart(result: dict, path: Path) -> Path:
     ax2.set_ylabel(f"peak GiB ({'RSS' if result['memory_kind'] == 'rss' else 'device used'})")
     ax2.set_title("peak memory per phase")
     ax2.tick_params(axis="x", rotation=30, labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -358,13 +356,7 @@ def main(argv=None) -> int:
         "run_dir": str(run_dir), "steps": rows,
     }
     result["device"], result["date"] = common.device_slug(), common.today()
-    table = markdown(result)
-    stem = common.write_results("step_breakdown", result, table, args.out)
-    chart(result, stem.with_suffix(".png"))
-    if not args.no_readme:
-        common.refresh_readme(args.out)
-    print(table)
-    print(f"wrote {stem}.json, .md and .png")
+    common.publish("step_breakdown", result, markdown(result), args.out, chart, readme=not args.no_readme)
     return 0
 
 

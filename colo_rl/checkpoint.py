@@ -220,7 +220,8 @@ def restore_rng(state: dict, engine=None) -> list[str]:
     return notes
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path | str) -> None:
+    """fsync a file or directory; best effort (some filesystems refuse directories)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -382,7 +383,7 @@ class CheckpointManager:
             if final.exists():  # a re-run of the same step (e.g. after a resume): replace it
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            _fsync_path(self.root)
             self._prune()
         dist.barrier()
         self.last_saved_step, self.last_saved = step, final
@@ -399,17 +400,8 @@ class CheckpointManager:
 def _fsync_tree(path: Path) -> None:
     for root, _, files in os.walk(path):
         for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(root))
+            _fsync_path(os.path.join(root, name))
+        _fsync_path(root)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -139,7 +139,14 @@ def plot_curves(rows: list[dict], out_path: Path, panels: list[tuple[str, list[s
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
+    return save_figure(fig, out_path)
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out, write as PNG and close (matplotlib keeps open figures alive)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return out_path
+    return path
