@@ -35,6 +35,10 @@ def test_nonfinite_loss_or_gradient_on_one_rank_skips_the_step_on_every_rank(non
         assert r["nan_loss_rank1"]["in_a_row"] == 1 and r["nan_loss_rank1"]["total"] == 1
         assert r["clean_again"]["skipped"] == 0.0 and r["clean_again"]["in_a_row"] == 0  # a clean step resets
         assert r["inf_grad_rank0"]["in_a_row"] == 1 and r["nan_loss_2"]["in_a_row"] == 2
+        # the same init and batch on every stage: the same (pre-clipping) global gradient norm, which
+        # colo_rl computes itself for stage 0 (DeepSpeed reports none there)
+        assert r["clean"]["grad_norm"] > 0
+        assert r["clean"]["grad_norm"] == pytest.approx(report["3"]["clean"]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow

@@ -198,9 +198,13 @@ class DeepSpeedActor:
         bad_loss = self._loss_nonfinite
         self._loss_nonfinite = False
         bad_grad = False
-        if self.zero_stage == 0:  # stage 0 steps whatever the gradients: check them here
-            bad_grad = any(p.grad is not None and not bool(torch.isfinite(p.grad).all())
-                           for p in self.module.parameters())
+        own_norm = None
+        if self.zero_stage == 0:  # stage 0 steps whatever the gradients and reports no norm: do both here
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            # the gradients are already averaged over ranks (DeepSpeed all-reduces at the boundary)
+            norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+            own_norm = float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+            bad_grad = not math.isfinite(own_norm)
         bad_loss, bad_grad = (v > 0 for v in dist.all_reduce_max([float(bad_loss), float(bad_grad)]))
         if bad_grad:  # stage 0 only: drop the gradients, no update
             self.engine.zero_grad()
@@ -209,7 +213,7 @@ class DeepSpeedActor:
             self.engine.step()
             applied = bool(self.engine.was_step_applied())
         applied = dist.all_reduce_max([0.0 if applied else 1.0])[0] == 0.0
-        norm = self.engine.get_global_grad_norm()
+        norm = self.engine.get_global_grad_norm() if own_norm is None else own_norm
         norm = float(norm) if norm is not None else float("nan")
         if bad_loss and applied and dist.is_rank0():
             log.warning("a loss was not finite but DeepSpeed found every gradient finite and applied the step")

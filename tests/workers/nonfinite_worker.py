@@ -50,7 +50,7 @@ def run_stage(stage: int) -> dict:
         except NonFiniteError as e:
             return {"error": str(e), "in_a_row": actor.nonfinite_in_a_row, "total": actor.nonfinite_total}
         return {"skipped": out["skipped"], "changed": not torch.equal(before, weights()),
-                "finite": bool(torch.isfinite(weights()).all()), "lr": out["lr"],
+                "finite": bool(torch.isfinite(weights()).all()), "lr": out["lr"], "grad_norm": out["grad_norm"],
                 "in_a_row": actor.nonfinite_in_a_row, "total": actor.nonfinite_total}
 
     r = dist.rank()

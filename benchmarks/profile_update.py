@@ -1,0 +1,113 @@
+"""Where the update phase's time goes: one GRPO update (8 group-packed micro-batches, as the race
+runs them) through plain PyTorch and through colo_rl's DeepSpeed actor at a given ZeRO stage, in
+one process; optionally the top operators from torch.profiler.
+
+    python benchmarks/profile_update.py --stage 3            # DeepSpeed ZeRO-3 (the default)
+    python benchmarks/profile_update.py --stage 0 --plain    # ZeRO-0, and plain PyTorch + AdamW
+    python benchmarks/profile_update.py --stage 3 --ops 25   # + the 25 most expensive operators
+
+Random token ids with the race's shapes (a 55-token prompt, 8 responses of 40 tokens per group);
+the second of two updates is timed (the first builds DeepSpeed's buffers). Prints seconds per
+update; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def packed_groups(n_groups: int, group_size: int, prompt_len: int, response_len: int) -> list:
+    from colo_rl.train.batch import build_batch, pack_group
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n_groups):
+        prompt = torch.randint(100, 40000, (prompt_len,), generator=g).tolist()
+        responses = [torch.randint(100, 40000, (response_len,), generator=g).tolist() for _ in range(group_size)]
+        rows = build_batch([prompt] * group_size, responses, 0)
+        out.append(pack_group(prompt, responses, rows.select(list(range(group_size))), torch.float32))
+    return out
+
+
+def deepspeed_update(stage: int, groups: list):
+    from colo_rl.config import ModelConfig, RunConfig
+    from colo_rl.train.actor import DeepSpeedActor
+
+    cfg = RunConfig()
+    cfg.model = ModelConfig()
+    cfg.trainer.zero_stage = stage
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=10, grad_accum=len(groups))
+    n_tok = float(sum(mb.response_mask.sum() for mb in groups))
+
+    def update() -> None:
+        for j, mb in enumerate(groups):
+            logp, _ = actor.response_logprobs(mb, 1.0, with_entropy=True)
+            actor.backward(-(logp * mb.response_mask).sum() / n_tok, last_micro_batch=j == len(groups) - 1)
+        actor.step()
+    return update
+
+
+def plain_update(groups: list):
+    from colo_rl.algos import logprobs_from_logits
+    from colo_rl.config import ModelConfig
+    from colo_rl.models import load_model
+    from colo_rl.train.batch import unpack_group
+
+    model = load_model(ModelConfig(), torch.float32, seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    n_tok = float(sum(mb.response_mask.sum() for mb in groups))
+
+    def update() -> None:
+        for mb in groups:
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                        use_cache=False, logits_to_keep=mb.logit_positions)
+            logits = unpack_group(out.logits[0], mb.packed_lengths, mb.response_len)
+            (-(logprobs_from_logits(logits, mb.response_ids, 1.0) * mb.response_mask).sum() / n_tok).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return update
+
+
+def timed(update) -> float:
+    update()  # warm-up
+    t0 = time.perf_counter()
+    update()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
+    p.add_argument("--plain", action="store_true", help="also time plain PyTorch + AdamW on the same batch")
+    p.add_argument("--ops", type=int, default=0, help="print this many top operators of the DeepSpeed update")
+    p.add_argument("--groups", type=int, default=8)
+    args = p.parse_args(argv)
+    from colo_rl import dist
+
+    dist.init()
+    dist.setup_logging()
+    groups = packed_groups(args.groups, 8, 55, 40)
+    if args.plain:
+        print(f"plain PyTorch + AdamW: {timed(plain_update(groups)):.2f} s per update "
+              f"({torch.get_num_threads()} threads)")
+    update = deepspeed_update(args.stage, groups)
+    print(f"DeepSpeed ZeRO-{args.stage}: {timed(update):.2f} s per update ({torch.get_num_threads()} threads)")
+    if args.ops:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            update()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
