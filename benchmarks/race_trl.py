@@ -161,9 +161,12 @@ def trl_worker(args) -> None:
         output_dir=str(Path(args.worker_json).parent / "trl-out"),
         per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
         steps_per_generation=batch // micro, num_generations=args.n, num_iterations=1,
-        max_completion_length=args.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, weight_decay=0.0,
-        beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",  # dapo = token-mean over the batch
+        # sampling and optimizer settings from the colo_rl side's composed config (one source)
+        max_completion_length=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, top_k=0, learning_rate=cfg.trainer.lr, lr_scheduler_type=cfg.trainer.lr_schedule,
+        warmup_steps=cfg.trainer.warmup_steps, max_grad_norm=cfg.trainer.grad_clip,
+        weight_decay=cfg.trainer.weight_decay, beta=cfg.algo.kl_coef, epsilon=cfg.algo.clip_low,
+        epsilon_high=cfg.algo.clip_high, loss_type="dapo", scale_rewards="group",  # dapo = token-mean over the batch
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", log_completions=False,
         bf16=bf16, fp16=False, gradient_checkpointing=False, use_vllm=False, use_cpu=not on_gpu,
         seed=SEED, data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True,

@@ -232,7 +232,9 @@ class StopSignal:
         signalled = all_reduce_max([float(self.signum or 0)])[0]
         return signal.Signals(int(signalled)).name if signalled else None
 
-    def exit_code(self, name: str) -> int:
+    @staticmethod
+    def exit_code(name: str) -> int:
+        """The shell's code for a process ended by that signal (128 + signal number)."""
         return 128 + int(signal.Signals[name])
 
     def restore(self) -> None:

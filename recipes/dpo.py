@@ -128,7 +128,8 @@ def main(hydra_cfg: DictConfig) -> None:
                           ctx.dtype)
 
     # ---- the loop: resume or evaluate the starting model, steps, evaluations, checkpoints
-    result = run_offline_loop("DPO", cfg, plan, trainer, sampler, ckpt, metrics, step_fn, run_eval, len(train))
+    result = run_offline_loop("DPO", cfg, plan, trainer, sampler, ckpt, metrics, step_fn, run_eval, len(train),
+                              start_metrics=timer.pop())  # time/ref_precompute
     if result.stopped_by:
         metrics.close()
         runtime.finish()

@@ -78,6 +78,7 @@ def test_dpo_step_under_zero3_from_the_sft_checkpoint(dpo_dirs):
     cfg = (dpo_dirs["frozen"] / "config.yaml").read_text()
     assert "checkpoint-final" in cfg and "random_init: false" in cfg
     assert (dpo_dirs["precomputed"] / "ref_logprobs.pt").exists()
+    assert _rows(dpo_dirs["precomputed"])[0]["time/ref_precompute"] > 0
 
 
 def test_precomputed_reference_equals_frozen_reference_model(dpo_dirs):

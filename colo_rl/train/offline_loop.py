@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -90,16 +89,16 @@ class LoopResult:
 
     @property
     def exit_code(self) -> int:
-        """The shell's code for a run ended by that signal (128 + signal number)."""
-        return 128 + int(signal.Signals[self.stopped_by]) if self.stopped_by else 0
+        return dist.StopSignal.exit_code(self.stopped_by) if self.stopped_by else 0
 
 
 def run_offline_loop(name: str, cfg, plan: StepPlan, trainer: OfflineTrainer, sampler, ckpt, metrics,
-                     step_fn: Callable[[list[int]], dict], eval_fn: Callable[[int], dict], n_train: int
-                     ) -> LoopResult:
+                     step_fn: Callable[[list[int]], dict], eval_fn: Callable[[int], dict], n_train: int,
+                     start_metrics: Optional[dict] = None) -> LoopResult:
     """Resume (or evaluate the starting model), then plan.total_steps steps of step_fn on the next
     trainer.batch_size examples (this rank's share), evaluating every trainer.eval_every steps and
-    at the end, checkpointing every trainer.save_every steps, on a stop signal and at the end."""
+    at the end, checkpointing every trainer.save_every steps, on a stop signal and at the end.
+    `start_metrics` (e.g. set-up timings) join the step-0 row of a fresh run."""
     tr = cfg.trainer
     stop = dist.StopSignal()  # every rank stops after the same step, with a checkpoint
     timer = Timer()
@@ -108,11 +107,11 @@ def run_offline_loop(name: str, cfg, plan: StepPlan, trainer: OfflineTrainer, sa
     if start == 0:
         with timer("eval"):
             first_eval = eval_fn(0)
-        metrics.log(0, {**first_eval, **timer.pop()}, console=False)
+        metrics.log(0, {**first_eval, **timer.pop(), **(start_metrics or {})}, console=False)
         last_eval = first_eval
     else:  # the evaluations the interrupted run logged (metrics.jsonl was cut at the checkpoint)
-        evals = [{k: v for k, v in r.items() if k.startswith("eval/")} for r in read_jsonl(metrics.path)
-                 if any(k.startswith("eval/") for k in r)]
+        rows = ({k: v for k, v in r.items() if k.startswith("eval/")} for r in read_jsonl(metrics.path))
+        evals = [e for e in rows if e]
         first_eval, last_eval = (evals[0], evals[-1]) if evals else ({}, {})
     progress = Progress(plan.total_steps, name, start=start)
     eval_every = tr.eval_every or plan.total_steps
