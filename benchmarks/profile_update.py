@@ -1,6 +1,6 @@
-"""Where the update phase's time goes: one GRPO update (8 group-packed micro-batches, as the race
-runs them) through plain PyTorch and through colo_rl's DeepSpeed actor at a given ZeRO stage, in
-one process; optionally the top operators from torch.profiler.
+"""Where the update phase's time goes: one GRPO update (8 groups of 8, --per-micro-batch groups
+packed to a micro-batch as the race runs them) through plain PyTorch and through colo_rl's
+DeepSpeed actor at a given ZeRO stage, in one process; optionally the top operators.
 
     python benchmarks/profile_update.py --stage 3            # DeepSpeed ZeRO-3 (the default)
     python benchmarks/profile_update.py --stage 0 --plain    # ZeRO-0, and plain PyTorch + AdamW
@@ -23,53 +23,51 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def packed_groups(n_groups: int, group_size: int, prompt_len: int, response_len: int) -> list:
-    from colo_rl.train.batch import build_batch, pack_group
+def packed_micro_batches(n_groups: int, group_size: int, prompt_len: int, response_len: int,
+                         groups_per_micro_batch: int) -> list:
+    from colo_rl.train.batch import build_batch, pack_groups
 
     g = torch.Generator().manual_seed(0)
-    out = []
+    groups = []
     for _ in range(n_groups):
         prompt = torch.randint(100, 40000, (prompt_len,), generator=g).tolist()
         responses = [torch.randint(100, 40000, (response_len,), generator=g).tolist() for _ in range(group_size)]
-        rows = build_batch([prompt] * group_size, responses, 0)
-        out.append(pack_group(prompt, responses, rows.select(list(range(group_size))), torch.float32))
-    return out
+        groups.append((prompt, responses, build_batch([prompt] * group_size, responses, 0).select(list(range(group_size)))))
+    return [pack_groups(groups[k:k + groups_per_micro_batch], torch.float32)
+            for k in range(0, n_groups, groups_per_micro_batch)]
 
 
-def deepspeed_update(stage: int, groups: list):
+def deepspeed_update(stage: int, mbs: list):
     from colo_rl.config import ModelConfig, RunConfig
     from colo_rl.train.actor import DeepSpeedActor
 
     cfg = RunConfig()
     cfg.model = ModelConfig()
     cfg.trainer.zero_stage = stage
-    actor = DeepSpeedActor(cfg, torch.float32, total_steps=10, grad_accum=len(groups))
-    n_tok = float(sum(mb.response_mask.sum() for mb in groups))
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=10, grad_accum=len(mbs))
+    n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
 
     def update() -> None:
-        for j, mb in enumerate(groups):
+        for j, mb in enumerate(mbs):
             logp, _ = actor.response_logprobs(mb, 1.0, with_entropy=True)
-            actor.backward(-(logp * mb.response_mask).sum() / n_tok, last_micro_batch=j == len(groups) - 1)
+            actor.backward(-(logp * mb.response_mask).sum() / n_tok, last_micro_batch=j == len(mbs) - 1)
         actor.step()
     return update
 
 
-def plain_update(groups: list):
-    from colo_rl.algos import logprobs_from_logits
+def plain_update(mbs: list):
     from colo_rl.config import ModelConfig
     from colo_rl.models import load_model
-    from colo_rl.train.batch import unpack_group
+    from colo_rl.train.batch import response_logprobs
 
     model = load_model(ModelConfig(), torch.float32, seed=0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    n_tok = float(sum(mb.response_mask.sum() for mb in groups))
+    n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
 
     def update() -> None:
-        for mb in groups:
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                        use_cache=False, logits_to_keep=mb.logit_positions)
-            logits = unpack_group(out.logits[0], mb.packed_lengths, mb.response_len)
-            (-(logprobs_from_logits(logits, mb.response_ids, 1.0) * mb.response_mask).sum() / n_tok).backward()
+        for mb in mbs:
+            logp, _ = response_logprobs(model, mb, 1.0, with_entropy=True)
+            (-(logp * mb.response_mask).sum() / n_tok).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -89,12 +87,14 @@ def main(argv=None) -> int:
     p.add_argument("--plain", action="store_true", help="also time plain PyTorch + AdamW on the same batch")
     p.add_argument("--ops", type=int, default=0, help="print this many top operators of the DeepSpeed update")
     p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-micro-batch", type=int, default=4,
+                   help="groups per micro-batch (trainer.micro_batch_size // group_size)")
     args = p.parse_args(argv)
     from colo_rl import dist
 
     dist.init()
     dist.setup_logging()
-    groups = packed_groups(args.groups, 8, 55, 40)
+    groups = packed_micro_batches(args.groups, 8, 55, 40, args.per_micro_batch)
     if args.plain:
         print(f"plain PyTorch + AdamW: {timed(plain_update(groups)):.2f} s per update "
               f"({torch.get_num_threads()} threads)")

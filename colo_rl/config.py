@@ -111,8 +111,9 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
-    # GRPO: one micro-batch per prompt group, packed as [prompt | r_1 | ... | r_G] so the shared
-    # prompt is computed once (micro_batch_size is then unused). False = padded micro-batches.
+    # GRPO: whole prompt groups per micro-batch (micro_batch_size // group_size of them, at least
+    # one), each packed as one row [prompt | r_1 | ... | r_G] so its shared prompt is computed once.
+    # False = padded micro-batches of micro_batch_size sequences.
     pack_groups: bool = True
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
     total_steps: int = 10

@@ -34,7 +34,7 @@ from colo_rl.metrics import MetricsLogger, Progress, Timer, plot_curves, read_js
 from colo_rl.models import load_tokenizer  # noqa: E402
 from colo_rl.rewards import RewardScorer  # noqa: E402
 from colo_rl.rollout.base import SamplingParams  # noqa: E402
-from colo_rl.train.batch import build_batch, micro_batches, pack_group  # noqa: E402
+from colo_rl.train.batch import build_batch, group_micro_batches, micro_batches, pack_groups  # noqa: E402
 
 log = logging.getLogger("colo_rl")
 register_configs()
@@ -67,8 +67,10 @@ def main(hydra_cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                           f"number of ranks ({world})")
     prompts_per_rank = cfg.rollout.prompts_per_step // world
-    n_micro = prompts_per_rank if cfg.trainer.pack_groups else \
-        -(-prompts_per_rank * cfg.rollout.group_size // cfg.trainer.micro_batch_size)
+    if cfg.trainer.pack_groups:  # whole groups per micro-batch, at least one
+        n_micro = -(-prompts_per_rank // max(1, cfg.trainer.micro_batch_size // cfg.rollout.group_size))
+    else:
+        n_micro = -(-prompts_per_rank * cfg.rollout.group_size // cfg.trainer.micro_batch_size)
     if n_micro % cfg.trainer.mini_batches_per_step:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide the "
                           f"{n_micro} micro-batches per rank")
@@ -189,13 +191,16 @@ def train_on_batch(cfg, colo, batch, completions, n_micro: int, timer: Timer) ->
     actor, ref, algo = colo.actor, colo.ref, cfg.algo
     temp = cfg.rollout.temperature
     G = cfg.rollout.group_size
-    if cfg.trainer.pack_groups:  # one micro-batch per group, its prompt computed once
-        mbs = [list(range(g * G, (g + 1) * G)) for g in range(len(batch) // G)]
-        select = lambda idx: pack_group(completions[idx[0]].prompt_ids,  # noqa: E731
-                                        [completions[i].token_ids for i in idx], batch.select(idx), actor.dtype)
+    if cfg.trainer.pack_groups:  # whole groups per micro-batch, one row each, every prompt computed once
+        mbs = group_micro_batches(batch.response_mask.sum(-1).tolist(), G, cfg.trainer.micro_batch_size)
+
+        def select(idx: list[int]):
+            groups = [idx[k:k + G] for k in range(0, len(idx), G)]
+            return pack_groups([(completions[g[0]].prompt_ids, [completions[i].token_ids for i in g], batch.select(g))
+                                for g in groups], actor.dtype)
     else:
         mbs = micro_batches(len(batch), cfg.trainer.micro_batch_size, batch.response_mask.sum(-1).tolist())
-        select = batch.select
+        select = batch.select  # noqa: F811
     assert len(mbs) == n_micro, (len(mbs), n_micro)  # equal on every rank: ZeRO-3 gathers are collectives
     on_policy = cfg.trainer.mini_batches_per_step == 1
     agreement = LogprobAgreement()

@@ -89,3 +89,13 @@ def test_logprobs_from_logits_divides_by_temperature():
     assert lp.item() == pytest.approx((z[2] - torch.logsumexp(z, 0)).item())
     ent = algos.entropy_from_logits(torch.zeros(1, 1, 4))
     assert ent.item() == pytest.approx(math.log(4))
+
+
+def test_entropy_matches_definition_across_chunks():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50, 17) * 3  # 150 positions: three chunks of 64, the last partial
+    p = torch.softmax(logits, -1)
+    expected = -(p * torch.log(p)).sum(-1)
+    assert torch.allclose(algos.entropy_from_logits(logits), expected, atol=1e-5)
+    logz = torch.logsumexp(logits, -1)
+    assert torch.allclose(algos.entropy_from_logits(logits, logz, chunk=7), expected, atol=1e-5)

@@ -5,21 +5,26 @@ import torch
 from colo_rl.algos import logprobs_from_logits
 from colo_rl.config import ModelConfig
 from colo_rl.models import load_model
-from colo_rl.train.batch import build_batch, micro_batches, pack_group, unpack_group
+from colo_rl.algos import entropy_from_logits
+from colo_rl.train.batch import build_batch, group_micro_batches, micro_batches, pack_groups, response_logprobs
 
 TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
 
 
 def padded_logprobs(model, batch):
+    """The reference: the textbook padded forward pass and log-softmax."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                    logits_to_keep=batch.response_len + 1).logits[:, :-1]
     return logprobs_from_logits(logits, batch.response_ids)
 
 
-def packed_logprobs(model, packed):
-    out = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, position_ids=packed.position_ids,
-                logits_to_keep=packed.logit_positions).logits[0]
-    return logprobs_from_logits(unpack_group(out, packed.packed_lengths, packed.response_len), packed.response_ids)
+def packed(prompts, groups):
+    """Each (prompt, responses) group through the padded layout, then packed into one micro-batch."""
+    parts = []
+    for prompt, responses in zip(prompts, groups):
+        rows = build_batch([prompt] * len(responses), responses, pad_id=0)
+        parts.append((prompt, responses, rows.select(list(range(len(responses))))))
+    return pack_groups(parts, torch.float32)
 
 
 def test_build_batch_layout():
@@ -35,33 +40,61 @@ def test_build_batch_layout():
     assert micro_batches(5, 2, lengths=[5, 1, 4, 2, 3]) == [[1, 3], [4, 2], [0]]
 
 
-def test_group_packing_matches_padded_logprobs_and_gradients():
+def test_group_packing_matches_padded_logprobs_entropy_and_gradients():
+    """Three groups of different prompt and response lengths in one packed micro-batch give the
+    padded layout's log-probs, entropies and gradients; padding stays 0."""
     torch.manual_seed(0)
     model = load_model(TINY, torch.float32, seed=3)
-    prompt = [5, 17, 99, 3, 250]
-    responses = [[11, 12, 13], [21], [31, 32, 33, 34, 35], [41, 42]]
-    batch = build_batch([prompt] * 4, responses, pad_id=0)
-    packed = pack_group(prompt, responses, batch, torch.float32)
-    assert packed.input_ids.shape == (1, 5 + 11)  # the prompt once, no padding
+    prompts = [[5, 17, 99, 3, 250], [7, 8], [60, 61, 62]]
+    groups = [[[11, 12, 13], [21], [31, 32, 33, 34, 35], [41, 42]],
+              [[50, 51, 52, 53, 54, 55, 56], [57, 58]],
+              [[70], [71], [72, 73]]]
+    batch = build_batch([p for p, g in zip(prompts, groups) for _ in g], [r for g in groups for r in g], pad_id=0)
+    mb = packed(prompts, groups)
+    assert mb.input_ids.shape == (3, 5 + 11)  # one row per group, each prompt once
+    assert mb.response_ids.shape == batch.response_ids.shape
 
     ref = padded_logprobs(model, batch)
     ref_grad = torch.autograd.grad((ref * batch.response_mask).sum(), list(model.parameters()))
-    got = packed_logprobs(model, packed)
-    got_grad = torch.autograd.grad((got * packed.response_mask).sum(), list(model.parameters()))
+    got, entropy = response_logprobs(model, mb, with_entropy=True)
+    got_grad = torch.autograd.grad((got * mb.response_mask).sum(), list(model.parameters()))
     m = batch.response_mask.bool()
-    assert got.shape == ref.shape
+    assert torch.equal(mb.response_mask, batch.response_mask)
+    assert got.shape == ref.shape and bool((got[~m] == 0).all())
     assert torch.allclose(got[m], ref[m], atol=1e-5), (got[m] - ref[m]).abs().max()
     for a, b in zip(got_grad, ref_grad):
         assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                       logits_to_keep=batch.response_len + 1).logits[:, :-1]
+        assert torch.allclose(entropy[m], entropy_from_logits(logits)[m], atol=1e-5)
+
+
+def test_padded_layout_through_the_shared_forward():
+    model = load_model(TINY, torch.float32, seed=3)
+    batch = build_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0)
+    got, _ = response_logprobs(model, batch, temperature=0.7)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                   logits_to_keep=batch.response_len + 1).logits[:, :-1]
+    assert torch.allclose(got, logprobs_from_logits(logits, batch.response_ids, 0.7), atol=1e-6)
+
+
+def test_group_micro_batches_keep_groups_whole():
+    # 4 groups of 2: totals 9, 3, 7, 1 -> sorted 3 (g3), 1 (g1), 2 (g2), 0 (g0); two groups per micro-batch
+    lengths = [4, 5, 1, 2, 3, 4, 0.5, 0.5]
+    assert group_micro_batches(lengths, 2, 4) == [[6, 7, 2, 3], [4, 5, 0, 1]]
+    assert group_micro_batches(lengths, 2, 1) == [[6, 7], [2, 3], [4, 5], [0, 1]]  # at least one group
 
 
 def test_packing_isolates_responses():
-    """Changing one response must not change another's log-probs (no cross-attention)."""
+    """Changing one response must not change another's log-probs (no cross-attention), within a
+    group and across the groups of one micro-batch."""
     model = load_model(TINY, torch.float32, seed=3)
-    prompt = [5, 17, 99]
-    a = [[11, 12, 13], [21, 22]]
-    b = [[11, 12, 13], [77, 78]]
-    lp_a = packed_logprobs(model, pack_group(prompt, a, build_batch([prompt] * 2, a, 0), torch.float32))
-    lp_b = packed_logprobs(model, pack_group(prompt, b, build_batch([prompt] * 2, b, 0), torch.float32))
+    prompts = [[5, 17, 99], [8, 9]]
+    a = [[[11, 12, 13], [21, 22]], [[30, 31]]]
+    b = [[[11, 12, 13], [77, 78]], [[30, 31]]]
+    lp_a, _ = response_logprobs(model, packed(prompts, a))
+    lp_b, _ = response_logprobs(model, packed(prompts, b))
     assert torch.allclose(lp_a[0], lp_b[0], atol=1e-6)
+    assert torch.allclose(lp_a[2], lp_b[2], atol=1e-6)
     assert not torch.allclose(lp_a[1], lp_b[1])

@@ -101,13 +101,9 @@ def _tiny_model():
 
 def _forward_logp(model, batch):
     """What DeepSpeedActor.response_logprobs computes, without DeepSpeed."""
-    from colo_rl.train.batch import unpack_group
+    from colo_rl.train.batch import response_logprobs
 
-    packed = batch.logit_positions is not None
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
-    logits = unpack_group(out.logits[0], batch.packed_lengths, batch.response_len) if packed else out.logits[:, :-1]
-    return algos.logprobs_from_logits(logits, batch.response_ids)
+    return response_logprobs(model, batch)[0]
 
 
 def _examples(n: int, seed: int = 0) -> list[SFTExample]:

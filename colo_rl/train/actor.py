@@ -13,7 +13,7 @@ from colo_rl import dist
 from colo_rl.colocate.phase import Phase, PhaseGuard
 from colo_rl.config import ConfigError
 from colo_rl.models import load_model
-from colo_rl.train.batch import TokenBatch, unpack_group
+from colo_rl.train.batch import TokenBatch, response_logprobs
 
 log = logging.getLogger("colo_rl")
 
@@ -158,25 +158,9 @@ class DeepSpeedActor:
         """log pi(response tokens) [B, R] (float32) and optionally the entropy per position."""
         if self.guard is not None:
             self.guard.require(Phase.UPDATE, "trainer forward")
-        from colo_rl.algos import entropy_from_logits, logprobs_from_logits
-
         batch = batch.to(self.engine.device)
-        ctx = contextlib.nullcontext() if grad else torch.no_grad()
-        with ctx:
-            packed = batch.logit_positions is not None
-            out = self.engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                              position_ids=batch.position_ids, use_cache=False,
-                              logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
-            if packed:  # one group-packed row -> [G, R, V] in the padded layout
-                logits = unpack_group(out.logits[0], batch.packed_lengths, batch.response_len)
-            else:
-                logits = out.logits[:, :-1]  # position P-1+j predicts response token j
-            logp = logprobs_from_logits(logits, batch.response_ids, temperature)
-            entropy = None
-            if with_entropy:
-                with torch.no_grad():
-                    entropy = entropy_from_logits(logits.detach() / temperature)
-        return logp, entropy
+        with contextlib.nullcontext() if grad else torch.no_grad():
+            return response_logprobs(self.engine, batch, temperature, with_entropy)
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Accumulate gradients; `loss` is already normalised by the global token / sequence count,

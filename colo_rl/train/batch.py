@@ -21,11 +21,12 @@ class TokenBatch:
     response_ids: torch.Tensor  # [B, R] targets
     response_mask: torch.Tensor  # [B, R] 1 on tokens that count for the loss
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-row [B] or per-token [B, R]
-    # Group-packed rows (see `pack_group`): the input is one row [prompt | r_1 | ... | r_G]; targets
-    # and extras keep the [G, R] layout. `logit_positions` are the input positions whose logits
-    # predict the concatenated response tokens; `packed_lengths` splits them back per response.
+    # Group-packed micro-batches (see `pack_groups`): one input row per group [prompt | r_1 | ... | r_G];
+    # targets and extras keep the [sum G, R] layout. `logit_positions` [U]: the input columns whose
+    # logits are computed; `logit_index` [sum G, R]: which of the [B, U] kept logits predicts each
+    # response token (-1 on padding).
     logit_positions: Optional[torch.Tensor] = None
-    packed_lengths: Optional[list[int]] = None
+    logit_index: Optional[torch.Tensor] = None
 
     @property
     def response_len(self) -> int:
@@ -51,7 +52,7 @@ class TokenBatch:
                                                     self.response_ids, self.response_mask)),
                           extras={k: v.to(device) for k, v in self.extras.items()},
                           logit_positions=None if self.logit_positions is None else self.logit_positions.to(device),
-                          packed_lengths=self.packed_lengths)
+                          logit_index=None if self.logit_index is None else self.logit_index.to(device))
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -95,38 +96,111 @@ def micro_batches(n: int, size: int, lengths: Optional[list[int]] = None) -> lis
     return [order[i:i + size] for i in range(0, n, size)]
 
 
-def pack_group(prompt: list[int], responses: list[list[int]], group: TokenBatch, dtype: torch.dtype) -> TokenBatch:
-    """The G completions of one prompt as a single row [prompt | r_1 | ... | r_G], so the trainer
-    computes the shared prompt once instead of G times (GRPO groups share their prompt).
+def group_micro_batches(lengths: list[float], group_size: int, micro_batch_size: int) -> list[list[int]]:
+    """Rows of consecutive groups (rows g*G .. g*G+G-1) split into micro-batches of whole groups,
+    max(1, micro_batch_size // G) groups each, groups of similar total length together (less
+    padding once packed). Every rank with the same number of groups gets the same count."""
+    n_groups = len(lengths) // group_size
+    totals = [sum(lengths[g * group_size:(g + 1) * group_size]) for g in range(n_groups)]
+    order = sorted(range(n_groups), key=lambda g: totals[g])
+    per = max(1, micro_batch_size // group_size)
+    return [[g * group_size + i for g in order[k:k + per] for i in range(group_size)]
+            for k in range(0, n_groups, per)]
 
-    Each response keeps the position ids it has unpacked (P, P+1, ...) and attends to the prompt
+
+def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dtype: torch.dtype) -> TokenBatch:
+    """Several GRPO groups as one micro-batch, each group one row [pad | prompt | r_1 | ... | r_G | pad],
+    so the trainer computes each shared prompt once and runs few, large forward passes (on one CPU
+    process, 4 groups of 8 per pass instead of 1 cut a ZeRO-3 update from 34 to 24 s: fewer ZeRO
+    gathers and partitioned-gradient copies, larger matrix multiplies).
+
+    `groups`: per group its prompt, its G responses and the same rows in the padded layout
+    (`TokenBatch.select`), whose targets, masks and extras are kept: the result's response-side
+    tensors are the groups' rows stacked in order, [sum G, R].
+
+    Each response keeps the position ids it has unpacked (P, P+1, ...) and attends to its prompt
     and to its own earlier tokens only (a prefix-shared block-causal mask), so its log-probs equal
-    the unpacked ones to float tolerance. `group` is the same rows in the padded layout
-    (`TokenBatch.select`): its targets, mask and extras are kept as they are.
+    the unpacked ones to float tolerance. Prompts are left-padded to end at the same column, so the
+    positions whose logits are needed (`logit_positions`, passed as `logits_to_keep`) are nearly
+    the same columns in every row; `logit_index` [sum G, R] says which of the kept [B, U] logits
+    predicts each response token (-1 on padding). See `response_logprobs`.
     """
     from colo_rl.data.packing import block_causal_mask
 
-    P, lengths = len(prompt), [len(r) for r in responses]
-    if min(lengths) < 1:
-        raise ValueError("pack_group needs at least one token per response")
-    ids = list(prompt) + [t for r in responses for t in r]
-    positions = list(range(P)) + [P + j for n in lengths for j in range(n)]
-    segments = [0] * P + [i + 1 for i, n in enumerate(lengths) for _ in range(n)]
-    mask = block_causal_mask(torch.tensor([segments]), dtype)
-    mask[..., P:, :P] = 0.0  # every response sees the whole prompt (causality holds: P <= query)
-    logit_positions, start = [], P
-    for n in lengths:  # token 0 is predicted by the last prompt position, token j by start + j - 1
-        logit_positions += [P - 1] + [start + j - 1 for j in range(1, n)]
-        start += n
-    return TokenBatch(torch.tensor([ids]), mask, torch.tensor([positions]), group.response_ids,
-                      group.response_mask, extras=group.extras,
-                      logit_positions=torch.tensor(logit_positions), packed_lengths=lengths)
+    P = max(len(prompt) for prompt, _, _ in groups)
+    totals = []
+    for prompt, responses, _ in groups:
+        if not prompt or min(len(r) for r in responses) < 1:
+            raise ValueError("pack_groups needs a prompt and at least one token per response")
+        totals.append(sum(len(r) for r in responses))
+    B, L = len(groups), P + max(totals)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, L), dtype=torch.long)
+    segments = -torch.arange(1, L + 1, dtype=torch.long).repeat(B, 1)  # padding: one segment per position
+    predictors: list[list[list[int]]] = []  # per group, per response: the column predicting each token
+    for b, (prompt, responses, _) in enumerate(groups):
+        p0, col, cols = P - len(prompt), P, []
+        ids[b, p0:P] = torch.tensor(prompt)
+        positions[b, p0:P] = torch.arange(len(prompt))
+        segments[b, p0:P] = 0
+        for i, r in enumerate(responses):
+            n = len(r)
+            ids[b, col:col + n] = torch.tensor(r)
+            positions[b, col:col + n] = torch.arange(len(prompt), len(prompt) + n)
+            segments[b, col:col + n] = i + 1
+            cols.append([P - 1] + list(range(col, col + n - 1)))  # token 0 from the prompt's last column
+            col += n
+        predictors.append(cols)
+    mask = block_causal_mask(segments, dtype)
+    mask[:, :, P:, :P] = torch.where(segments[:, None, :P] == 0, 0.0, torch.finfo(dtype).min)[:, :, None, :]
+    kept = sorted({c for cols in predictors for resp in cols for c in resp})
+    column = {c: u for u, c in enumerate(kept)}
+    R = max(g.response_len for _, _, g in groups)
+    index = torch.full((sum(len(g) for _, _, g in groups), R), -1, dtype=torch.long)
+    row = 0
+    for b, cols in enumerate(predictors):
+        for resp in cols:
+            index[row, :len(resp)] = torch.tensor([b * len(kept) + column[c] for c in resp])
+            row += 1
+    widen = lambda t: torch.nn.functional.pad(t, (0, R - t.shape[1]))  # noqa: E731
+    parts = [g for _, _, g in groups]
+    extras = {k: torch.cat([widen(g.extras[k]) if g.extras[k].dim() == 2 else g.extras[k] for g in parts])
+              for k in parts[0].extras}
+    return TokenBatch(ids, mask, positions, torch.cat([widen(g.response_ids) for g in parts]),
+                      torch.cat([widen(g.response_mask) for g in parts]), extras=extras,
+                      logit_positions=torch.tensor(kept), logit_index=index)
 
 
-def unpack_group(flat: torch.Tensor, lengths: list[int], width: int) -> torch.Tensor:
-    """[sum(lengths), ...] -> [len(lengths), width, ...], zero-padded (differentiable)."""
-    rows = list(torch.split(flat, lengths))
-    out = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
-    if out.shape[1] < width:
-        out = torch.nn.functional.pad(out, [0, 0] * (out.dim() - 2) + [0, width - out.shape[1]])
-    return out
+def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0,
+                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(response tokens | prefix) [B_resp, R] in float32 (0 on padding) and, with
+    `with_entropy`, the entropy of each predicting distribution (no gradient). `model` is any HF
+    causal LM callable (a DeepSpeed engine or the bare module); the vocabulary projection runs only
+    on the positions whose logits are needed, and logsumexp is computed once for both outputs.
+
+    Padded layout: logits of the last R+1 positions, position P-1+j predicts response token j.
+    Group-packed layout (`pack_groups`): logits at `logit_positions`, picked per token by
+    `logit_index`."""
+    from colo_rl.algos import entropy_from_logits
+
+    packed = batch.logit_positions is not None
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                use_cache=False, logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
+    logits = out.logits if packed else out.logits[:, :-1]
+    flat = logits.float().reshape(-1, logits.shape[-1])  # [positions, V]
+    if temperature != 1.0:
+        flat = flat / temperature
+    if packed:
+        valid, at = batch.logit_index >= 0, batch.logit_index.clamp(min=0)
+    else:
+        valid, at = None, torch.arange(flat.shape[0], device=flat.device).view_as(batch.response_ids)
+    logz = torch.logsumexp(flat, dim=-1)
+    logp = flat[at, batch.response_ids] - logz[at]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logits(flat, logz)[at]
+    if valid is not None:
+        logp = torch.where(valid, logp, 0.0)
+        entropy = None if entropy is None else torch.where(valid, entropy, 0.0)
+    return logp, entropy
