@@ -67,10 +67,7 @@ def main(hydra_cfg: DictConfig) -> None:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                           f"number of ranks ({world})")
     prompts_per_rank = cfg.rollout.prompts_per_step // world
-    if cfg.trainer.pack_groups:  # whole groups per micro-batch, at least one
-        n_micro = -(-prompts_per_rank // max(1, cfg.trainer.micro_batch_size // cfg.rollout.group_size))
-    else:
-        n_micro = -(-prompts_per_rank * cfg.rollout.group_size // cfg.trainer.micro_batch_size)
+    n_micro = len(split_micro_batches(cfg, [0.0] * (prompts_per_rank * cfg.rollout.group_size)))
     if n_micro % cfg.trainer.mini_batches_per_step:
         raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide the "
                           f"{n_micro} micro-batches per rank")
@@ -185,23 +182,32 @@ def main(hydra_cfg: DictConfig) -> None:
     runtime.finish()
 
 
+def split_micro_batches(cfg, lengths: list[float]) -> list[list[int]]:
+    """This rank's rows (response lengths given) as micro-batches: whole packed groups, or padded
+    micro-batches of trainer.micro_batch_size sequences. Also sizes the run at start-up."""
+    if cfg.trainer.pack_groups:
+        return group_micro_batches(lengths, cfg.rollout.group_size, cfg.trainer.micro_batch_size)
+    return micro_batches(len(lengths), cfg.trainer.micro_batch_size, lengths)
+
+
 def train_on_batch(cfg, colo, batch, completions, n_micro: int, timer: Timer) -> dict[str, float]:
     """Policy-gradient update on one rollout batch: mini_batches_per_step optimizer steps over
     n_micro micro-batches; losses normalised by global token / sequence counts (all ranks)."""
     actor, ref, algo = colo.actor, colo.ref, cfg.algo
     temp = cfg.rollout.temperature
     G = cfg.rollout.group_size
-    if cfg.trainer.pack_groups:  # whole groups per micro-batch, one row each, every prompt computed once
-        mbs = group_micro_batches(batch.response_mask.sum(-1).tolist(), G, cfg.trainer.micro_batch_size)
-
-        def select(idx: list[int]):
-            groups = [idx[k:k + G] for k in range(0, len(idx), G)]
-            return pack_groups([(completions[g[0]].prompt_ids, [completions[i].token_ids for i in g], batch.select(g))
-                                for g in groups], actor.dtype)
-    else:
-        mbs = micro_batches(len(batch), cfg.trainer.micro_batch_size, batch.response_mask.sum(-1).tolist())
-        select = batch.select  # noqa: F811
+    mbs = split_micro_batches(cfg, batch.response_mask.sum(-1).tolist())
     assert len(mbs) == n_micro, (len(mbs), n_micro)  # equal on every rank: ZeRO-3 gathers are collectives
+
+    def select(idx: list[int]):
+        """A micro-batch built when used: it carries the batch's extras as they are at that moment
+        (old_logp / ref_logp are added after the first pass)."""
+        if not cfg.trainer.pack_groups:
+            return batch.select(idx)
+        groups = [idx[k:k + G] for k in range(0, len(idx), G)]  # one row per group, its prompt computed once
+        return pack_groups([(completions[g[0]].prompt_ids, [completions[i].token_ids for i in g], batch.select(g))
+                            for g in groups], actor.dtype)
+
     on_policy = cfg.trainer.mini_batches_per_step == 1
     agreement = LogprobAgreement()
     with timer("logprobs"):

@@ -20,7 +20,7 @@ def run_dir(tmp_path_factory):
     run_torchrun(ROOT / "recipes" / "grpo.py",
                  ["model=tiny", "trainer.total_steps=2", "data.eval_size=8", "rollout.prompts_per_step=4",
                   "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
-                  "algo.kl_coef=0.01", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+                  "algo.kl_coef=0.01", "trainer.micro_batch_size=8", "trainer.lr=1e-3",  # 2 packed groups per pass
                   "rollout.handoff_check_max_mean_abs=0.001", f"run_dir={d}"], timeout=600)
     return d
 
