@@ -80,6 +80,11 @@ class RolloutConfig:
     # (mean absolute difference per response token): the engine is not on the trainer's weights.
     handoff_check_max_mean_abs: float = 0.2
     seed: int = 0
+    # More sglang.Engine arguments (ServerArgs fields), e.g. rollout.sglang_kwargs={attention_backend:triton}
+    # or +rollout.sglang_kwargs.disable_cuda_graph=true; checked against the installed SGLang at start.
+    # Not in struct mode (its keys are SGLang's, checked there), so `rollout.sglang_kwargs={...}` can
+    # set new keys without a `+`.
+    sglang_kwargs: dict[str, Any] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
 
 
 @dataclass

@@ -15,10 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import logging
 import multiprocessing
 import os
+import re
+import signal
+import site
+import sys
 import tempfile
+import threading
 import time
 from functools import lru_cache
 from types import SimpleNamespace
@@ -67,29 +73,109 @@ def expandable_segments_enabled(environ: Mapping[str, str]) -> bool:
     return False
 
 
-def engine_env_overrides(environ: Mapping[str, str]) -> dict[str, Optional[str]]:
-    """Environment changes for starting the engine (value None = unset the variable)."""
+_CUDART = re.compile(r"libcudart\.so\.\d+(\.\d+)*")
+# pip's CUDA runtime: nvidia-cuda-runtime (CUDA 13: nvidia/cu13/lib; CUDA 12: nvidia/cuda_runtime/lib).
+PIP_CUDART_SUBDIRS = (os.path.join("nvidia", "cu13", "lib"), os.path.join("nvidia", "cuda_runtime", "lib"))
+
+
+def cuda_runtime_dirs(maps_text: str) -> list[str]:
+    """Directories of the CUDA runtimes (libcudart.so.N) mapped into a process, from its
+    /proc/<pid>/maps text, in order of first appearance."""
+    dirs: list[str] = []
+    for line in maps_text.splitlines():
+        fields = line.split(None, 5)
+        if len(fields) < 6:
+            continue
+        path = fields[5].strip()
+        if not path.startswith("/") or path.endswith("(deleted)"):
+            continue
+        head, base = os.path.split(path)
+        if _CUDART.fullmatch(base) and head not in dirs:
+            dirs.append(head)
+    return dirs
+
+
+def pip_cuda_runtime_dirs(site_dirs: Iterable[str]) -> list[str]:
+    """pip-installed CUDA runtime directories (those holding a libcudart.so.N) under site-packages."""
+    found = []
+    for root in site_dirs:
+        for sub in PIP_CUDART_SUBDIRS:
+            d = os.path.join(root, sub)
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            if any(_CUDART.fullmatch(n) for n in names) and d not in found:
+                found.append(d)
+    return found
+
+
+def _own_maps() -> str:
+    try:
+        with open("/proc/self/maps") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def _site_dirs() -> list[str]:
+    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
+    return dirs + [p for p in sys.path if p.endswith("-packages") and p not in dirs]
+
+
+def with_library_dirs(value: Optional[str], dirs: Iterable[str]) -> Optional[str]:
+    """LD_LIBRARY_PATH with `dirs` in front (those not already in it); the value itself when
+    nothing is missing."""
+    present = [p for p in (value or "").split(":") if p]
+    missing = [d for d in dict.fromkeys(dirs) if d not in present]
+    if not missing:
+        return value
+    return ":".join(missing + ([value] if value else []))
+
+
+def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = None,
+                         site_dirs: Optional[Iterable[str]] = None) -> dict[str, Optional[str]]:
+    """Environment changes for starting the engine (value None = unset the variable).
+
+    LD_LIBRARY_PATH: SGLang starts its schedulers with torch_memory_saver's hook in LD_PRELOAD;
+    the hook NEEDs libcudart.so.13 and carries no RPATH, so with pip's CUDA runtime (found by torch
+    through its own RPATH, not by ld.so) the scheduler dies at exec with exit code 127
+    (sglang#36533). The directory of the runtime this process loaded goes first (it matches
+    torch); pip's nvidia/*/lib directories are the fallback. `maps_text` / `site_dirs` are for tests."""
     changes: dict[str, Optional[str]] = dict(ENGINE_ENV)
     for var in ALLOC_CONF_VARS:
         if var in environ:
             cleaned = without_expandable_segments(environ[var])
             if cleaned != environ[var]:
                 changes[var] = cleaned
+    dirs = cuda_runtime_dirs(_own_maps() if maps_text is None else maps_text)
+    if not dirs:
+        dirs = pip_cuda_runtime_dirs(_site_dirs() if site_dirs is None else site_dirs)
+    old = environ.get("LD_LIBRARY_PATH")
+    new = with_library_dirs(old, dirs)
+    if new != old:
+        changes["LD_LIBRARY_PATH"] = new
     return changes
 
 
+# Restored once the engine is up: SGLang spawns every child inside Engine(), and the trainer's
+# later children (DataLoader workers, compilers) should see the user's values.
+RESTORED_AFTER_START = ALLOC_CONF_VARS + ("LD_LIBRARY_PATH",)
+
+
 @contextlib.contextmanager
-def engine_environment(environ=None):
+def engine_environment(environ=None, maps_text: Optional[str] = None, site_dirs: Optional[Iterable[str]] = None):
     """Start SGLang inside this context.
 
-    Sets ENGINE_ENV and strips expandable segments for the engine's children, forces the `spawn`
-    start method (SGLang does too; CUDA cannot be forked), and afterwards restores the allocator
-    config and every NCCL_* variable SGLang changed: its child processes already have what they
-    need, while the trainer's later NCCL communicators should not inherit SGLang's choices.
+    Sets ENGINE_ENV, strips expandable segments and puts the CUDA runtime on LD_LIBRARY_PATH for
+    the engine's children, forces the `spawn` start method (SGLang does too; CUDA cannot be
+    forked), and afterwards restores the allocator config, LD_LIBRARY_PATH and every NCCL_*
+    variable SGLang changed: its child processes already have what they need, while the trainer's
+    later NCCL communicators should not inherit SGLang's choices.
     """
     environ = os.environ if environ is None else environ
-    changes = engine_env_overrides(environ)
-    restore_keys = [k for k in changes if k in ALLOC_CONF_VARS]
+    changes = engine_env_overrides(environ, maps_text=maps_text, site_dirs=site_dirs)
+    restore_keys = [k for k in changes if k in RESTORED_AFTER_START]
     saved = {k: environ.get(k) for k in changes}
     nccl_before = {k: v for k, v in environ.items() if k.startswith("NCCL_")}
     for key, value in changes.items():
@@ -153,10 +239,7 @@ def sglang_api() -> SimpleNamespace:
                                  ("sglang.srt.utils.common", "MultiprocessingSerializer")]),
         bucket_cls=import_first([("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorBucket"),
                                  ("sglang.srt.model_executor.model_runner", "FlattenedTensorBucket")]),
-        lst_cls=import_first([("sglang.srt.utils", "LocalSerializedTensor"),
-                              ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor"),
-                              ("sglang.srt.model_executor.model_runner_components.weight_updater",
-                               "LocalSerializedTensor")]),
+        lst_cls=None,
         patch_reductions=import_first([("sglang.srt.utils.patch_torch", "monkey_patch_torch_reductions"),
                                        ("sglang.srt.patch_torch", "monkey_patch_torch_reductions")]),
         begin_req=import_first([("sglang.srt.managers.io_struct", "BeginWeightUpdateReqInput")]),
@@ -164,6 +247,14 @@ def sglang_api() -> SimpleNamespace:
         memory_tags=import_first([("sglang.srt.constants", "GPU_MEMORY_ALL_TYPES")]),
         server_args_cls=import_first([("sglang.srt.server_args", "ServerArgs")]),
     )
+    if api.bucket_cls is None:
+        # Only the per-tensor fallback needs LocalSerializedTensor; model_runner is the last place
+        # to look: importing it pulls SGLang's whole model-runner stack (sgl_kernel,
+        # flashinfer, quantization, triton kernels) into every trainer rank.
+        api.lst_cls = import_first([
+            ("sglang.srt.utils", "LocalSerializedTensor"),
+            ("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor"),
+            ("sglang.srt.model_executor.model_runner", "LocalSerializedTensor")])
     missing = [name for name in ("serializer", "patch_reductions") if getattr(api, name) is None]
     if api.bucket_cls is None and api.lst_cls is None:
         missing.append("FlattenedTensorBucket or LocalSerializedTensor")
@@ -515,6 +606,144 @@ def known_server_kwargs(kwargs: dict, server_args_cls, required: Iterable[str]) 
 REQUIRED_SERVER_ARGS = ("model_path", "tp_size", "base_gpu_id", "mem_fraction_static", "enable_memory_saver",
                         "load_format", "skip_tokenizer_init")
 
+# Engine arguments colo_rl sets itself, with what to use instead of rollout.sglang_kwargs.
+OWNED_SERVER_ARGS = {
+    "model_path": "model.path (the engine reads the architecture there; weights come from the trainer)",
+    "tp_size": "rollout.tp_size",
+    "base_gpu_id": "nothing: colo_rl puts each engine on its TP group's first GPU (LOCAL_RANK)",
+    "enable_memory_saver": "nothing: colocation needs it on (the engine releases its memory between phases)",
+    "load_format": "nothing: the engine starts on dummy weights and takes the trainer's by handoff",
+    "skip_tokenizer_init": "nothing: colo_rl sends and reads token ids",
+    "port": "nothing: colo_rl picks a free port per engine",
+    "nccl_port": "nothing: colo_rl picks a free port per engine",
+    "dtype": "model.dtype (the engine must run the trainer's dtype)",
+    "mem_fraction_static": "rollout.mem_fraction_static (or rollout.memory_margin_gib)",
+    "random_seed": "rollout.seed (colo_rl adds the rank)",
+    "custom_sigquit_handler": "nothing: colo_rl installs one that raises SGLangEngineError",
+}
+
+
+def validate_sglang_kwargs(extra: Mapping[str, Any], server_args_cls) -> dict:
+    """rollout.sglang_kwargs checked against this SGLang's ServerArgs: a key colo_rl owns or a
+    key ServerArgs lacks raises ConfigError naming it (unlike colo_rl's own optional arguments,
+    a user's argument is never dropped silently)."""
+    from colo_rl.config import ConfigError
+
+    extra = dict(extra or {})
+    for key in extra:
+        if key in OWNED_SERVER_ARGS:
+            raise ConfigError(f"rollout.sglang_kwargs.{key} is set by colo_rl; use {OWNED_SERVER_ARGS[key]}")
+    if server_args_cls is None or not dataclasses.is_dataclass(server_args_cls):
+        return extra
+    fields = [f.name for f in dataclasses.fields(server_args_cls)]
+    for key in extra:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"rollout.sglang_kwargs.{key} is not an argument of this SGLang's ServerArgs "
+                              f"(sglang.srt.server_args){hint}")
+    return extra
+
+
+# ===================================================================== a failed SGLang child (SIGQUIT)
+CHILD_FAILED = (
+    "the SGLang scheduler process failed (SIGQUIT from a child): see its traceback above; common causes: "
+    "CUDA out of memory when the KV cache resumes or while generating (raise rollout.memory_margin_gib), "
+    "a weight name or shape the engine's model lacks (update_weights_from_tensor), a kernel missing from the "
+    "installed sgl_kernel (e.g. FA3's flash_ops: rollout.sglang_kwargs={attention_backend:triton}), a failed "
+    "JIT build (nvcc / ninja), or 'libcudart.so.13: cannot open shared object file' (exit code 127: the "
+    "CUDA runtime is not on LD_LIBRARY_PATH)")
+
+
+class ChildFailure:
+    """SGLang's children send SIGQUIT to this process when one fails (scheduler.py, its subprocess
+    watchdog), and SGLang's own handler then kills this process's tree, trainer included, before
+    any error can be reported. Ours records the failure and raises SGLangEngineError in the main
+    thread (Python runs signal handlers there), so the caller's error handling and test reports run."""
+
+    def __init__(self):
+        self.failed = False
+        self.previous: Any = None
+        self.installed = False
+
+    def __call__(self, signum=None, frame=None):
+        self.failed = True
+        raise SGLangEngineError(CHILD_FAILED)
+
+    def check(self) -> None:
+        """Refuse to talk to an engine whose child already failed (a dead scheduler never answers)."""
+        if self.failed:
+            raise SGLangEngineError(CHILD_FAILED + " (earlier; the engine cannot be used any more)")
+
+    def install(self) -> bool:
+        """Make ours the SIGQUIT handler; the first install remembers the handler to restore.
+        Only possible from the main thread (False elsewhere, as for SGLang's)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        previous = signal.signal(signal.SIGQUIT, _sigquit_from_child)
+        if not self.installed:
+            self.previous = previous
+            self.installed = True
+        return True
+
+    def restore(self) -> None:
+        if self.installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGQUIT, self.previous if self.previous is not None else signal.SIG_DFL)
+            self.installed = False
+
+
+_CHILD_FAILURE: Optional[ChildFailure] = None
+
+
+def _sigquit_from_child(signum, frame):
+    # A module-level function, not the ChildFailure: SGLang pickles ServerArgs (which carries it
+    # as custom_sigquit_handler) into its spawned children, and a function pickles by name.
+    handler = _CHILD_FAILURE
+    if handler is None:
+        raise SGLangEngineError(CHILD_FAILED)
+    handler(signum, frame)
+
+
+def watch_child_failures() -> ChildFailure:
+    """The process's ChildFailure (one per process: SIGQUIT has one handler), installed."""
+    global _CHILD_FAILURE
+    if _CHILD_FAILURE is None:
+        _CHILD_FAILURE = ChildFailure()
+    _CHILD_FAILURE.install()
+    return _CHILD_FAILURE
+
+
+def take_over_sigquit(engine, child_failure: ChildFailure) -> None:
+    """Re-install ours after SGLang's tokenizer manager took SIGQUIT.
+
+    SGLang passes custom_sigquit_handler to signal.signal while the engine starts, but its
+    tokenizer manager's first request (auto_create_handle_loop) adds an asyncio SIGQUIT handler
+    that kills the process tree. Run that step now (it happens once), drop its SIGQUIT handler
+    and put ours back."""
+    tm = getattr(engine, "tokenizer_manager", None)
+    create = getattr(tm, "auto_create_handle_loop", None)
+    if create is not None:
+        create()
+    loop = getattr(tm, "event_loop", None) or getattr(engine, "loop", None)
+    if loop is not None and hasattr(loop, "remove_signal_handler"):
+        with contextlib.suppress(Exception):  # not registered there / not the main thread: nothing to undo
+            loop.remove_signal_handler(signal.SIGQUIT)
+    child_failure.install()
+
+
+def _plain_dict(value) -> dict:
+    """rollout.sglang_kwargs as plain Python (a DictConfig when cfg is not converted to objects)."""
+    if value is None:
+        return {}
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(value, DictConfig):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return dict(value)
+
 
 def engine_model_dir(model_cfg) -> str:
     """The directory SGLang reads the architecture from (weights are dummy: never read). A
@@ -544,12 +773,13 @@ class SGLangEngine:
     """
 
     def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
-                 supported_tags: Iterable[str] = ALL_TAGS, api=None):
+                 supported_tags: Iterable[str] = ALL_TAGS, api=None, child_failure: Optional[ChildFailure] = None):
         self.engine = engine
         self.tp_size = tp_size
         self.eos = list(eos_token_ids)
         self.guard = guard
         self.api = api
+        self.child_failure = child_failure
         self.state = EngineMemoryState(supported_tags)
         self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
 
@@ -573,21 +803,36 @@ class SGLangEngine:
             free_bytes = torch.cuda.mem_get_info()[0]
         fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
                                             rollout.mem_fraction_static)
+        # Before anything heavy: a typo in rollout.sglang_kwargs costs nothing.
+        extra = validate_sglang_kwargs(_plain_dict(getattr(rollout, "sglang_kwargs", None)), api.server_args_cls)
         model_dir = engine_model_dir(cfg.model)
+        child_failure = watch_child_failures()
         kwargs = known_server_kwargs(dict(
             model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=dist.local_rank(),
             mem_fraction_static=fraction, enable_memory_saver=True, load_format="dummy",
             skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
             port=_free_port(), nccl_port=_free_port(), log_level="error",
+            custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
-        log.info("starting SGLang %s (tp=%d, GPU %d, mem_fraction_static=%.3f of %.1f GiB free)",
-                 getattr(sglang, "__version__", "?"), rollout.tp_size, dist.local_rank(), fraction, free_bytes / GIB)
+        kwargs.update(extra)
+        log.info("starting SGLang %s (tp=%d, GPU %d, mem_fraction_static=%.3f of %.1f GiB free%s)",
+                 getattr(sglang, "__version__", "?"), rollout.tp_size, dist.local_rank(), fraction, free_bytes / GIB,
+                 f", {extra}" if extra else "")
         t0 = time.perf_counter()
-        with engine_environment():
-            engine = sglang.Engine(**kwargs)
+        try:
+            with engine_environment():
+                engine = sglang.Engine(**kwargs)
+            take_over_sigquit(engine, child_failure)
+        except BaseException:
+            child_failure.restore()
+            raise
         log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
         return cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
-                   supported_tags=supported_memory_tags(api.memory_tags), api=api)
+                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure)
+
+    def _alive(self) -> None:
+        if self.child_failure is not None:
+            self.child_failure.check()
 
     # ---------------------------------------------------------------- memory protocol
     def _free_bytes(self) -> int:
@@ -601,6 +846,7 @@ class SGLangEngine:
         todo = self.state.plan_release(tags)
         if not todo:
             return 0
+        self._alive()
         before = self._free_bytes()
         self.engine.release_memory_occupation(tags=todo)
         self.state.mark_released(todo)
@@ -612,6 +858,7 @@ class SGLangEngine:
         todo = self.state.plan_resume(tags)
         if not todo:
             return 0
+        self._alive()
         before = self._free_bytes()
         self.engine.resume_memory_occupation(tags=todo)
         self.state.mark_resumed(todo)
@@ -645,6 +892,7 @@ class SGLangEngine:
         """One bucket, as prepared by every TP rank (index = TP rank); producers stay alive until
         this returns."""
         self.state.require_weights_resident("load_weights")
+        self._alive()
         if len(rank_payloads) != self.tp_size:
             raise HandoffError(f"{len(rank_payloads)} payloads for an engine with tp_size={self.tp_size}")
         if self.session is not None and not self.state.session_open:
@@ -667,6 +915,7 @@ class SGLangEngine:
         if self.guard is not None:
             self.guard.require(Phase.GENERATION, "engine.generate")
         self.state.require_generate()
+        self._alive()
         if self.state.flush_pending:
             self._flush()
         expanded = expand_prompts(prompts, params.n)
@@ -678,9 +927,13 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         # SGLang's shutdown kills every child process of this process, not only its own.
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        try:
+            if self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
+        finally:
+            if self.child_failure is not None:  # the handler that was there before the engine
+                self.child_failure.restore()
 
 
 @contextlib.contextmanager
