@@ -40,6 +40,18 @@ def memory_snapshot() -> dict[str, float]:
             "available_gib": psutil.virtual_memory().available / GIB}
 
 
+def release_cached_memory() -> int:
+    """Give the trainer's cached, unused device blocks back to the driver (IPC blocks the engine
+    has let go of included); returns the bytes released. No-op without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.ipc_collect()
+    torch.cuda.empty_cache()
+    return max(0, before - torch.cuda.memory_reserved())
+
+
 def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None) -> float:
     """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
     that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
@@ -109,7 +121,7 @@ class MemoryManager:
     def evict_for_generation(self, step: int) -> dict:
         def body(t: _Transition) -> None:
             with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
-                m["moved"] = self.actor.offload_states(pin_memory=self.pin_memory)
+                m["moved"] = paged = bool(self.actor.offload_states(pin_memory=self.pin_memory))
             self.trainer_resident = False
             if self.owns_engine:
                 with t.move("engine weights (allocate)", "none", "device") as m:
@@ -119,6 +131,13 @@ class MemoryManager:
                 m["bytes"] = stats.bytes
                 m["buckets"] = stats.buckets
                 m["moved"] = self.handoff.feeds_engine
+                # The gathers copy this rank's paged-out bf16 partitions back to the device
+                # (lp_params are paged with the rest: see NOTES.md, "Paging lp_params").
+                m["h2d_bytes"] = self.actor.handoff_h2d_bytes() if paged else 0
+                # The buckets and their flattened copies stay reserved in the trainer's caching
+                # allocator (up to 2 x handoff_bucket_mb) unless returned before the engine's
+                # KV cache, sized to leave only rollout.memory_margin_gib, comes back.
+                m["cache_released_bytes"] = release_cached_memory()
                 self.last_handoff = stats
             if self.owns_engine:
                 with t.move("engine KV cache (allocate)", "none", "device") as m:

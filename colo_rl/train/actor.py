@@ -112,6 +112,17 @@ def lr_lambda(trainer_cfg, total_steps: int):
     return f
 
 
+def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dtype, include_lp_params: bool) -> int:
+    """Bytes `offload_states` moves for `numel` local parameter elements under ZeRO-3 + FusedAdam
+    (DeepSpeed 0.19.8, stage3.py): fp32 master weights and Adam's two fp32 moments; the gradient
+    partitions, whose flat buffer has the gradient-accumulation dtype (stage3.py:791, which defaults
+    to the model dtype: engine.py get_data_types); the low-precision params when paged, except in
+    fp32, where the master weights are the params themselves (stage3.py:1162-1167)."""
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    lp = size(param_dtype) if include_lp_params and param_dtype != torch.float32 else 0
+    return numel * (4 + 4 + 4 + lp + size(grad_dtype))
+
+
 class DeepSpeedActor:
     """A causal LM under DeepSpeed. With `with_optimizer=False` it is a frozen reference model
     (ZeRO-3 inference engine, no optimizer states)."""
@@ -289,10 +300,14 @@ class DeepSpeedActor:
         self.engine.reload_states(non_blocking=False)
         return True
 
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of ZeRO's gradient buffer (DeepSpeed's gradient-accumulation dtype)."""
+        get = getattr(self.engine, "get_data_types", None)
+        return get()[1] if get is not None else self.dtype
+
     def state_bytes(self) -> int:
-        """Bytes of this rank's trainer states that paging moves: fp32 master weights and Adam's
-        two moments for the local partition, the low-precision copy when training in bf16, and
-        the gradient buffer."""
+        """Bytes of this rank's trainer states that paging moves (see `paged_state_bytes`;
+        `offload_states` pages every state, lp_params included)."""
         if not self.with_optimizer:
             return 0
         trainable = [p for p in self.module.parameters() if p.requires_grad]
@@ -302,8 +317,16 @@ class DeepSpeedActor:
             numel = sum(p.numel() for p in trainable)
             if self.zero_stage in (1, 2):
                 numel //= max(1, dist.world_size())
-        lp = 2 if self.dtype == torch.bfloat16 else 0
-        return numel * (4 + 4 + 4 + lp + 4)
+        return paged_state_bytes(numel, self.dtype, self.grad_dtype(), include_lp_params=True)
+
+    def handoff_h2d_bytes(self) -> int:
+        """Host-to-device bytes the handoff's ZeRO-3 gathers copy while lp_params are paged out:
+        each gathered parameter's local partition (`ds_tensor.to(device)`, partition_parameters.py).
+        Persistent parameters stay on the device and are not gathered."""
+        if self.zero_stage != 3:
+            return 0
+        return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.module.parameters()
+                   if hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False))
 
     # ------------------------------------------------------------------ gathering (handoff, export)
     def named_parameter_sizes(self) -> list[tuple[str, int]]:
