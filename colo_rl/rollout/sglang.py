@@ -803,7 +803,7 @@ class SGLangEngine:
             free_bytes = torch.cuda.mem_get_info()[0]
         fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
                                             rollout.mem_fraction_static)
-        # Before anything heavy: a typo in rollout.sglang_kwargs costs nothing.
+        # Checked before the engine starts: a typo fails in seconds, not after a failed launch.
         extra = validate_sglang_kwargs(_plain_dict(getattr(rollout, "sglang_kwargs", None)), api.server_args_cls)
         model_dir = engine_model_dir(cfg.model)
         child_failure = watch_child_failures()
