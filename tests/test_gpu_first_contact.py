@@ -19,7 +19,7 @@ import sys
 import time
 import types
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import pytest
 import torch
