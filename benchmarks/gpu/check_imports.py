@@ -9,6 +9,9 @@ imports every module on the path of `sglang.Engine(...)`, generation, release/re
 Llama model, Triton attention backend, sampler, weight-sync buckets, torch_memory_saver, and
 colo_rl's own GPU path (DeepSpeed, Hydra, the recipe).
 
+sgl_kernel's libraries need the driver's libcuda.so.1: an empty stand-in is built with the C
+compiler and symbols bind lazily, so the check proves every other library they link resolves.
+
 What it cannot see: imports done inside functions at run time (it lists those whose package is
 missing, for a human to judge: most belong to features colo_rl does not use), anything that needs a
 GPU to run (kernel JIT builds, CUDA-graph capture, the LD_PRELOAD hook), and packages of the image
@@ -55,6 +58,10 @@ import torch
 def import_sgl_kernel():
     # sgl_kernel picks its ops library by the GPU's compute capability; this CPU has none, so it is
     # told it runs on a Hopper GPU (the H100 / H200 it will meet) while it loads sm90/common_ops.
+    # Its libraries NEED the driver's libcuda.so.1: an empty stand-in is on LD_LIBRARY_PATH and
+    # symbols bind lazily, so every other library they need must really resolve.
+    import os
+    sys.setdlopenflags(os.RTLD_LAZY | os.RTLD_GLOBAL)
     saved = torch.cuda.is_available, torch.cuda.current_device, torch.cuda.get_device_properties
     torch.cuda.is_available = lambda: True
     torch.cuda.current_device = lambda: 0
@@ -108,6 +115,20 @@ json.dump({"modules": results, "missing_lazy": lazy}, open(OUT, "w"), indent=1)
 '''
 
 
+def stub_libcuda(directory: Path):
+    """An empty libcuda.so.1 (the driver library, absent without a GPU), built with the C compiler;
+    None when there is none (then sgl_kernel's import fails here for that reason alone)."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    src = directory / "stub.c"
+    src.write_text("void colo_rl_libcuda_stub(void) {}\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(directory / "libcuda.so.1"),
+                    str(src)], check=True)
+    return directory
+
+
 def sh(cmd: list[str], **kw) -> None:
     print("+", " ".join(cmd[:8]), "..." if len(cmd) > 8 else "", flush=True)
     subprocess.run(cmd, check=True, **kw)
@@ -138,6 +159,9 @@ def main(argv=None) -> int:
         "--target", str(site)])
     code = f"MODULES = {MODULES!r}\nOUT = {str(args.out)!r}\n" + PROBE
     env = {"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    stub = stub_libcuda(args.venv / "stub-libcuda")
+    if stub is not None:
+        env["LD_LIBRARY_PATH"] = str(stub)
     proc = subprocess.run([str(py), "-c", code], cwd=ROOT, env=env, text=True, timeout=1200)
     if proc.returncode != 0 or not args.out.exists():
         print(f"the import probe itself failed (exit {proc.returncode})", file=sys.stderr)

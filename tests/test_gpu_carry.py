@@ -1,0 +1,124 @@
+"""The GPU carry (benchmarks/gpu/carry.py): slim wheels stay installable, parts reassemble exactly,
+and a broken or missing part is refused before anything is installed. Offline, with tiny wheels."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu import carry  # noqa: E402
+
+
+def record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(directory: Path, name: str, files: dict[str, bytes]) -> Path:
+    """A minimal, valid pure-Python wheel holding `files` (package paths -> contents)."""
+    dist = f"{name}-1.0.dist-info"
+    meta = {f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
+            f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = directory / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        record = []
+        for arc, data in {**files, **meta}.items():
+            zf.writestr(arc, data)
+            record.append(f"{arc},{record_hash(data)},{len(data)}")
+        record.append(f"{dist}/RECORD,,")
+        zf.writestr(f"{dist}/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def test_slim_wheel_drops_files_and_folders_and_keeps_record_exact(tmp_path):
+    wheel = make_wheel(tmp_path, "kern", {"kern/__init__.py": b"X = 1\n", "kern/big.so": b"\0" * 5000,
+                                          "kern/sm100/ops.so": b"\1" * 100, "kern/sm90/ops.so": b"\2" * 100})
+    saved, dropped = carry.slim_wheel(wheel, ("kern/big.so", "kern/sm100/"))
+    assert sorted(dropped) == ["kern/big.so", "kern/sm100/ops.so"]
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        record = zf.read("kern-1.0.dist-info/RECORD").decode().splitlines()
+        listed = {line.split(",")[0]: line.split(",")[1] for line in record}
+        assert "kern/big.so" not in names and "kern/sm100/ops.so" not in names and "kern/sm90/ops.so" in names
+        assert set(listed) == names  # RECORD names exactly what is in the wheel ...
+        for name, digest in listed.items():  # ... with the right hashes
+            if digest:
+                assert digest == record_hash(zf.read(name)), name
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(target),
+                    str(wheel)], check=True)
+    assert (target / "kern" / "sm90" / "ops.so").exists() and not (target / "kern" / "big.so").exists()
+
+
+def test_slim_rule_that_matches_nothing_is_refused(tmp_path):
+    wheel = make_wheel(tmp_path, "kern", {"kern/__init__.py": b""})
+    with pytest.raises(SystemExit, match="nothing to drop"):
+        carry.slim_wheel(wheel, ("kern/flash_ops.abi3.so",))
+
+
+@pytest.fixture
+def packed(tmp_path, monkeypatch):
+    monkeypatch.setattr(carry, "PART_BYTES", 6 << 10)  # small parts: each bundle spans several
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    stack = [make_wheel(wheels, "alpha", {"alpha/__init__.py": b"A = 1\n" + b"#" * 9000}),
+             make_wheel(wheels, "beta", {"beta/__init__.py": b"B = 2\n"})]
+    model = [make_wheel(wheels, "weights", {"weights/__init__.py": b"W = 3\n" + b"#" * 7000})]
+    out = tmp_path / "carry"
+    out.mkdir()
+    pieces = carry.pack({"stack": stack, "model": model}, out)
+    return out, pieces
+
+
+def test_parts_reassemble_into_the_installed_wheels(packed, tmp_path):
+    out, pieces = packed
+    assert len(pieces) >= 4 and all(p.stat().st_size <= 6 << 10 for p in pieces)
+    assert all(len({q.name.split(".")[0] for q in p.parent.glob("*.tar.*")}) == 1 for p in pieces)  # one bundle a part
+    target = tmp_path / "site"
+    carry.install(sorted(out.glob("part*")), target)
+    assert (target / "alpha" / "__init__.py").read_bytes().startswith(b"A = 1")
+    assert (target / "weights" / "__init__.py").exists() and (target / "beta" / "__init__.py").exists()
+
+
+def test_a_bundle_without_parts_is_skipped_and_the_rest_installs(packed, tmp_path, capsys):
+    out, pieces = packed
+    stack_dirs = sorted({p.parent for p in pieces if p.name.startswith("stack.")})
+    target = tmp_path / "site"
+    carry.install(stack_dirs, target)
+    assert (target / "alpha").exists() and not (target / "weights").exists()
+    assert "bundle 'model': no part here" in capsys.readouterr().out
+
+
+def test_missing_or_corrupt_part_is_refused_before_installing(packed, tmp_path):
+    out, pieces = packed
+    target = tmp_path / "site"
+    stack = [p for p in pieces if p.name.startswith("stack.")]
+    with pytest.raises(SystemExit, match="parts missing"):
+        carry.install([p.parent for p in stack[1:]], target)
+    data = bytearray(stack[0].read_bytes())
+    data[100] ^= 0xFF
+    stack[0].write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="checksum mismatch"):
+        carry.install(sorted(out.glob("part*")), target)
+    assert not target.exists()
+
+
+def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    import os
+
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh")], capture_output=True, text=True,
+                          env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, timeout=60)
+    assert proc.returncode == 2
+    assert "gpu-check needs an NVIDIA GPU" in proc.stderr
