@@ -2,6 +2,19 @@
 
 Shapes: B sequences, T response tokens. `mask` is 1 on tokens that count (response tokens that
 were generated, completion tokens for SFT), 0 on padding and prompt.
+
+Every choice a config key makes is a registry (in the manner of verl's core_algos): a decorator
+registers a function under the name the config uses, and the config's allowed values are the
+registry's names:
+
+    ADV_ESTIMATORS      algo.adv_estimator   (rewards [N], group_size, algo) -> advantages [N]
+    POLICY_LOSSES       algo.policy_loss     (logp, old_logp, adv, mask, algo, is_weights, n_tok, n_seq) -> (loss, stats)
+    KL_ESTIMATORS       algo.kl_estimator    (logp, ref_logp) -> per-token KL [B, T]
+    LOSS_AGGREGATIONS   algo.loss_agg        (loss_mat, mask, n_tok, n_seq) -> scalar
+    DPO_LOSSES          algo.dpo_loss        (h, beta, label_smoothing) -> per-pair loss [B]
+
+`rl_loss` is the whole GRPO-family loss of one micro-batch (policy loss with optional truncated
+importance sampling, plus the KL penalty), with its statistics.
 """
 
 from __future__ import annotations
@@ -10,6 +23,14 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from colo_rl.registry import Registry
+
+ADV_ESTIMATORS: Registry = Registry("algo.adv_estimator")
+POLICY_LOSSES: Registry = Registry("algo.policy_loss")
+KL_ESTIMATORS: Registry = Registry("algo.kl_estimator")
+LOSS_AGGREGATIONS: Registry = Registry("algo.loss_agg")
+DPO_LOSSES: Registry = Registry("algo.dpo_loss")
 
 # --------------------------------------------------------------------------------------------
 # Log-probs and entropy
@@ -78,6 +99,31 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return centred.view(-1)
 
 
+@ADV_ESTIMATORS.register("grpo")
+def grpo_advantages(rewards: torch.Tensor, group_size: int, algo) -> torch.Tensor:
+    """GRPO's group-normalised advantage (`group_advantages`); `algo.scale_by_std=false` is Dr. GRPO."""
+    return group_advantages(rewards, group_size, algo.scale_by_std)
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = -d = log pi - log pi_ref: unbiased, high variance, can be negative."""
+    return logp.float() - ref_logp.float()
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2: biased, low variance."""
+    return 0.5 * (ref_logp.float() - logp.float()).square()
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(d) - d - 1: unbiased, low variance, >= 0."""
+    d = (ref_logp.float() - logp.float()).clamp(-20, 20)  # exp overflow guard; |d| > 20 is already a broken policy
+    return torch.exp(d) - d - 1
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
 
@@ -86,15 +132,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
         k2 = d^2 / 2               (biased, low variance)
         k3 = exp(d) - d - 1        (unbiased, low variance, >= 0)
     """
-    d = ref_logp.float() - logp.float()
-    if estimator == "k1":
-        return -d
-    if estimator == "k2":
-        return 0.5 * d.square()
-    if estimator == "k3":
-        d = d.clamp(-20, 20)  # exp overflow guard; |d| > 20 is already a broken policy
-        return torch.exp(d) - d - 1
-    raise ValueError(f"algo.kl_estimator={estimator!r}: use k1, k2 or k3")
+    return KL_ESTIMATORS.get(estimator)(logp, ref_logp)
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -108,19 +146,28 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
     num_tokens / num_seqs replace the local denominators with global ones (all micro-batches of
     all ranks), so gradient accumulation gives the same gradient as one big batch.
     """
-    mask = mask.to(loss_mat.dtype)
-    if mode == "token-mean":
-        denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
-        return (loss_mat * mask).sum() / denom.clamp(min=1)
-    seq_sum = (loss_mat * mask).sum(-1)
-    if mode == "seq-mean-token-mean":
-        per_seq = seq_sum / mask.sum(-1).clamp(min=1)
-    elif mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    else:
-        raise ValueError(f"algo.loss_agg={mode!r}: use token-mean, seq-mean-token-mean or seq-mean-token-sum")
-    denom = float(loss_mat.shape[0]) if num_seqs is None else float(num_seqs)
+    return LOSS_AGGREGATIONS.get(mode)(loss_mat, mask.to(loss_mat.dtype), num_tokens, num_seqs)
+
+
+@LOSS_AGGREGATIONS.register("token-mean")
+def _token_mean(loss_mat, mask, num_tokens, num_seqs):
+    denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
+    return (loss_mat * mask).sum() / denom.clamp(min=1)
+
+
+def _per_sequence_mean(per_seq: torch.Tensor, num_seqs: float | None) -> torch.Tensor:
+    denom = float(per_seq.shape[0]) if num_seqs is None else float(num_seqs)
     return per_seq.sum() / max(denom, 1.0)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs):
+    return _per_sequence_mean((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1), num_seqs)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs):
+    return _per_sequence_mean((loss_mat * mask).sum(-1), num_seqs)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -155,9 +202,41 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, stats
 
 
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_tokens=None, num_seqs=None):
+    """The clipped surrogate (`policy_loss`) with the algo's clip range and aggregation."""
+    return policy_loss(logp, old_logp, advantages, mask, algo.clip_low, algo.clip_high, algo.loss_agg, is_weights,
+                       num_tokens, num_seqs)
+
+
 def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """TIS: w_t = min(pi_old(a_t) / pi_rollout(a_t), cap), correcting the trainer/engine mismatch."""
     return torch.exp((old_logp.float() - rollout_logp.float()).clamp(max=20)).clamp(max=cap)
+
+
+def rl_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, algo,
+            rollout_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+            num_tokens: float | None = None, num_seqs: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO-family loss of one micro-batch:
+
+        L = policy_loss(pi, pi_old, A; w) + kl_coef * agg_t KL_est(pi || pi_ref)
+        w_t = min(pi_old(a_t) / pi_rollout(a_t), tis_cap)     (truncated IS, only when algo.tis_cap)
+
+    `algo` names the registered policy loss, KL estimator and aggregation (an AlgoConfig); the KL
+    term needs `ref_logp` and algo.kl_coef > 0. Returns the loss and detached statistics: the
+    policy loss's own (clip fraction, ...) plus `kl_sum` (sum of the per-token KL over masked
+    tokens, for a global mean) when the KL term is on.
+    """
+    is_w = None
+    if algo.tis_cap and rollout_logp is not None:
+        is_w = truncated_is_weights(old_logp, rollout_logp, algo.tis_cap)
+    loss, stats = POLICY_LOSSES.get(getattr(algo, "policy_loss", "ppo_clip"))(
+        logp, old_logp, advantages, mask, algo, is_w, num_tokens, num_seqs)
+    if ref_logp is not None and algo.kl_coef > 0:
+        kl = kl_penalty(logp, ref_logp, algo.kl_estimator)
+        loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg, num_tokens, num_seqs)
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    return loss, stats
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +282,7 @@ def ipo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     1 / (2 beta) would mean different things for short and long responses.
     """
     h = (policy_chosen.float() - ref_chosen.float()) - (policy_rejected.float() - ref_rejected.float())
-    return (h - 1 / (2 * beta)).square()
+    return _dpo_ipo(h, beta, 0.0)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
@@ -222,15 +301,23 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     """
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"algo.label_smoothing={label_smoothing} must be in [0, 0.5)")
+    loss_fn = DPO_LOSSES.get(loss_type)
     chosen_logratio = policy_chosen.float() - ref_chosen.float()
     rejected_logratio = policy_rejected.float() - ref_rejected.float()
-    h = chosen_logratio - rejected_logratio
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
-        losses = ipo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * h)
-    else:
-        raise ValueError(f"algo.dpo_loss={loss_type!r}: use sigmoid, ipo or hinge")
+    losses = loss_fn(chosen_logratio - rejected_logratio, beta, label_smoothing)
     return losses, beta * chosen_logratio.detach(), beta * rejected_logratio.detach()
+
+
+@DPO_LOSSES.register("sigmoid")
+def _dpo_sigmoid(h: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    return -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+
+
+@DPO_LOSSES.register("ipo")
+def _dpo_ipo(h: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    return (h - 1 / (2 * beta)).square()
+
+
+@DPO_LOSSES.register("hinge")
+def _dpo_hinge(h: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    return torch.relu(1 - beta * h)
