@@ -1,0 +1,1 @@
+"""Rollout engines behind one protocol (base.py): the in-process HF engine and SGLang."""

@@ -1,0 +1,1 @@
+"""The trainer: the DeepSpeed actor, token batches, the offline (SFT / DPO) helpers."""
