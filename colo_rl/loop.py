@@ -1,0 +1,111 @@
+"""The one training loop, shared by GRPO, SFT and DPO (in the manner of torchtune's recipe interface).
+
+A recipe is a class with five methods; `run` drives it:
+
+    start = recipe.resume(ckpt)            # a checkpoint's step, or 0 for a fresh run
+    step 0 (fresh run): recipe.evaluate(0)  # the starting model, logged before any update
+    for step in start .. total_steps - 1:
+        recipe.train_step(step)             # one optimizer step (GRPO: generate, score, update)
+        recipe.evaluate(step + 1)           # every trainer.eval_every steps and at the end
+        metrics row; progress; collective stop check
+        recipe.save(ckpt, step + 1)         # every trainer.save_every steps, on a stop, at the end
+    recipe.finish(result)                   # export, plots, summary (skipped after a stop)
+
+A SIGINT / SIGTERM on any rank stops every rank after the same step, with a checkpoint; the
+caller exits with `result.exit_code` (130 / 143), and `resume=auto run_dir=...` continues.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+from colo_rl import dist
+from colo_rl.metrics import MetricsLogger, Progress, Timer, read_jsonl
+
+log = logging.getLogger("colo_rl")
+
+
+class Recipe(Protocol):
+    name: str  # the progress bar's label
+    total_steps: int
+
+    def resume(self, ckpt) -> int:
+        """Restore from the checkpoint `ckpt` resolved (resume=...), returning its step; 0 when fresh."""
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out metrics of the current weights (every rank calls it)."""
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One optimizer step; returns the step's metrics, already reduced over ranks."""
+
+    def save(self, ckpt, step: int) -> None:
+        """A resumable checkpoint after `step` steps (every rank calls it)."""
+
+    def finish(self, result: "LoopResult") -> None:
+        """After the last step of an uninterrupted run: final export, plots, summary."""
+
+
+@dataclass
+class LoopResult:
+    first_eval: dict
+    last_eval: dict
+    stopped_by: Optional[str]  # the signal that stopped the run early, or None
+    start_step: int  # > 0 when the run resumed
+
+    @property
+    def exit_code(self) -> int:
+        return dist.StopSignal.exit_code(self.stopped_by) if self.stopped_by else 0
+
+
+def logged_evals(metrics_path) -> tuple[dict, dict]:
+    """The first and last evaluation rows a resumed run had logged (metrics.jsonl is cut back to
+    the checkpoint on resume, so these are the interrupted run's own)."""
+    rows = ({k: v for k, v in r.items() if k.startswith("eval/")} for r in read_jsonl(metrics_path))
+    evals = [e for e in rows if e]
+    return (evals[0], evals[-1]) if evals else ({}, {})
+
+
+def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Optional[dict] = None) -> LoopResult:
+    """Drive `recipe` through its steps (see the module docstring). `start_metrics` (set-up timings)
+    join the step-0 row of a fresh run."""
+    stop = dist.StopSignal()
+    timer = Timer()
+    stopped_by = None
+    try:
+        start = recipe.resume(ckpt)
+        if start == 0:
+            with timer("eval"):
+                first_eval = recipe.evaluate(0)
+            metrics.log(0, {**first_eval, **timer.pop(), **(start_metrics or {})}, console=False)
+            last_eval = first_eval
+        else:
+            first_eval, last_eval = logged_evals(metrics.path)
+        progress = Progress(recipe.total_steps, recipe.name, start=start)
+        eval_every = cfg.trainer.eval_every or recipe.total_steps
+        for step in range(start, recipe.total_steps):
+            with timer("step"):
+                step_metrics = recipe.train_step(step)
+            step_metrics.update(timer.pop())
+            last = step + 1 == recipe.total_steps
+            if (step + 1) % eval_every == 0 or last:
+                with timer("eval"):
+                    last_eval = recipe.evaluate(step + 1)
+                step_metrics.update({**last_eval, **timer.pop()})
+            metrics.log(step + 1, step_metrics)
+            progress.advance()
+            stopped_by = stop.requested()  # a collective: every rank stops after the same step
+            if ckpt.due(step + 1) or stopped_by or last:
+                recipe.save(ckpt, step + 1)
+            if stopped_by:
+                log.warning("stopped by %s after step %d; continue with resume=auto run_dir=%s", stopped_by,
+                            step + 1, ckpt.run_dir)
+                break
+        progress.close()
+    finally:
+        stop.restore()
+    result = LoopResult(first_eval, last_eval, stopped_by, start)
+    if not stopped_by:
+        recipe.finish(result)
+    return result
