@@ -1,0 +1,162 @@
+"""Advantage estimators and reward shaping.
+
+Rewards arrive as [N] with N = num_groups * G, the G completions of one prompt contiguous. An
+estimator returns a sequence-level advantage [N] (broadcast over the sequence's tokens by the
+policy loss) or a token-level one [N, T] (REINFORCE++). Registered estimators take
+`(rewards, group_size, algo, mask=None, token_kl=None)`: `mask` [N, T] marks response tokens,
+`token_kl` [N, T] is the per-token k1 estimate log pi - log pi_ref (only when a reference exists).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.algos.core import ADV_ESTIMATORS
+
+# Estimators whose baseline comes from the other completions of the same prompt: a group of one
+# completion carries no signal for them (colo_rl refuses rollout.group_size=1 with these).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    return rewards.float().view(-1, group_size)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages (GRPO; Dr. GRPO with scale_by_std=False).
+
+        A_i = (r_i - mean_g(r)) / (std_g(r) + eps)     if scale_by_std
+        A_i =  r_i - mean_g(r)                         otherwise
+
+    std is the unbiased sample std (as in the GRPO paper's implementation). A group whose rewards
+    are all equal gets A = 0: it carries no learning signal.
+    """
+    g = _groups(rewards, group_size)
+    centred = g - g.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        std = g.std(dim=1, keepdim=True, unbiased=True) if group_size > 1 else torch.zeros_like(g[:, :1])
+        centred = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    return centred.view(-1)
+
+
+@ADV_ESTIMATORS.register("grpo")
+def grpo_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+    """GRPO's group-normalised advantage (`group_advantages`); algo.scale_by_std=false is Dr. GRPO."""
+    return group_advantages(rewards, group_size, algo.scale_by_std)
+
+
+@ADV_ESTIMATORS.register("rloo")
+def rloo_advantages(rewards, group_size, algo=None, mask=None, token_kl=None) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024): each completion's baseline is the mean of the other G - 1.
+
+        A_i = r_i - 1/(G-1) sum_{j != i} r_j  =  G/(G-1) (r_i - mean_g(r))
+    """
+    if group_size < 2:
+        raise ValueError("rloo needs rollout.group_size >= 2 (the baseline is the other completions' mean)")
+    g = _groups(rewards, group_size)
+    others = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
+    return (g - others).view(-1)
+
+
+def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the masked entries of every rank (one all-reduce), 0 elsewhere."""
+    m = mask.float()
+    total, total_sq, count = dist.all_reduce_sum([float((x * m).sum()), float((x.square() * m).sum()), float(m.sum())])
+    mean = total / max(count, 1.0)
+    var = max(total_sq / max(count, 1.0) - mean * mean, 0.0) * count / max(count - 1.0, 1.0)  # unbiased
+    return (x - mean) / (var ** 0.5 + eps) * m
+
+
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sequence reward placed on each sequence's last response token: [N] -> [N, T]."""
+    m = mask.float()
+    last = (m.cumsum(-1) == m.sum(-1, keepdim=True)) & (m > 0)
+    return last.float() * rewards.float().unsqueeze(-1)
+
+
+@ADV_ESTIMATORS.register("reinforce_pp")
+def reinforce_pp_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): KL folded into the token rewards, returns-to-go, global whitening.
+
+        rho_t = r * [t = last] - beta * (log pi(a_t) - log pi_ref(a_t))      (beta = algo.kl_coef)
+        G_t   = sum_{s >= t} rho_s                                         (gamma = 1)
+        A_t   = (G_t - mean(G)) / std(G)      over the response tokens of the whole batch, all ranks
+
+    Token-level: returns [N, T]. Without a reference (token_kl None) the KL term is absent.
+    """
+    if mask is None:
+        raise ValueError("reinforce_pp needs the response mask (token-level advantages)")
+    m = mask.float()
+    token_rewards = outcome_token_rewards(rewards, m)
+    if token_kl is not None and algo.kl_coef > 0:
+        token_rewards = token_rewards - algo.kl_coef * token_kl.float() * m
+    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * m
+    return global_whiten(returns, m)
+
+
+@ADV_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+    """REINFORCE++-baseline: the group mean subtracted, then whitened over the global batch.
+
+        s_i = r_i - beta * sum_t (log pi - log pi_ref)_t      (the KL term only with a reference)
+        A_i = s_i - mean_g(s);   A_t = whiten(A_i broadcast to its tokens)   over all ranks
+    Token-level: returns [N, T].
+    """
+    if mask is None:
+        raise ValueError("reinforce_pp_baseline needs the response mask (token-level advantages)")
+    m = mask.float()
+    scores = rewards.float()
+    if token_kl is not None and algo.kl_coef > 0:
+        scores = scores - algo.kl_coef * (token_kl.float() * m).sum(-1)
+    g = _groups(scores, group_size)
+    centred = (g - g.mean(dim=1, keepdim=True)).view(-1)
+    return global_whiten(centred.unsqueeze(-1) * m, m)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: True for groups whose rewards are not all equal ([num_groups]).
+    A group of equal rewards has zero advantage under any group baseline: it only dilutes the batch."""
+    g = _groups(rewards, group_size)
+    return (g.max(dim=1).values - g.min(dim=1).values) > 0
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment, added to the reward:
+
+        0                                          if L <= max_len - buffer_len
+        -penalty * (L - (max_len - buffer_len)) / buffer_len    inside the buffer (down to -penalty at max_len)
+    """
+    if buffer_len <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    exceed = (lengths.float() - (max_len - buffer_len)).clamp(min=0)
+    return -penalty * (exceed / buffer_len).clamp(max=1.0)
+
+
+def kl_in_reward(rewards: torch.Tensor, token_kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """KL as a reward penalty instead of a loss term: r_i - coef * sum_t (log pi - log pi_ref)_t (k1)."""
+    return rewards.float() - coef * (token_kl.float() * mask.float()).sum(-1)
+
+
+@dataclass
+class AdaptiveKLController:
+    """Ziegler et al. (2019): the KL-in-reward coefficient moves towards a target KL per sequence.
+
+        coef <- coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon)
+    """
+
+    coef: float
+    target: Optional[float] = None  # None: a fixed coefficient
+    horizon: int = 10000
+
+    def update(self, observed_kl: float, n_sequences: int) -> float:
+        if self.target:
+            error = max(-0.2, min(0.2, observed_kl / self.target - 1.0))
+            self.coef *= 1.0 + error * n_sequences / self.horizon
+        return self.coef

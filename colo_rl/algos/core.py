@@ -1,0 +1,85 @@
+"""What every algorithm shares: the registries, log-probs and entropy from logits, loss aggregation."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from colo_rl.registry import Registry
+
+ADV_ESTIMATORS: Registry = Registry("algo.adv_estimator")
+POLICY_LOSSES: Registry = Registry("algo.policy_loss")
+KL_ESTIMATORS: Registry = Registry("algo.kl_estimator")
+LOSS_AGGREGATIONS: Registry = Registry("algo.loss_agg")
+DPO_LOSSES: Registry = Registry("algo.dpo_loss")
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[labels], in float32.
+
+    logits: [B, T, V] (position t predicts labels[:, t]); labels: [B, T]. The rollout engine
+    reports log-probs of logits / temperature over the full vocabulary, so the trainer divides by
+    the same temperature for the two to be comparable.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logz = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - logz
+
+
+def entropy_from_logits(logits: torch.Tensor, logz: Optional[torch.Tensor] = None, chunk: int = 64) -> torch.Tensor:
+    """H = logsumexp(z) - sum softmax(z) z, per position. [..., V] -> [...]; pass `logz` when
+    logsumexp(z) is already computed. Done `chunk` positions at a time with the dot product as a
+    batched matmul: the chunk stays in cache, ~4x faster on CPU than whole-tensor passes over a
+    49k vocabulary."""
+    shape = logits.shape[:-1]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    logz = torch.logsumexp(flat, dim=-1) if logz is None else logz.reshape(-1)
+    out = torch.empty_like(logz)
+    for start in range(0, flat.shape[0], chunk):
+        z = flat[start:start + chunk]
+        expected_z = torch.bmm(torch.softmax(z, dim=-1).unsqueeze(1), z.unsqueeze(2)).view(-1)
+        out[start:start + chunk] = logz[start:start + chunk] - expected_z
+    return out.view(shape)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar.
+
+        token-mean:            sum_{i,t} l_it m_it / sum_{i,t} m_it          (DAPO, verl default)
+        seq-mean-token-mean:   (1/B) sum_i [ sum_t l_it m_it / sum_t m_it ]  (original GRPO, GSPO)
+        seq-mean-token-sum:    (1/B) sum_i   sum_t l_it m_it                 (Dr. GRPO)
+
+    num_tokens / num_seqs replace the local denominators with global ones (all micro-batches of
+    all ranks), so gradient accumulation gives the same gradient as one big batch.
+    """
+    return LOSS_AGGREGATIONS.get(mode)(loss_mat, mask.to(loss_mat.dtype), num_tokens, num_seqs)
+
+
+@LOSS_AGGREGATIONS.register("token-mean")
+def _token_mean(loss_mat, mask, num_tokens, num_seqs):
+    denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
+    return (loss_mat * mask).sum() / denom.clamp(min=1)
+
+
+def _per_sequence_mean(per_seq: torch.Tensor, num_seqs: float | None) -> torch.Tensor:
+    denom = float(per_seq.shape[0]) if num_seqs is None else float(num_seqs)
+    return per_seq.sum() / max(denom, 1.0)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-mean")
+def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs):
+    return _per_sequence_mean((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1), num_seqs)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum")
+def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs):
+    return _per_sequence_mean((loss_mat * mask).sum(-1), num_seqs)

@@ -1,0 +1,185 @@
+"""Policy losses (PPO-clip with dual-clip, GSPO, CISPO), KL estimators, truncated IS, and `rl_loss`.
+
+Shapes: B sequences, T response tokens; `mask` [B, T] is 1 on generated tokens. Advantages are
+[B] (broadcast over tokens) or [B, T]. Registered losses take
+`(logp, old_logp, advantages, mask, algo, is_weights, num_tokens, num_seqs)` and return
+`(loss, stats)`; the stats are detached token means over the mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rl.algos.core import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss, masked_mean
+
+# |k3| larger than this is a broken policy, not information: bounded so one token cannot swamp the loss.
+K3_BOUND = 10.0
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = -d = log pi - log pi_ref: unbiased, high variance, can be negative."""
+    return logp.float() - ref_logp.float()
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = d^2 / 2: biased, low variance."""
+    return 0.5 * (ref_logp.float() - logp.float()).square()
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(d) - d - 1 (unbiased, low variance, >= 0), bounded to [-K3_BOUND, K3_BOUND] as verl's
+    low_var_kl is: one token the policy has moved far from the reference cannot dominate the loss."""
+    d = (ref_logp.float() - logp.float()).clamp(-20, 20)  # exp overflow guard
+    return (torch.exp(d) - d - 1).clamp(-K3_BOUND, K3_BOUND)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1/k2/k3).
+
+    With d = log pi_ref - log pi:
+        k1 = -d                    (unbiased, high variance, can be negative)
+        k2 = d^2 / 2               (biased, low variance)
+        k3 = exp(d) - d - 1        (unbiased, low variance, >= 0; bounded, see kl_k3)
+    """
+    return KL_ESTIMATORS.get(estimator)(logp, ref_logp)
+
+
+def _broadcast(advantages: torch.Tensor) -> torch.Tensor:
+    return advantages.float().unsqueeze(-1) if advantages.dim() == 1 else advantages.float()
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.2, loss_agg: str = "token-mean",
+                is_weights: torch.Tensor | None = None, num_tokens: float | None = None,
+                num_seqs: float | None = None, clip_ratio_c: float | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clipped surrogate (PPO/GRPO) with separate low / high clip ranges, and dual-clip.
+
+        r_t  = exp(log pi(a_t) - log pi_old(a_t))
+        l_t  = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A) * w_t
+        dual-clip (Ye et al. 2020), for A < 0 only:  l_t = min(l_t, -c A)      (c = clip_ratio_c > 1)
+
+    Dual-clip bounds the loss of a negative-advantage token whose ratio has grown very large (the
+    plain clip leaves -r A unbounded there). w_t are optional truncated importance-sampling weights
+    pi_old / pi_rollout (TIS), 1 otherwise. Stats: clip fraction, dual-clip fraction, approx KL to
+    pi_old, mean ratio.
+    """
+    adv = _broadcast(advantages)
+    log_ratio = (logp.float() - old_logp.float()).clamp(-20, 20)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    loss_mat = -torch.minimum(unclipped, clipped)
+    dual = torch.zeros_like(loss_mat, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        if not clip_ratio_c > 1:
+            raise ValueError(f"algo.clip_ratio_c={clip_ratio_c} must be > 1 (dual-clip's lower bound on A < 0 tokens)")
+        bound = -clip_ratio_c * adv
+        dual = (adv < 0) & (loss_mat > bound)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, bound), loss_mat)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate_loss(loss_mat, mask, loss_agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        m = mask.float()
+        stats = {
+            "clip_frac": masked_mean((clipped < unclipped).float(), m),
+            "dual_clip_frac": masked_mean(dual.float(), m),
+            "approx_kl_old": masked_mean(0.5 * log_ratio.square(), m),
+            "ratio_mean": masked_mean(ratio, m),
+        }
+    return loss, stats
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_tokens=None, num_seqs=None):
+    """The clipped surrogate (`policy_loss`) with the algo's clip range, dual-clip and aggregation."""
+    return policy_loss(logp, old_logp, advantages, mask, algo.clip_low, algo.clip_high, algo.loss_agg, is_weights,
+                       num_tokens, num_seqs, getattr(algo, "clip_ratio_c", None))
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_tokens=None, num_seqs=None):
+    """GSPO (Zheng et al. 2025): a sequence-level, length-normalised importance ratio, clipped per sequence.
+
+        s_i   = (pi(y_i) / pi_old(y_i))^(1/|y_i|) = exp( mean_t (log pi - log pi_old) )
+        s_i,t = sg[s_i] * pi(a_t) / sg[pi(a_t)]          (value s_i; gradient s_i grad log pi(a_t))
+        l_i,t = -min(s_i,t A_i, clip(s_i,t, 1 - clip_low, 1 + clip_high) A_i)
+
+    The paper's objective averages per sequence: use algo.loss_agg=seq-mean-token-mean, and clip
+    ranges of the paper's order (3e-4 / 4e-4), not PPO's 0.2. Sequence-level advantages only.
+    """
+    m = mask.float()
+    adv = _broadcast(advantages)
+    log_ratio = (logp.float() - old_logp.float()) * m
+    seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + logp.float() - logp.float().detach()
+    ratio = torch.exp(token_log_ratio.clamp(-20, 20))
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
+    loss_mat = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate_loss(loss_mat, mask, algo.loss_agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        stats = {"clip_frac": masked_mean((clipped < unclipped).float(), m),
+                 "seq_ratio_mean": torch.exp(seq_log_ratio).mean()}
+    return loss, stats
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_tokens=None, num_seqs=None):
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update; every token keeps a gradient.
+
+        l_t = -sg[clip(r_t, 1 - clip_low, 1 + clip_high)] * A * log pi(a_t)
+    """
+    adv = _broadcast(advantages)
+    ratio = torch.exp((logp.float() - old_logp.float()).clamp(-20, 20))
+    weight = ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high).detach()
+    loss_mat = -weight * adv * logp.float()
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate_loss(loss_mat, mask, algo.loss_agg, num_tokens, num_seqs)
+    with torch.no_grad():
+        m = mask.float()
+        stats = {"clip_frac": masked_mean((ratio != weight).float(), m), "ratio_mean": masked_mean(ratio, m)}
+    return loss, stats
+
+
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """TIS: w_t = min(pi_old(a_t) / pi_rollout(a_t), cap), correcting the trainer/engine mismatch."""
+    return torch.exp((old_logp.float() - rollout_logp.float()).clamp(max=20)).clamp(max=cap)
+
+
+def rl_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, algo,
+            rollout_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
+            num_tokens: float | None = None, num_seqs: float | None = None,
+            entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO-family loss of one micro-batch:
+
+        L = policy_loss(pi, pi_old, A; w) + kl_coef * agg_t KL_est(pi || pi_ref) - entropy_coef * agg_t H_t
+        w_t = min(pi_old(a_t) / pi_rollout(a_t), tis_cap)     (truncated IS, only when algo.tis_cap)
+
+    `algo` names the registered policy loss, KL estimator and aggregation (an AlgoConfig). The KL
+    term needs `ref_logp`, algo.kl_coef > 0 and algo.kl_in_reward off (then the KL is in the reward
+    instead); the entropy term needs `entropy` and algo.entropy_coef > 0. Returns the loss and
+    detached statistics: the policy loss's own plus `kl_sum` (per-token KL summed over the mask,
+    for a global mean) whenever `ref_logp` is given.
+    """
+    is_w = None
+    if algo.tis_cap and rollout_logp is not None:
+        is_w = truncated_is_weights(old_logp, rollout_logp, algo.tis_cap)
+    loss, stats = POLICY_LOSSES.get(getattr(algo, "policy_loss", "ppo_clip"))(
+        logp, old_logp, advantages, mask, algo, is_w, num_tokens, num_seqs)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, algo.kl_estimator)
+        if algo.kl_coef > 0 and not getattr(algo, "kl_in_reward", False):
+            loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg, num_tokens, num_seqs)
+        stats["kl_sum"] = (kl.detach() * mask).sum()
+    entropy_coef = getattr(algo, "entropy_coef", 0.0)
+    if entropy is not None and entropy_coef > 0:
+        loss = loss - entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, num_tokens, num_seqs)
+    return loss, stats
