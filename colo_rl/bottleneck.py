@@ -1,0 +1,85 @@
+"""Is a GRPO run rollout-bound or train-bound, and what would a split of the node's GPUs give?
+
+From the measured per-step phase times (metrics.jsonl: time/generation, time/logprobs,
+time/update, time/handoff, time/phase_switch, time/reward), on N GPUs that every phase uses in turn:
+
+    generation work   W_g = t_gen * N            GPU-seconds per step
+    training work     W_t = (t_logprobs + t_update) * N
+    colocated step    T_c = t_gen + t_train + t_switch + t_other      (t_switch = handoff + phase switch)
+
+A disaggregated layout gives g GPUs to generation and N - g to training, pipelined one step off
+policy (as slime / verl's async mode do): its step takes max(W_g / g, W_t / (N - g)) + t_other,
+and the faster pool idles for the rest. The balance rule (rollout throughput = training
+consumption) puts g* = N * W_g / (W_g + W_t); the report evaluates the integer splits around it
+and the idle share each pool keeps, against what colocation pays: t_switch per step, no idle
+pool. Weight transfer between pools is not modelled (it is at least the colocated handoff).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Iterable
+
+PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update"],
+          "switch": ["time/handoff", "time/phase_switch"], "other": ["time/reward"]}
+
+
+def phase_means(rows: Iterable[dict], skip: int = 1) -> dict[str, float]:
+    """Mean seconds per step of each phase over the step rows (the first `skip` dropped as warm-up)."""
+    steps = [r for r in rows if r.get("time/step") is not None and r.get("step", 1) > 0]
+    kept = steps[min(skip, max(0, len(steps) - 1)):]
+    if not kept:
+        raise ValueError("no step rows with time/step: nothing to report")
+    out = {name: statistics.fmean(sum(float(r.get(k) or 0.0) for k in keys) for r in kept)
+           for name, keys in PHASES.items()}
+    out["step"] = statistics.fmean(float(r["time/step"]) for r in kept)
+    out["steps"] = float(len(kept))
+    return out
+
+
+def split_layout(t_gen: float, t_train: float, t_other: float, n_gpus: int, g: int) -> dict:
+    """Step time and idle shares with g generation GPUs and n_gpus - g training GPUs (pipelined)."""
+    gen_time = t_gen * n_gpus / g
+    train_time = t_train * n_gpus / (n_gpus - g)
+    busy = max(gen_time, train_time)
+    return {"generation_gpus": g, "training_gpus": n_gpus - g, "step_seconds": busy + t_other,
+            "generation_idle_share": 1 - gen_time / busy if busy > 0 else 0.0,
+            "training_idle_share": 1 - train_time / busy if busy > 0 else 0.0}
+
+
+def bottleneck_report(rows: Iterable[dict], n_gpus: int, skip: int = 1) -> dict:
+    t = phase_means(rows, skip)
+    busy = t["generation"] + t["train"]
+    report = {
+        "gpus": n_gpus, "steps_measured": int(t["steps"]), "seconds_per_step": t,
+        "shares": {k: (t[k] / t["step"] if t["step"] > 0 else 0.0) for k in PHASES},
+        "bound": "rollout" if t["generation"] >= t["train"] else "train",
+        "colocated": {"step_seconds": t["step"], "switch_share": t["switch"] / t["step"] if t["step"] > 0 else 0.0},
+        "splits": [],
+    }
+    if n_gpus >= 2 and busy > 0:
+        g_star = n_gpus * t["generation"] / busy
+        report["balanced_generation_gpus"] = g_star
+        candidates = sorted({min(n_gpus - 1, max(1, math.floor(g_star))), min(n_gpus - 1, max(1, math.ceil(g_star)))})
+        report["splits"] = [split_layout(t["generation"], t["train"], t["other"], n_gpus, g) for g in candidates]
+        best = min(report["splits"], key=lambda s: s["step_seconds"])
+        report["best_split"] = best
+        report["split_vs_colocated"] = best["step_seconds"] / t["step"] if t["step"] > 0 else float("nan")
+    return report
+
+
+def format_report(report: dict) -> str:
+    t, s = report["seconds_per_step"], report["shares"]
+    lines = [f"bottleneck ({report['steps_measured']} steps on {report['gpus']} GPU(s)/rank(s)): "
+             f"{report['bound']}-bound; per step {t['step']:.2f} s = generation {100 * s['generation']:.0f} % + "
+             f"training {100 * s['train']:.0f} % + switching {100 * s['switch']:.1f} % + other {100 * s['other']:.0f} %"]
+    best = report.get("best_split")
+    if best:
+        lines.append(
+            f"  balance rule: {report['balanced_generation_gpus']:.1f} of {report['gpus']} GPUs for generation; "
+            f"best split {best['generation_gpus']} gen / {best['training_gpus']} train would take "
+            f"{best['step_seconds']:.2f} s/step ({report['split_vs_colocated']:.2f}x colocated), idle: generation "
+            f"pool {100 * best['generation_idle_share']:.0f} %, training pool {100 * best['training_idle_share']:.0f} %; "
+            f"colocation pays {100 * report['colocated']['switch_share']:.1f} % switching and no idle pool")
+    return "\n".join(lines)

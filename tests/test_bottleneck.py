@@ -1,0 +1,50 @@
+"""The bottleneck report's arithmetic on hand-made step rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from colo_rl.bottleneck import bottleneck_report, format_report, split_layout
+
+
+def rows(gen: float, logprobs: float, update: float, handoff: float, switch: float, reward: float, n: int = 4):
+    step = gen + logprobs + update + handoff + switch + reward
+    return [{"step": 0, "eval/accuracy": 0.1}] + [
+        {"step": i + 1, "time/generation": gen, "time/logprobs": logprobs, "time/update": update,
+         "time/handoff": handoff, "time/phase_switch": switch, "time/reward": reward, "time/step": step}
+        for i in range(n)]
+
+
+def test_rollout_bound_run_and_the_balanced_split():
+    report = bottleneck_report(rows(gen=6.0, logprobs=0.5, update=1.5, handoff=0.3, switch=0.2, reward=0.5), n_gpus=8)
+    assert report["bound"] == "rollout"
+    assert report["shares"]["generation"] == pytest.approx(6.0 / 9.0)
+    assert report["colocated"]["switch_share"] == pytest.approx(0.5 / 9.0)
+    assert report["balanced_generation_gpus"] == pytest.approx(8 * 6 / 8)  # g* = N W_g / (W_g + W_t) = 6
+    best = report["best_split"]
+    assert (best["generation_gpus"], best["training_gpus"]) == (6, 2)
+    # W_g / g = 6*8/6 = 8 s, W_t / (N-g) = 2*8/2 = 8 s: balanced, no idle pool, + 0.5 s other
+    assert best["step_seconds"] == pytest.approx(8.5)
+    assert best["generation_idle_share"] == pytest.approx(0.0) and best["training_idle_share"] == pytest.approx(0.0)
+    assert report["split_vs_colocated"] == pytest.approx(8.5 / 9.0)
+    assert "rollout-bound" in format_report(report)
+
+
+def test_train_bound_run_with_a_split_that_cannot_balance():
+    report = bottleneck_report(rows(gen=1.0, logprobs=1.0, update=2.0, handoff=0.1, switch=0.1, reward=0.0), n_gpus=2)
+    assert report["bound"] == "train"
+    assert report["balanced_generation_gpus"] == pytest.approx(2 * 1 / 4)  # 0.5: at least one GPU each
+    best = report["best_split"]
+    assert (best["generation_gpus"], best["training_gpus"]) == (1, 1)
+    # generation 1*2/1 = 2 s, training 3*2/1 = 6 s: the generation pool idles 2/3 of the step
+    assert best["step_seconds"] == pytest.approx(6.0)
+    assert best["generation_idle_share"] == pytest.approx(2 / 3)
+
+
+def test_one_gpu_has_no_split_and_warm_up_steps_are_dropped():
+    r = rows(gen=1.0, logprobs=0.0, update=1.0, handoff=0.0, switch=0.0, reward=0.0, n=3)
+    r[1]["time/generation"], r[1]["time/step"] = 50.0, 51.0  # the first step carries warm-up
+    report = bottleneck_report(r, n_gpus=1, skip=1)
+    assert report["splits"] == [] and "best_split" not in report
+    assert report["seconds_per_step"]["generation"] == pytest.approx(1.0)
+    assert split_layout(1.0, 1.0, 0.0, 4, 2)["step_seconds"] == pytest.approx(2.0)
