@@ -7,8 +7,9 @@ in the defaults list, so the composed config is typed and in struct mode: a miss
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -36,7 +37,11 @@ class DataConfig:
     path: Optional[str] = None
     train_size: int = 20000
     eval_size: int = 200
-    seed: int = 1234
+    # Training order (shuffles, epochs); None = trainer.seed.
+    seed: Optional[int] = None
+    # The embedded task's problems and which problems (or file records) are held out: fixed apart from
+    # the run's seed, so every recipe and every trainer.seed evaluate on the same held-out set.
+    split_seed: int = 1234
     # Arithmetic task: operand range and the share of three-operand problems.
     min_operand: int = 1
     max_operand: int = 30
@@ -79,7 +84,7 @@ class RolloutConfig:
     # Stop when the engine's sampling log-probs differ from the trainer's by more than this
     # (mean absolute difference per response token): the engine is not on the trainer's weights.
     handoff_check_max_mean_abs: float = 0.2
-    seed: int = 0
+    seed: Optional[int] = None  # None = trainer.seed (each rank's sampling RNG adds its rank)
     # More sglang.Engine arguments (ServerArgs fields), e.g. rollout.sglang_kwargs={attention_backend:triton}
     # or +rollout.sglang_kwargs.disable_cuda_graph=true; checked against the installed SGLang at start.
     # Not in struct mode (its keys are SGLang's, checked there), so `rollout.sglang_kwargs={...}` can
@@ -123,6 +128,7 @@ class TrainerConfig:
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
     total_steps: int = 10
     epochs: int = 1  # SFT / DPO
+    # The run's seed: model init, Python / NumPy / torch RNGs, and (unless set) data.seed and rollout.seed.
     seed: int = 42
     eval_every: int = 0  # 0 = evaluate at the start and the end only
     save_every: int = 0  # 0 = only the final checkpoint
@@ -154,6 +160,17 @@ class RunConfig:
     tensorboard: bool = True
     plots: bool = True
 
+    def __post_init__(self) -> None:
+        derive_seeds(self)
+
+
+def derive_seeds(cfg: "RunConfig") -> None:
+    """One seed option for the whole run: data.seed / rollout.seed follow trainer.seed unless set."""
+    if cfg.data.seed is None:
+        cfg.data.seed = cfg.trainer.seed
+    if cfg.rollout.seed is None:
+        cfg.rollout.seed = cfg.trainer.seed
+
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
@@ -171,21 +188,150 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and what to do."""
 
 
-def validate(cfg: RunConfig | DictConfig) -> None:
-    """Checks that types alone cannot express. Raises ConfigError naming the key."""
+# ---------------------------------------------------------------------------------------------
+# What each recipe reads, as data (one entry per recipe): the algo group it runs, whether its
+# estimator is group-based, and the keys it does not read (with what to use instead). A key listed
+# here and set on the command line is refused: it would be accepted and then silently ignored.
+_GRPO_ONLY = {
+    "trainer.total_steps": "set trainer.max_steps (a cap) or trainer.epochs",
+    "trainer.pack_groups": "GRPO only", "trainer.mini_batches_per_step": "GRPO only",
+    "rollout.prompts_per_step": "GRPO only", "rollout.group_size": "GRPO only",
+    "rollout.max_new_tokens": "evaluation uses rollout.eval_max_new_tokens",
+    "rollout.temperature": "evaluation decodes greedily", "rollout.top_p": "evaluation decodes greedily",
+    "rollout.handoff_check_max_mean_abs": "GRPO only",
+    "algo.scale_by_std": "GRPO only", "algo.clip_low": "GRPO only", "algo.clip_high": "GRPO only",
+    "algo.kl_coef": "GRPO only", "algo.kl_estimator": "GRPO only", "algo.loss_agg": "GRPO only",
+    "algo.tis_cap": "GRPO only",
+}
+_DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
+             "algo.precompute_ref_logprobs": "DPO only"}
+RECIPES: dict[str, dict[str, Any]] = {
+    "grpo": {"algo": "grpo", "group_based": True, "ignores": {
+        **_DPO_ONLY,
+        "trainer.max_steps": "set trainer.total_steps", "trainer.epochs": "set trainer.total_steps",
+        "trainer.batch_size": "set rollout.prompts_per_step (x rollout.group_size completions)",
+        "trainer.eval_generate": "GRPO always evaluates with generation (trainer.eval_every)",
+        "algo.packing": "set trainer.pack_groups", "data.max_seq_len": "set data.max_prompt_tokens and "
+                                                                        "rollout.max_new_tokens"}},
+    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY}},
+    "dpo": {"algo": "dpo", "group_based": False, "ignores": dict(_GRPO_ONLY)},
+}
+
+# Value ranges types cannot express: key -> (accepts the value, what it must be).
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "trainer.lr": (lambda v: v > 0, "must be > 0"),
+    "trainer.warmup_steps": (lambda v: v >= 0, "must be >= 0"),
+    "trainer.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "trainer.weight_decay": (lambda v: v >= 0, "must be >= 0"),
+    "trainer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two values in [0, 1)"),
+    "trainer.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
+    "trainer.micro_batch_size": (lambda v: v > 0, "must be a positive integer"),
+    "trainer.mini_batches_per_step": (lambda v: v > 0, "must be a positive integer"),
+    "trainer.total_steps": (lambda v: v > 0, "must be a positive integer"),
+    "trainer.epochs": (lambda v: v > 0, "must be a positive integer"),
+    "trainer.batch_size": (lambda v: v > 0, "must be a positive integer"),
+    "trainer.max_steps": (lambda v: v >= 0, "must be >= 0 (0 = all epochs)"),
+    "trainer.eval_every": (lambda v: v >= 0, "must be >= 0 (0 = at the start and the end only)"),
+    "trainer.save_every": (lambda v: v >= 0, "must be >= 0 (0 = only the final checkpoint)"),
+    "trainer.max_nonfinite_steps": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.prompts_per_step": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.group_size": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.max_new_tokens": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.eval_max_new_tokens": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.eval_batch_size": (lambda v: v > 0, "must be a positive integer"),
+    "rollout.temperature": (lambda v: v > 0, "must be > 0 (greedy decoding is used for evaluation only)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = no nucleus cut)"),
+    "rollout.tp_size": (lambda v: v > 0, "must be a positive integer"),
+    "algo.kl_coef": (lambda v: v >= 0, "must be >= 0 (0 = no KL penalty, no reference model)"),
+    "algo.clip_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "algo.clip_high": (lambda v: v >= 0, "must be >= 0"),
+    "algo.tis_cap": (lambda v: v is None or v > 0, "must be > 0, or null for no truncated importance sampling"),
+    "algo.beta": (lambda v: v > 0, "must be > 0"),
+    "algo.label_smoothing": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
+    "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "data.train_size": (lambda v: v >= 0, "must be >= 0 (0 = every record of data.path)"),
+    "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
+    "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
+    "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
+}
+
+# Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
+FREE_KEYS = ("rollout.sglang_kwargs",)
+
+
+def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, overrides: Iterable[str] = ()) -> None:
+    """Every check that types alone cannot express, in one pass before anything heavy starts.
+
+    cfg: the composed config (a DictConfig: keys added with `+` are checked against the schema too)
+    or a RunConfig. recipe: the recipe that will run (default: cfg.recipe). overrides: the command-line
+    overrides (Hydra's task overrides): a key the recipe does not read is refused when set there.
+    Raises ConfigError naming the key and what to do."""
+    if isinstance(cfg, DictConfig):
+        check_schema_keys(cfg)
+        obj = OmegaConf.to_object(cfg)
+    else:
+        obj = cfg
+    recipe = recipe or obj.recipe
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe={recipe!r} is not one of {list(RECIPES)}")
+    spec = RECIPES[recipe]
+    ignored = spec["ignores"]
+    for ov in overrides:
+        key = _override_key(ov)
+        if key in ignored:
+            raise ConfigError(f"{key} is not read by recipes/{recipe}.py ({ignored[key]}): remove it from the "
+                              f"command line")
+    if obj.algo.name != spec["algo"]:
+        raise ConfigError(f"algo={obj.algo.name} is not {recipe}'s algo group: recipes/{recipe}.py runs "
+                          f"algo={spec['algo']}" + (f" (for {obj.algo.name.upper()} run recipes/{obj.algo.name}.py)"
+                                                    if obj.algo.name in RECIPES else ""))
     for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _get(cfg, key)
-        if value not in allowed:
+        value = _get(obj, key)
+        if key not in ignored and value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    positive = ["rollout.prompts_per_step", "rollout.group_size", "rollout.max_new_tokens",
-                "trainer.micro_batch_size", "trainer.mini_batches_per_step", "trainer.total_steps"]
-    for key in positive:
-        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _get(cfg, key)
-        if value is None or value <= 0:
-            raise ConfigError(f"{key}={value!r} must be a positive integer")
-    temp = OmegaConf.select(cfg, "rollout.temperature") if isinstance(cfg, DictConfig) else _get(cfg, "rollout.temperature")
-    if temp <= 0:
-        raise ConfigError(f"rollout.temperature={temp} must be > 0 (greedy decoding is used for evaluation only)")
+    for key, (ok, what) in RANGES.items():
+        value = _get(obj, key)
+        if key not in ignored and (value is None and key != "algo.tis_cap" or not ok(value)):
+            raise ConfigError(f"{key}={value!r} {what}")
+    if spec["group_based"] and obj.rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: {recipe.upper()}'s advantages are each "
+                          f"reward minus its group's mean, so a group of one learns nothing; use "
+                          f"rollout.group_size>=2")
+    from colo_rl.rewards import REWARD_FUNCTIONS  # light: no model, no torch
+
+    unknown = [n for n in obj.reward.functions if n not in REWARD_FUNCTIONS]
+    if unknown:
+        raise ConfigError(f"reward.functions: unknown reward function {unknown[0]!r}; available: "
+                          f"{sorted(REWARD_FUNCTIONS)}")
+
+
+def check_schema_keys(cfg: DictConfig) -> None:
+    """Refuse keys the schema does not have (`+trainer.lrr=1`: a `+` bypasses struct mode, and the
+    value would then be ignored)."""
+    schema = OmegaConf.structured(RunConfig)
+
+    def walk(node: Any, ref: Any, prefix: str) -> None:
+        for key in node.keys():
+            path = f"{prefix}{key}"
+            if path in FREE_KEYS:
+                continue
+            if key not in ref:
+                known = [f"{prefix}{k}" for k in ref.keys()]
+                close = difflib.get_close_matches(path, known, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                where = f"{prefix[:-1]} has" if prefix else "the config has"
+                raise ConfigError(f"+{path}: {where} no key {key!r}; {hint}a `+` adds a key colo_rl does not "
+                                  f"read, so it would be ignored. Remove it (the keys: colo_rl/config.py).")
+            child, ref_child = node._get_node(key), ref._get_node(key)
+            if isinstance(child, DictConfig) and isinstance(ref_child, DictConfig):
+                walk(child, ref_child, f"{path}.")
+
+    walk(cfg, schema, "")
+
+
+def _override_key(override: str) -> str:
+    """`+trainer.lr=1`, `~x`, `trainer.lr=1` -> the dotted key."""
+    return override.lstrip("+~").split("=", 1)[0].strip()
 
 
 def _get(obj: Any, dotted: str) -> Any:
@@ -200,9 +346,9 @@ def register_configs() -> None:
     cs.store(name="schema", node=RunConfig)
 
 
-def to_object(cfg: DictConfig) -> RunConfig:
-    """Typed config object from Hydra's DictConfig (validates enums too)."""
+def to_object(cfg: DictConfig, recipe: Optional[str] = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Typed config object from Hydra's DictConfig, validated (`validate`) for `recipe`."""
+    validate(cfg, recipe, overrides)
     obj = OmegaConf.to_object(cfg)
     assert isinstance(obj, RunConfig), type(obj)
-    validate(obj)
     return obj

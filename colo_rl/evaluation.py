@@ -12,12 +12,15 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     right), the share of answers stated in the required format, and mean response length."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     completions = engine.generate(local_ids, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+    # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
+    completions = completions[:len(local_ids)]
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True) if completions else []
     res = scorer.score(texts, local_answers)
     n, correct, lenient, formatted, length = dist.all_reduce_sum([
         len(texts), sum(res.correct), sum(res.correct_lenient), sum(res.formatted),
         sum(len(c.token_ids) for c in completions)])
-    n = max(n, 1.0)
+    if n == 0:  # no held-out problems at all: nothing to report (callers skip evaluation then)
+        return {"eval/count": 0.0, "eval/samples": []}
     return {"eval/accuracy": correct / n, "eval/accuracy_lenient": lenient / n,
             "eval/format_rate": formatted / n, "eval/response_len": length / n, "eval/count": n,
             "eval/samples": [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]}

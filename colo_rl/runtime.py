@@ -3,20 +3,27 @@ ranks, the resolved config on disk, seeds."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
+import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl import dist
-from colo_rl.config import RunConfig, to_object
+from colo_rl.checkpoint import CheckpointError, CheckpointManager
+from colo_rl.config import ConfigError, RunConfig, to_object
+from colo_rl.data.files import DataError
 from colo_rl.models import resolve_dtype
+from colo_rl.rewards import RewardError
 
 log = logging.getLogger("colo_rl")
 
@@ -27,6 +34,7 @@ class RunContext:
     run_dir: Path
     dtype: torch.dtype
     device: torch.device
+    ckpt: Optional[CheckpointManager] = None  # resume=auto|<dir> resolved, the config checked against it
 
 
 def seed_everything(seed: int) -> None:
@@ -50,22 +58,86 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     return Path(dist.broadcast_object(str(path) if path else None))
 
 
-def start(hydra_cfg: DictConfig, recipe: str) -> RunContext:
+SWEEP_HINT = ("Hydra multirun (-m) is not supported: each run is its own torchrun process group. Sweep with "
+              "one command per value, e.g. `for lr in 1e-5 2e-5; do torchrun --standalone --nproc_per_node=2 "
+              "recipes/grpo.py trainer.lr=$lr run_name=lr$lr; done`")
+
+
+def hydra_overrides() -> tuple[list[str], bool]:
+    """The command-line overrides of this Hydra run, and whether it is a multirun (-m)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return [], False
+    hc = HydraConfig.get()
+    return list(hc.overrides.task), hc.mode == RunMode.MULTIRUN
+
+
+def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = None) -> RunContext:
+    """Validate (config.validate: every key, every range, what this recipe reads), then the
+    process group, logging, the run directory, the resume decision, and only once the run is
+    accepted its config.yaml; seeds."""
     # Validate before starting processes talking to each other: a typo costs seconds, not minutes.
+    found, multirun = hydra_overrides()
+    if multirun:
+        raise ConfigError(SWEEP_HINT)
     OmegaConf.set_struct(hydra_cfg, True)
     hydra_cfg.recipe = recipe
-    cfg = to_object(hydra_cfg)
+    cfg = to_object(hydra_cfg, recipe, found if overrides is None else overrides)
     dist.init()
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     run_dir = choose_run_dir(cfg)
-    if dist.is_rank0():
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(hydra_cfg, resolve=True))
+    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    if dist.is_rank0():  # the run is accepted: its config, and a metrics file of its own
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
+        if ckpt.checkpoint is None:
+            set_aside_stale_metrics(run_dir)
+    dist.barrier()
     seed_everything(cfg.trainer.seed + dist.rank())
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
-    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, device=dist.device())
+    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, device=dist.device(), ckpt=ckpt)
+
+
+def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:
+    """A fresh start in a directory an earlier run (without a checkpoint) logged into: its rows
+    move to metrics.previous-N.jsonl, so one metrics.jsonl never mixes two runs' steps."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return None
+    n = 1
+    while (target := path.with_name(f"metrics.previous-{n}.jsonl")).exists():
+        n += 1
+    path.rename(target)
+    log.warning("%s holds an earlier run's rows (no checkpoint to resume from): moved to %s", path, target.name)
+    return target
+
+
+# Failures with a message that says what to do: one line from rank 0, no traceback (debug=true adds it).
+CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, RewardError,
+                                                FileNotFoundError)
+
+
+def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
+    """Wrap a recipe's main: a CLEAN_ERRORS failure prints `error: <message>` once (rank 0) and
+    exits with status 2; with debug=true every rank's traceback is printed as well."""
+
+    @functools.wraps(fn)
+    def wrapper(hydra_cfg: DictConfig) -> Any:
+        try:
+            return fn(hydra_cfg)
+        except CLEAN_ERRORS as e:
+            debug = bool(OmegaConf.select(hydra_cfg, "debug", default=False))
+            if debug:
+                traceback.print_exc()
+            if dist.rank() == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper
 
 
 def finish() -> None:

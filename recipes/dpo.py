@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
+from colo_rl.checkpoint import export_hf  # noqa: E402
 from colo_rl.config import ConfigError, register_configs  # noqa: E402
 from colo_rl.data.preference import load_preference_data  # noqa: E402
 from colo_rl.data.sampler import EpochSampler  # noqa: E402
@@ -51,11 +51,12 @@ CONSOLE = ["train/loss", "rewards/margins", "rewards/accuracy", "train/grad_norm
 
 
 @hydra.main(config_path="../conf", config_name="dpo", version_base="1.3")
+@runtime.clean_errors
 def main(hydra_cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="dpo")
     cfg, run_dir, tr, algo = ctx.cfg, ctx.run_dir, ctx.cfg.trainer, ctx.cfg.algo
-    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    ckpt = ctx.ckpt  # resume=auto|<dir> resolved; a config that changes its meaning was refused
     average = algo.dpo_loss == "ipo"  # IPO works on length-normalised log-probs
 
     # ---- data: prompt / chosen / rejected, tokenised once, over-length policy (counted)

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
+from colo_rl.checkpoint import export_hf  # noqa: E402
 from colo_rl.colocate.handoff import LogprobAgreement  # noqa: E402
 from colo_rl.colocate.setup import build_colocated  # noqa: E402
 from colo_rl.config import ConfigError, register_configs  # noqa: E402
@@ -44,12 +44,13 @@ CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "train/clip_fr
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@runtime.clean_errors
 def main(hydra_cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="grpo")
     cfg, run_dir = ctx.cfg, ctx.run_dir
     world = dist.world_size()
-    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    ckpt = ctx.ckpt  # resume=auto|<dir> resolved; a config that changes its meaning was refused
     stop = dist.StopSignal()  # SIGINT / SIGTERM: every rank stops after the current step, with a checkpoint
 
     # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
@@ -81,6 +82,8 @@ def main(hydra_cfg: DictConfig) -> None:
                               top_p=cfg.rollout.top_p, n=cfg.rollout.group_size)
 
     def run_eval(step: int) -> dict:
+        if not eval_set:  # data.eval_size=0: no held-out problems, nothing to report
+            return {}
         result = evaluate(colo.engine, tokenizer, [ids for _, ids in eval_set], [p.answer for p, _ in eval_set],
                           scorer, cfg.rollout.eval_max_new_tokens)
         samples = result.pop("eval/samples")

@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import CheckpointManager, export_hf  # noqa: E402
+from colo_rl.checkpoint import export_hf  # noqa: E402
 from colo_rl.config import register_configs  # noqa: E402
 from colo_rl.data.sampler import EpochSampler  # noqa: E402
 from colo_rl.data.sft import load_sft_data  # noqa: E402
@@ -46,11 +46,12 @@ CONSOLE = ["train/loss", "train/grad_norm", "train/lr", "throughput/tokens_per_s
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
+@runtime.clean_errors
 def main(hydra_cfg: DictConfig) -> None:
     t_start = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe="sft")
     cfg, run_dir, tr = ctx.cfg, ctx.run_dir, ctx.cfg.trainer
-    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    ckpt = ctx.ckpt  # resume=auto|<dir> resolved; a config that changes its meaning was refused
 
     # ---- data: tokenised once, completion masks, over-length policy (counted)
     tokenizer = load_tokenizer(cfg.model.path)

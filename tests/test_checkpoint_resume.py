@@ -148,11 +148,11 @@ def test_a_saved_checkpoint_exports_to_a_model_transformers_loads(runs, tmp_path
 
 def test_resuming_with_a_config_that_changes_the_state_is_refused_by_key(runs):
     changed = [o for o in OVERRIDES if not o.startswith("rollout.group_size=")] + ["rollout.group_size=2",
-                                                                                    "data.seed=7"]
+                                                                                    "data.seed=8"]
     proc = subprocess.run(torchrun_cmd(changed + [f"run_dir={runs['b']}", "resume=auto", "trainer.save_every=1"]),
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert "config key(s) data.seed, rollout.group_size differ" in out, out[-3000:]
-    assert "rollout.group_size: checkpoint 4, now 2" in out and "data.seed: checkpoint 1234, now 7" in out
+    assert "rollout.group_size: checkpoint 4, now 2" in out and "data.seed: checkpoint 7, now 8" in out

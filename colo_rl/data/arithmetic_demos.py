@@ -72,7 +72,8 @@ def _task(data_cfg) -> ArithmeticTask:
 
 def sft_records(data_cfg) -> tuple[list[Record], list[Record]]:
     """Train / held-out records {prompt, completion, answer} for the arithmetic task."""
-    train, held = make_arithmetic_splits(_task(data_cfg), data_cfg.train_size, data_cfg.eval_size, data_cfg.seed)
+    train, held = make_arithmetic_splits(_task(data_cfg), data_cfg.train_size, data_cfg.eval_size,
+                                         data_cfg.split_seed)
 
     def rec(split: str, i: int, expr: str, value: int) -> Record:
         return Record({"id": f"{split}-{i}", "prompt": question(expr, data_cfg.instruction),
@@ -85,7 +86,8 @@ def sft_records(data_cfg) -> tuple[list[Record], list[Record]]:
 def preference_records(data_cfg) -> tuple[list[Record], list[Record]]:
     """Train / held-out records {prompt, chosen, rejected, answer}: the right worked answer is
     preferred over a wrong one."""
-    train, held = make_arithmetic_splits(_task(data_cfg), data_cfg.train_size, data_cfg.eval_size, data_cfg.seed)
+    train, held = make_arithmetic_splits(_task(data_cfg), data_cfg.train_size, data_cfg.eval_size,
+                                         data_cfg.split_seed)
 
     def recs(split: str, items: list[tuple[str, int]], seed: int) -> list[Record]:
         rng = random.Random(seed)
@@ -97,4 +99,4 @@ def preference_records(data_cfg) -> tuple[list[Record], list[Record]]:
                                "answer": str(value)}, f"arithmetic:{split}[{i}]"))
         return out
 
-    return recs("train", train, data_cfg.seed * 7 + 1), recs("eval", held, data_cfg.seed * 7 + 2)
+    return recs("train", train, data_cfg.split_seed * 7 + 1), recs("eval", held, data_cfg.split_seed * 7 + 2)

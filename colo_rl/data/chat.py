@@ -210,7 +210,7 @@ def split_records(records: list[Record], data_cfg) -> tuple[list[Record], list[R
         raise DataError(f"data.path={data_cfg.path!r} has {len(records)} records, not more than "
                         f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
     order = list(range(len(records)))
-    random.Random(data_cfg.seed).shuffle(order)
+    random.Random(data_cfg.split_seed).shuffle(order)
     held = [records[i] for i in order[:data_cfg.eval_size]]
     train = [records[i] for i in sorted(order[data_cfg.eval_size:])]
     return train, held

@@ -112,7 +112,7 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out problems: the arithmetic task, or a user file split by seed."""
     if data_cfg.path is None:
         task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
-        train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.seed)
+        train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
         as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v))  # noqa: E731
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
@@ -122,7 +122,7 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
         raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
                         f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
     order = list(range(len(problems)))
-    random.Random(data_cfg.seed).shuffle(order)
+    random.Random(data_cfg.split_seed).shuffle(order)
     held = [problems[i] for i in order[:data_cfg.eval_size]]
     train = [problems[i] for i in order[data_cfg.eval_size:]][: data_cfg.train_size or None]
     return train, held

@@ -110,6 +110,8 @@ def held_out_accuracy(colo, tokenizer, examples: list, scorer, max_new_tokens: i
     gets the trainer's current weights through the handoff first."""
     from colo_rl.evaluation import evaluate
 
+    if not examples:  # data.eval_size=0: no held-out problems, nothing to report
+        return {}
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, [ex.prompt_ids for ex in examples], [ex.answer for ex in examples],
                        scorer, max_new_tokens)

@@ -1,0 +1,207 @@
+"""Issue #19: every setting is checked before the model loads (one pass, `config.validate`), a run
+directory keeps its config and its metrics honest, and a failure is one clean line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from colo_rl.config import RECIPES, ConfigError, RunConfig, TrainerConfig, register_configs, to_object
+from colo_rl.data import load_problems
+from conftest import ROOT
+
+register_configs()
+NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo"}
+
+
+def _cfg(overrides, recipe="grpo"):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        composed = compose(config_name=NAMES[recipe], overrides=overrides)
+    return to_object(composed, recipe, overrides)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_each_recipe_default_config_passes(recipe):
+    assert _cfg([], recipe).recipe == recipe
+
+
+@pytest.mark.parametrize("override,message", [
+    ("+trainer.lrr=1e-5", r"\+trainer.lrr: trainer has no key 'lrr'; did you mean trainer.lr\?"),
+    ("+wandb.project=x", r"\+wandb: the config has no key 'wandb'"),
+    ("+model.lora_rank=8", r"\+model.lora_rank: model has no key 'lora_rank'"),
+])
+def test_plus_key_the_schema_does_not_have_is_refused(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg([override])
+
+
+def test_sglang_kwargs_stay_a_free_dict():
+    cfg = _cfg(["+rollout.sglang_kwargs.disable_cuda_graph=true"])
+    assert cfg.rollout.sglang_kwargs["disable_cuda_graph"] is True
+
+
+@pytest.mark.parametrize("override,message", [
+    ("trainer.lr=-1e-5", r"trainer.lr=-1e-05 must be > 0"),
+    ("trainer.lr=0", r"trainer.lr=0.0 must be > 0"),
+    ("rollout.top_p=0", r"rollout.top_p=0.0 must be in \(0, 1\]"),
+    ("rollout.top_p=1.5", r"rollout.top_p=1.5 must be in \(0, 1\]"),
+    ("algo.kl_coef=-0.1", r"algo.kl_coef=-0.1 must be >= 0"),
+    ("rollout.group_size=1", r"rollout.group_size=1: GRPO's advantages .* use rollout.group_size>=2"),
+])
+def test_out_of_range_value_is_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg([override])
+
+
+@pytest.mark.parametrize("recipe,override,message", [
+    ("sft", "trainer.total_steps=2", r"trainer.total_steps is not read by recipes/sft.py \(set trainer.max_steps"),
+    ("dpo", "trainer.total_steps=2", r"trainer.total_steps is not read by recipes/dpo.py"),
+    ("grpo", "trainer.max_steps=3", r"trainer.max_steps is not read by recipes/grpo.py \(set trainer.total_steps\)"),
+    ("sft", "algo.kl_coef=0.1", r"algo.kl_coef is not read by recipes/sft.py"),
+    ("grpo", "algo.beta=0.2", r"algo.beta is not read by recipes/grpo.py"),
+])
+def test_setting_a_key_the_recipe_does_not_read_is_refused(recipe, override, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg([override], recipe)
+
+
+def test_algo_group_of_another_recipe_is_refused():
+    with pytest.raises(ConfigError, match=r"algo=dpo is not grpo's algo group: recipes/grpo.py runs algo=grpo "
+                                          r"\(for DPO run recipes/dpo.py\)"):
+        _cfg(["algo=dpo"])
+
+
+def test_unknown_reward_is_refused_by_the_config_check():
+    with pytest.raises(ConfigError, match=r"reward.functions: unknown reward function 'nope'"):
+        _cfg(["reward.functions=[nope]"])
+
+
+# ---- one seed for the whole run
+def test_trainer_seed_seeds_data_order_and_sampling_unless_they_are_set():
+    cfg = _cfg(["trainer.seed=5"])
+    assert (cfg.data.seed, cfg.rollout.seed) == (5, 5)
+    assert _cfg(["trainer.seed=6"]).data.seed == 6
+    cfg = _cfg(["trainer.seed=5", "data.seed=9", "rollout.seed=11"])
+    assert (cfg.data.seed, cfg.rollout.seed) == (9, 11)
+    assert RunConfig(trainer=TrainerConfig(seed=3)).data.seed == 3
+
+
+def test_held_out_problems_do_not_depend_on_the_run_seed():
+    """Every recipe and every seed evaluates on the same held-out problems (data.split_seed)."""
+    a = [p.question for p in load_problems(_cfg(["trainer.seed=1", "data.eval_size=20", "data.train_size=50"]).data)[1]]
+    b = [p.question for p in load_problems(_cfg(["trainer.seed=2", "data.eval_size=20", "data.train_size=50"]).data)[1]]
+    assert a == b
+
+
+# ---- the real command line: refused in seconds, one line, nothing written
+def _run(script, args, timeout=120, env=None):
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, f"recipes/{script}", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    return proc, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("grpo.py", ["+trainer.lrr=1e-5"], "+trainer.lrr: trainer has no key 'lrr'"),
+    ("grpo.py", ["algo=dpo"], "algo=dpo is not grpo's algo group"),
+    ("grpo.py", ["rollout.top_p=2"], "rollout.top_p=2.0 must be in (0, 1]"),
+    ("grpo.py", ["reward.functions=[nope]"], "unknown reward function 'nope'"),
+    ("sft.py", ["trainer.total_steps=2"], "trainer.total_steps is not read by recipes/sft.py"),
+    ("grpo.py", ["-m", "trainer.lr=1e-5,2e-5"], "Hydra multirun (-m) is not supported"),
+])
+def test_command_line_refusal_is_one_line_in_seconds_before_anything_loads(tmp_path, script, args, message):
+    proc, seconds = _run(script, [*args, f"hydra.sweep.dir={tmp_path}/sweep", f"output_root={tmp_path}"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert [ln for ln in out.splitlines() if ln.strip()] == [f"error: {ln}" for ln in [out.split("error: ", 1)[1].strip()]]
+    assert message in out and "Traceback" not in out
+    assert not any(tmp_path.glob("grpo-*")) and not any(tmp_path.glob("sft-*"))  # no run directory
+    assert seconds < 30, seconds  # measured ~2-3 s on 2 cores: nothing heavy starts
+    print(f"{args}: refused in {seconds:.1f}s")
+
+
+def test_debug_adds_the_traceback(tmp_path):
+    proc, _ = _run("grpo.py", ["trainer.lr=0", "debug=true"])
+    assert proc.returncode == 2 and "Traceback" in proc.stderr and "error: trainer.lr=0.0 must be > 0" in proc.stderr
+
+
+# ---- the run directory: config.yaml only once accepted, metrics of one run per file
+def _fake_checkpoint(run_dir, lr):
+    step = run_dir / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"world_size": 1, "step": 2}))
+    (step / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(
+        RunConfig(trainer=TrainerConfig(lr=lr)))))
+    (step / "COMPLETE").write_text("")
+    (run_dir / "config.yaml").write_text("the first run's config\n")
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "already holds checkpoints"),                       # a new run pointed at an existing run
+    (["resume=auto", "trainer.lr=3e-5"], "cannot resume"),  # a refused resume
+])
+def test_refused_run_leaves_the_existing_config_yaml_alone(tmp_path, args, message):
+    _fake_checkpoint(tmp_path, lr=2e-5)
+    proc, _ = _run("grpo.py", [f"run_dir={tmp_path}", *args], env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2 and message in proc.stderr, proc.stdout + proc.stderr
+    assert (tmp_path / "config.yaml").read_text() == "the first run's config\n"
+
+
+START = """
+import sys
+from hydra import compose, initialize_config_dir
+from colo_rl import runtime
+from colo_rl.config import register_configs
+register_configs()
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose(config_name="config", overrides=sys.argv[2:])
+ctx = runtime.start(cfg, "grpo", overrides=[])
+print("seed", ctx.cfg.data.seed)
+"""
+
+
+def test_fresh_start_in_a_dead_runs_directory_moves_its_metrics_aside(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    proc = subprocess.run([sys.executable, "-c", START, str(ROOT / "conf"), f"run_dir={tmp_path}", "trainer.seed=3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # the new run starts a file of its own
+    assert json.loads((tmp_path / "metrics.previous-1.jsonl").read_text())["step"] == 1
+    written = OmegaConf.load(tmp_path / "config.yaml")
+    assert written.trainer.seed == 3 and written.data.seed == 3  # the resolved, accepted config
+
+
+# ---- held-out evaluation with fewer problems than ranks (or none)
+class _Engine:
+    def generate(self, prompts, params):  # an engine that answers an empty batch with one empty completion
+        from colo_rl.rollout.base import Completion
+        return [Completion(p, [5], [0.0], "stop") for p in prompts] or [Completion([], [], [], "length")]
+
+
+class _Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["The answer is 3." if i else "" for i in ids]
+
+
+@pytest.mark.parametrize("rank,problems,count", [(0, 0, 0.0), (0, 1, 0.0), (1, 1, 1.0)])
+def test_evaluate_counts_only_real_held_out_problems(monkeypatch, rank, problems, count):
+    """data.eval_size=0, or 1 on 2 ranks (rank 0's share is empty): no phantom problem is scored."""
+    from colo_rl import dist
+    from colo_rl.evaluation import evaluate
+    from colo_rl.rewards import RewardScorer
+    from colo_rl.config import RewardConfig
+
+    monkeypatch.setattr(dist, "rank", lambda: rank)
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])  # this rank's share only
+    res = evaluate(_Engine(), _Tokenizer(), [[1, 2]] * problems, ["3"] * problems, RewardScorer(RewardConfig()), 8)
+    assert res["eval/count"] == count
+    assert ("eval/accuracy" in res) == bool(count)
