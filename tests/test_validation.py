@@ -205,3 +205,23 @@ def test_evaluate_counts_only_real_held_out_problems(monkeypatch, rank, problems
     res = evaluate(_Engine(), _Tokenizer(), [[1, 2]] * problems, ["3"] * problems, RewardScorer(RewardConfig()), 8)
     assert res["eval/count"] == count
     assert ("eval/accuracy" in res) == bool(count)
+
+
+def test_console_line_names_are_unique_and_step_is_not_seconds(tmp_path, caplog):
+    import logging
+
+    from colo_rl.metrics import MetricsLogger
+
+    keys = ["reward/mean", "reward/accuracy", "time/step", "eval/accuracy"]
+    m = MetricsLogger(tmp_path, tensorboard=False, console_keys=keys)
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        m.log(3, {"reward/mean": 0.5, "reward/accuracy": 0.25, "time/step": 12.0, "eval/accuracy": 0.75})
+    line = caplog.records[-1].getMessage()
+    assert line == "step 3 | mean=0.5  reward/accuracy=0.25  time/step=12  eval/accuracy=0.75"
+
+
+def test_jit_ops_are_built_inside_the_project_environment():
+    proc = subprocess.run([sys.executable, "-c", "import colo_rl, os, sys; print(os.environ['TORCH_EXTENSIONS_DIR'])"],
+                          capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                               if k != "TORCH_EXTENSIONS_DIR"})
+    assert proc.stdout.strip() == os.path.join(sys.prefix, "torch_extensions")
