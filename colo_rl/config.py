@@ -14,6 +14,10 @@ from typing import Any, Callable, Iterable, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS,
+                           POLICY_LOSSES)
+from colo_rl.rewards import REWARD_FUNCTIONS
+
 
 @dataclass
 class ModelConfig:
@@ -102,6 +106,23 @@ class AlgoConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     tis_cap: Optional[float] = None  # truncated importance sampling vs the rollout engine
+    # Advantage estimator (colo_rl/algos/advantages.py): grpo | rloo | reinforce_pp | reinforce_pp_baseline.
+    adv_estimator: str = "grpo"
+    # Policy loss (colo_rl/algos/policy.py): ppo_clip | gspo | cispo.
+    policy_loss: str = "ppo_clip"
+    clip_ratio_c: Optional[float] = None  # dual-clip's bound on negative-advantage tokens (e.g. 3.0); null = off
+    entropy_coef: float = 0.0  # entropy bonus in the loss
+    kl_in_reward: bool = False  # true: k1 * kl_coef subtracted from the reward instead of a KL loss term
+    kl_target: Optional[float] = None  # with kl_in_reward: adapt kl_coef towards this KL per sequence
+    kl_horizon: int = 10000  # the adaptive coefficient's horizon (sequences)
+    # DAPO: drop groups whose rewards are all equal and sample more prompts (at most
+    # max_sampling_rounds extra rounds) until the batch has prompts_per_step informative groups.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # DAPO's overlong reward shaping: a linear penalty (up to overlong_penalty) over the last
+    # overlong_buffer_len tokens before rollout.max_new_tokens; 0 = off.
+    overlong_buffer_len: int = 0
+    overlong_penalty: float = 1.0
     # DPO / SFT (used by their recipes).
     beta: float = 0.1
     dpo_loss: str = "sigmoid"  # sigmoid | ipo | hinge
@@ -126,6 +147,7 @@ class TrainerConfig:
     # False = padded micro-batches of micro_batch_size sequences.
     pack_groups: bool = True
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
+    ppo_epochs: int = 1  # passes over one rollout batch (old log-probs computed once, before the first)
     total_steps: int = 10
     epochs: int = 1  # SFT / DPO
     # The run's seed: model init, Python / NumPy / torch RNGs, and (unless set) data.seed and rollout.seed.
@@ -176,9 +198,12 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
-    "algo.dpo_loss": ("sigmoid", "ipo", "hinge"),
+    # The algorithm choices are the registries' names: registering a function adds the choice.
+    "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
+    "algo.policy_loss": tuple(POLICY_LOSSES.names()),
+    "algo.kl_estimator": tuple(KL_ESTIMATORS.names()),
+    "algo.loss_agg": tuple(LOSS_AGGREGATIONS.names()),
+    "algo.dpo_loss": tuple(DPO_LOSSES.names()),
     "trainer.lr_schedule": ("constant", "cosine"),
     "trainer.zero_stage": (0, 1, 2, 3),
 }
@@ -201,7 +226,11 @@ _GRPO_ONLY = {
     "rollout.handoff_check_max_mean_abs": "GRPO only",
     "algo.scale_by_std": "GRPO only", "algo.clip_low": "GRPO only", "algo.clip_high": "GRPO only",
     "algo.kl_coef": "GRPO only", "algo.kl_estimator": "GRPO only", "algo.loss_agg": "GRPO only",
-    "algo.tis_cap": "GRPO only",
+    "algo.tis_cap": "GRPO only", "algo.adv_estimator": "GRPO only", "algo.policy_loss": "GRPO only",
+    "algo.clip_ratio_c": "GRPO only", "algo.entropy_coef": "GRPO only", "algo.kl_in_reward": "GRPO only",
+    "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
+    "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
+    "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
 }
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
@@ -246,6 +275,14 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.clip_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "algo.clip_high": (lambda v: v >= 0, "must be >= 0"),
     "algo.tis_cap": (lambda v: v is None or v > 0, "must be > 0, or null for no truncated importance sampling"),
+    "algo.clip_ratio_c": (lambda v: v is None or v > 1, "must be > 1 (e.g. 3.0), or null for no dual-clip"),
+    "algo.entropy_coef": (lambda v: v >= 0, "must be >= 0"),
+    "algo.kl_target": (lambda v: v is None or v > 0, "must be > 0, or null for a fixed coefficient"),
+    "algo.kl_horizon": (lambda v: v > 0, "must be a positive integer"),
+    "algo.max_sampling_rounds": (lambda v: v >= 0, "must be >= 0"),
+    "algo.overlong_buffer_len": (lambda v: v >= 0, "must be >= 0 (0 = no overlong shaping)"),
+    "algo.overlong_penalty": (lambda v: v >= 0, "must be >= 0"),
+    "trainer.ppo_epochs": (lambda v: v > 0, "must be a positive integer"),
     "algo.beta": (lambda v: v > 0, "must be > 0"),
     "algo.label_smoothing": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
     "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
@@ -255,6 +292,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
 }
 
+# Optional keys whose null is a setting (off), not a missing value.
+NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target")
 # Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
 FREE_KEYS = ("rollout.sglang_kwargs",)
 
@@ -291,18 +330,35 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
             raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
     for key, (ok, what) in RANGES.items():
         value = _get(obj, key)
-        if key not in ignored and (value is None and key != "algo.tis_cap" or not ok(value)):
+        if key not in ignored and (value is None and key not in NULLABLE or not ok(value)):
             raise ConfigError(f"{key}={value!r} {what}")
-    if spec["group_based"] and obj.rollout.group_size < 2:
-        raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: {recipe.upper()}'s advantages are each "
-                          f"reward minus its group's mean, so a group of one learns nothing; use "
-                          f"rollout.group_size>=2")
-    from colo_rl.rewards import REWARD_FUNCTIONS  # light: no model, no torch
-
+    if spec["group_based"] and obj.algo.adv_estimator in GROUP_ESTIMATORS and obj.rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: algo.adv_estimator={obj.algo.adv_estimator}'s "
+                          f"baseline is the other completions of the same prompt, so a group of one learns nothing; "
+                          f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
+    if spec["group_based"]:
+        check_grpo_rules(obj)
     unknown = [n for n in obj.reward.functions if n not in REWARD_FUNCTIONS]
     if unknown:
         raise ConfigError(f"reward.functions: unknown reward function {unknown[0]!r}; available: "
                           f"{sorted(REWARD_FUNCTIONS)}")
+
+
+def check_grpo_rules(cfg: "RunConfig") -> None:
+    """Cross-key rules of the GRPO-family options."""
+    algo = cfg.algo
+    if algo.kl_in_reward and algo.kl_coef <= 0:
+        raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (the KL's weight in the reward, and a "
+                          "reference model to measure it against)")
+    if algo.kl_target is not None and not algo.kl_in_reward:
+        raise ConfigError("algo.kl_target adapts the KL-in-reward coefficient: set algo.kl_in_reward=true too")
+    if algo.overlong_buffer_len >= cfg.rollout.max_new_tokens:
+        raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} must be smaller than "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty ramps over the last "
+                          f"overlong_buffer_len tokens)")
+    if algo.policy_loss == "gspo" and algo.clip_high > 0.05:
+        raise ConfigError(f"algo.policy_loss=gspo clips a sequence-level ratio: algo.clip_low/clip_high of the "
+                          f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
 
 
 def check_schema_keys(cfg: DictConfig) -> None:

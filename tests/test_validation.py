@@ -53,11 +53,31 @@ def test_sglang_kwargs_stay_a_free_dict():
     ("rollout.top_p=0", r"rollout.top_p=0.0 must be in \(0, 1\]"),
     ("rollout.top_p=1.5", r"rollout.top_p=1.5 must be in \(0, 1\]"),
     ("algo.kl_coef=-0.1", r"algo.kl_coef=-0.1 must be >= 0"),
-    ("rollout.group_size=1", r"rollout.group_size=1: GRPO's advantages .* use rollout.group_size>=2"),
+    ("rollout.group_size=1", r"rollout.group_size=1: algo.adv_estimator=grpo's baseline .* use rollout.group_size>=2"),
 ])
 def test_out_of_range_value_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         _cfg([override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["algo.adv_estimator=ppo"], r"algo.adv_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_pp'"),
+    (["algo.policy_loss=gspo"], r"algo.policy_loss=gspo clips a sequence-level ratio"),
+    (["algo.clip_ratio_c=1.0"], r"algo.clip_ratio_c=1.0 must be > 1"),
+    (["algo.kl_in_reward=true"], r"algo.kl_in_reward=true needs algo.kl_coef > 0"),
+    (["algo.kl_target=0.1"], r"algo.kl_target adapts the KL-in-reward coefficient"),
+    (["algo.overlong_buffer_len=40"], r"algo.overlong_buffer_len=40 must be smaller than rollout.max_new_tokens=40"),
+    (["algo.adv_estimator=rloo", "rollout.group_size=1"], r"algo.adv_estimator=rloo's baseline"),
+])
+def test_algorithm_options_are_checked_with_the_rest(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(overrides)
+
+
+def test_a_batch_baseline_estimator_accepts_groups_of_one():
+    cfg = _cfg(["algo.adv_estimator=reinforce_pp", "rollout.group_size=1", "algo.policy_loss=gspo",
+                "algo.clip_low=3e-4", "algo.clip_high=4e-4"])
+    assert (cfg.algo.adv_estimator, cfg.rollout.group_size, cfg.algo.policy_loss) == ("reinforce_pp", 1, "gspo")
 
 
 @pytest.mark.parametrize("recipe,override,message", [
