@@ -4,18 +4,15 @@ rewards, masked tokens, sequences of different lengths."""
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from colo_rl import algos
+from colo_rl.config import AlgoConfig
 
 
 def algo(**kw):
-    base = dict(clip_low=0.2, clip_high=0.2, loss_agg="token-mean", tis_cap=None, kl_coef=0.0, kl_estimator="k3",
-                scale_by_std=True, clip_ratio_c=None)
-    return SimpleNamespace(**{**base, **kw})
+    return AlgoConfig(**kw)
 
 
 def test_rloo_baseline_is_the_mean_of_the_other_completions():
@@ -37,7 +34,7 @@ def unbiased_whiten(values):
 def test_reinforce_pp_folds_kl_into_token_rewards_and_whitens_the_returns():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     kl = torch.tensor([[0.5, -1.0, 9.0], [0.2, 0.0, 1.0]])  # the masked entry (9.0) must not count
-    adv = algos.ADV_ESTIMATORS.get("reinforce_pp")(torch.tensor([1.0, 0.0]), 1, algo(kl_coef=0.1), mask, kl)
+    adv = algos.ADV_ESTIMATORS.get("reinforce_pp")(torch.tensor([1.0, 0.0]), 1, algo(kl_coef=0.1), mask, 0.1 * kl)
     # token rewards: seq 0 [-0.05, 1 + 0.1], seq 1 [-0.02, 0, -0.1]; returns-to-go:
     returns = [-0.05 + 1.1, 1.1, -0.02 + 0 - 0.1, 0 - 0.1, -0.1]
     w = unbiased_whiten(returns)
@@ -131,9 +128,14 @@ def test_dynamic_sampling_keeps_groups_with_unequal_rewards():
 
 
 def test_kl_in_reward_and_the_adaptive_coefficient():
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    r = algos.kl_in_reward(torch.tensor([1.0]), torch.tensor([[0.2, 0.3, 5.0]]), mask, coef=0.1)
-    assert r.tolist() == pytest.approx([1.0 - 0.05])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    penalty = 0.1 * torch.tensor([[0.2, 0.3, 5.0], [1.0, 2.0, 2.0]])
+    r = algos.kl_in_reward(torch.tensor([1.0, 0.0]), penalty, mask)
+    assert r.tolist() == pytest.approx([1.0 - 0.05, -0.1])
+    adv = algos.ADV_ESTIMATORS.get("grpo")(torch.tensor([1.0, 0.0]), 2, algo(scale_by_std=False), mask, penalty)
+    assert adv.tolist() == pytest.approx([(0.95 + 0.1) / 2, -(0.95 + 0.1) / 2])  # the group baseline sees the KL
+    assert algos.kl_goes_in_reward(algo(kl_in_reward=True)) and algos.kl_goes_in_reward(algo(adv_estimator="reinforce_pp"))
+    assert not algos.kl_goes_in_reward(algo())
     ctl = algos.AdaptiveKLController(coef=0.1, target=1.0, horizon=100)
     assert ctl.update(observed_kl=3.0, n_sequences=10) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error capped at 0.2
     fixed = algos.AdaptiveKLController(coef=0.1)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from colo_rl import algos
+from colo_rl.config import AlgoConfig
 from colo_rl.registry import Registry
 
 
@@ -27,9 +26,7 @@ def test_an_unknown_name_lists_the_registered_ones():
 
 
 def algo(**kw):
-    base = dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", tis_cap=None, kl_coef=0.0, kl_estimator="k3",
-                policy_loss="ppo_clip")
-    return SimpleNamespace(**{**base, **kw})
+    return AlgoConfig(**{"clip_high": 0.28, **kw})
 
 
 def case():

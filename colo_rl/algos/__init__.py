@@ -4,7 +4,7 @@ Every choice a config key makes is a registry: a decorator registers a function 
 the config uses, and the config's allowed values are the registry's names.
 
     registry            config key           signature
-    ADV_ESTIMATORS      algo.adv_estimator   (rewards [N], group_size, algo, mask, token_kl) -> [N] or [N, T]
+    ADV_ESTIMATORS      algo.adv_estimator   (rewards [N], group_size, algo, mask, kl_penalty) -> [N] or [N, T]
     POLICY_LOSSES       algo.policy_loss     (logp, old_logp, adv, mask, algo, is_weights, n_tok, n_seq) -> (loss, stats)
     KL_ESTIMATORS       algo.kl_estimator    (logp, ref_logp) -> per-token KL [B, T]
     LOSS_AGGREGATIONS   algo.loss_agg        (loss_mat, mask, n_tok, n_seq) -> scalar
@@ -16,10 +16,10 @@ dual-clip, GSPO, CISPO, KL estimators, truncated IS, `rl_loss` = the whole GRPO-
 preference (SFT NLL, DPO / IPO / hinge). Everything is re-exported here: `algos.rl_loss(...)`.
 """
 
-from colo_rl.algos.advantages import (GROUP_ESTIMATORS, AdaptiveKLController, global_whiten, group_advantages,
-                                      grpo_advantages, informative_groups, kl_in_reward, outcome_token_rewards,
-                                      overlong_penalty, reinforce_pp_advantages, reinforce_pp_baseline_advantages,
-                                      rloo_advantages)
+from colo_rl.algos.advantages import (GROUP_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, AdaptiveKLController, global_whiten,
+                                      group_advantages, grpo_advantages, informative_groups, kl_goes_in_reward,
+                                      kl_in_reward, outcome_token_rewards, overlong_penalty, reinforce_pp_advantages,
+                                      reinforce_pp_baseline_advantages, rloo_advantages)
 from colo_rl.algos.core import (ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
                                 aggregate_loss, entropy_from_logits, logprobs_from_logits, masked_mean)
 from colo_rl.algos.policy import (K3_BOUND, cispo_loss, gspo_loss, kl_k1, kl_k2, kl_k3, kl_penalty, policy_loss,
@@ -27,7 +27,7 @@ from colo_rl.algos.policy import (K3_BOUND, cispo_loss, gspo_loss, kl_k1, kl_k2,
 from colo_rl.algos.preference import dpo_loss, ipo_loss, sequence_logprobs, sft_loss
 
 __all__ = [
-    "ADV_ESTIMATORS", "DPO_LOSSES", "GROUP_ESTIMATORS", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
+    "ADV_ESTIMATORS", "DPO_LOSSES", "GROUP_ESTIMATORS", "KL_IN_REWARD_ESTIMATORS", "kl_goes_in_reward", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
     "POLICY_LOSSES", "AdaptiveKLController", "aggregate_loss", "cispo_loss", "dpo_loss", "entropy_from_logits",
     "global_whiten", "group_advantages", "grpo_advantages", "gspo_loss", "informative_groups", "ipo_loss",
     "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "logprobs_from_logits", "masked_mean",

@@ -3,8 +3,11 @@
 Rewards arrive as [N] with N = num_groups * G, the G completions of one prompt contiguous. An
 estimator returns a sequence-level advantage [N] (broadcast over the sequence's tokens by the
 policy loss) or a token-level one [N, T] (REINFORCE++). Registered estimators take
-`(rewards, group_size, algo, mask=None, token_kl=None)`: `mask` [N, T] marks response tokens,
-`token_kl` [N, T] is the per-token k1 estimate log pi - log pi_ref (only when a reference exists).
+`(rewards, group_size, algo, mask=None, kl_penalty=None)`: `mask` [N, T] marks response tokens;
+`kl_penalty` [N, T] is the KL in the reward, coefficient applied: beta * (log pi - log pi_ref) per
+token (k1), given when the KL goes into the reward (algo.kl_in_reward, or an estimator that
+always puts it there) and None otherwise. Sequence-level estimators subtract its sum from the
+reward; REINFORCE++ subtracts it token by token.
 """
 
 from __future__ import annotations
@@ -20,6 +23,13 @@ from colo_rl.algos.core import ADV_ESTIMATORS
 # Estimators whose baseline comes from the other completions of the same prompt: a group of one
 # completion carries no signal for them (colo_rl refuses rollout.group_size=1 with these).
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
+# Estimators that put the KL in the reward by definition (REINFORCE++): no KL term in the loss.
+KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+
+
+def kl_goes_in_reward(algo) -> bool:
+    """Whether the run's KL (when a reference exists) is a reward penalty rather than a loss term."""
+    return algo.kl_in_reward or algo.adv_estimator in KL_IN_REWARD_ESTIMATORS
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -46,21 +56,29 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return centred.view(-1)
 
 
+def kl_in_reward(rewards: torch.Tensor, kl_penalty: Optional[torch.Tensor], mask: Optional[torch.Tensor]
+                 ) -> torch.Tensor:
+    """Sequence rewards minus their summed per-token KL penalty: r_i - beta sum_t (log pi - log pi_ref)_t."""
+    if kl_penalty is None:
+        return rewards.float()
+    return rewards.float() - (kl_penalty.float() * mask.float()).sum(-1)
+
+
 @ADV_ESTIMATORS.register("grpo")
-def grpo_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+def grpo_advantages(rewards, group_size, algo, mask=None, kl_penalty=None) -> torch.Tensor:
     """GRPO's group-normalised advantage (`group_advantages`); algo.scale_by_std=false is Dr. GRPO."""
-    return group_advantages(rewards, group_size, algo.scale_by_std)
+    return group_advantages(kl_in_reward(rewards, kl_penalty, mask), group_size, algo.scale_by_std)
 
 
 @ADV_ESTIMATORS.register("rloo")
-def rloo_advantages(rewards, group_size, algo=None, mask=None, token_kl=None) -> torch.Tensor:
+def rloo_advantages(rewards, group_size, algo=None, mask=None, kl_penalty=None) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): each completion's baseline is the mean of the other G - 1.
 
         A_i = r_i - 1/(G-1) sum_{j != i} r_j  =  G/(G-1) (r_i - mean_g(r))
     """
     if group_size < 2:
         raise ValueError("rloo needs rollout.group_size >= 2 (the baseline is the other completions' mean)")
-    g = _groups(rewards, group_size)
+    g = _groups(kl_in_reward(rewards, kl_penalty, mask), group_size)
     others = (g.sum(dim=1, keepdim=True) - g) / (group_size - 1)
     return (g - others).view(-1)
 
@@ -82,27 +100,27 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 @ADV_ESTIMATORS.register("reinforce_pp")
-def reinforce_pp_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+def reinforce_pp_advantages(rewards, group_size, algo, mask=None, kl_penalty=None) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): KL folded into the token rewards, returns-to-go, global whitening.
 
-        rho_t = r * [t = last] - beta * (log pi(a_t) - log pi_ref(a_t))      (beta = algo.kl_coef)
+        rho_t = r * [t = last] - beta * (log pi(a_t) - log pi_ref(a_t))      (the kl_penalty)
         G_t   = sum_{s >= t} rho_s                                         (gamma = 1)
         A_t   = (G_t - mean(G)) / std(G)      over the response tokens of the whole batch, all ranks
 
-    Token-level: returns [N, T]. Without a reference (token_kl None) the KL term is absent.
+    Token-level: returns [N, T]. Without a reference (kl_penalty None) the KL term is absent.
     """
     if mask is None:
         raise ValueError("reinforce_pp needs the response mask (token-level advantages)")
     m = mask.float()
     token_rewards = outcome_token_rewards(rewards, m)
-    if token_kl is not None and algo.kl_coef > 0:
-        token_rewards = token_rewards - algo.kl_coef * token_kl.float() * m
+    if kl_penalty is not None:
+        token_rewards = token_rewards - kl_penalty.float() * m
     returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * m
     return global_whiten(returns, m)
 
 
 @ADV_ESTIMATORS.register("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantages(rewards, group_size, algo, mask=None, token_kl=None) -> torch.Tensor:
+def reinforce_pp_baseline_advantages(rewards, group_size, algo, mask=None, kl_penalty=None) -> torch.Tensor:
     """REINFORCE++-baseline: the group mean subtracted, then whitened over the global batch.
 
         s_i = r_i - beta * sum_t (log pi - log pi_ref)_t      (the KL term only with a reference)
@@ -112,10 +130,7 @@ def reinforce_pp_baseline_advantages(rewards, group_size, algo, mask=None, token
     if mask is None:
         raise ValueError("reinforce_pp_baseline needs the response mask (token-level advantages)")
     m = mask.float()
-    scores = rewards.float()
-    if token_kl is not None and algo.kl_coef > 0:
-        scores = scores - algo.kl_coef * (token_kl.float() * m).sum(-1)
-    g = _groups(scores, group_size)
+    g = _groups(kl_in_reward(rewards, kl_penalty, m), group_size)
     centred = (g - g.mean(dim=1, keepdim=True)).view(-1)
     return global_whiten(centred.unsqueeze(-1) * m, m)
 
@@ -137,11 +152,6 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penal
         return torch.zeros_like(lengths, dtype=torch.float32)
     exceed = (lengths.float() - (max_len - buffer_len)).clamp(min=0)
     return -penalty * (exceed / buffer_len).clamp(max=1.0)
-
-
-def kl_in_reward(rewards: torch.Tensor, token_kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """KL as a reward penalty instead of a loss term: r_i - coef * sum_t (log pi - log pi_ref)_t (k1)."""
-    return rewards.float() - coef * (token_kl.float() * mask.float()).sum(-1)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from colo_rl.algos.advantages import kl_goes_in_reward
 from colo_rl.algos.core import KL_ESTIMATORS, POLICY_LOSSES, aggregate_loss, masked_mean
 
 # |k3| larger than this is a broken policy, not information: bounded so one token cannot swamp the loss.
@@ -98,7 +99,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def ppo_clip_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_tokens=None, num_seqs=None):
     """The clipped surrogate (`policy_loss`) with the algo's clip range, dual-clip and aggregation."""
     return policy_loss(logp, old_logp, advantages, mask, algo.clip_low, algo.clip_high, algo.loss_agg, is_weights,
-                       num_tokens, num_seqs, getattr(algo, "clip_ratio_c", None))
+                       num_tokens, num_seqs, algo.clip_ratio_c)
 
 
 @POLICY_LOSSES.register("gspo")
@@ -164,22 +165,22 @@ def rl_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor
         w_t = min(pi_old(a_t) / pi_rollout(a_t), tis_cap)     (truncated IS, only when algo.tis_cap)
 
     `algo` names the registered policy loss, KL estimator and aggregation (an AlgoConfig). The KL
-    term needs `ref_logp`, algo.kl_coef > 0 and algo.kl_in_reward off (then the KL is in the reward
-    instead); the entropy term needs `entropy` and algo.entropy_coef > 0. Returns the loss and
+    term needs `ref_logp` and algo.kl_coef > 0, and is left out when the KL goes into the reward
+    (`kl_goes_in_reward`: algo.kl_in_reward, or REINFORCE++); the entropy term needs `entropy` and
+    algo.entropy_coef > 0. Returns the loss and
     detached statistics: the policy loss's own plus `kl_sum` (per-token KL summed over the mask,
     for a global mean) whenever `ref_logp` is given.
     """
     is_w = None
     if algo.tis_cap and rollout_logp is not None:
         is_w = truncated_is_weights(old_logp, rollout_logp, algo.tis_cap)
-    loss, stats = POLICY_LOSSES.get(getattr(algo, "policy_loss", "ppo_clip"))(
-        logp, old_logp, advantages, mask, algo, is_w, num_tokens, num_seqs)
+    loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logp, old_logp, advantages, mask, algo, is_w, num_tokens,
+                                                      num_seqs)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, algo.kl_estimator)
-        if algo.kl_coef > 0 and not getattr(algo, "kl_in_reward", False):
+        if algo.kl_coef > 0 and not kl_goes_in_reward(algo):
             loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg, num_tokens, num_seqs)
         stats["kl_sum"] = (kl.detach() * mask).sum()
-    entropy_coef = getattr(algo, "entropy_coef", 0.0)
-    if entropy is not None and entropy_coef > 0:
-        loss = loss - entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, num_tokens, num_seqs)
+    if entropy is not None and algo.entropy_coef > 0:
+        loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, algo.loss_agg, num_tokens, num_seqs)
     return loss, stats
