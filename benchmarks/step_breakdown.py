@@ -221,13 +221,16 @@ def instrumented(mem: PhaseMemory):
 def load_recipe():
     spec = importlib.util.spec_from_file_location("colo_rl_bench_grpo_recipe", ROOT / "recipes" / "grpo.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # registers the config schema
+    spec.loader.exec_module(module)
     return module
 
 
 def compose_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
+    from colo_rl.config import register_configs
+
+    register_configs()  # the recipes' YAML lists the schema first
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 

@@ -18,10 +18,12 @@ caller exits with `result.exit_code` (130 / 143), and `resume=auto run_dir=...` 
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-from colo_rl import dist
+from colo_rl import dist, runtime
 from colo_rl.metrics import MetricsLogger, Progress, Timer, read_jsonl
 
 log = logging.getLogger("colo_rl")
@@ -30,6 +32,8 @@ log = logging.getLogger("colo_rl")
 class Recipe(Protocol):
     name: str  # the progress bar's label
     total_steps: int
+    metrics: MetricsLogger
+    start_metrics: dict  # joins the step-0 row of a fresh run (set-up counts and timings)
 
     def resume(self, ckpt) -> int:
         """Restore from the checkpoint `ckpt` resolved (resume=...), returning its step; 0 when fresh."""
@@ -109,3 +113,19 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
     if not stopped_by:
         recipe.finish(result)
     return result
+
+
+def main(recipe_cls: Callable[..., Recipe], hydra_cfg, recipe: str) -> None:
+    """A recipe's entry point: start-up (the config check, the process group, the run directory,
+    the resume decision), the recipe's set-up, the loop, shutdown; after a stop signal the
+    process exits with 128 + the signal's number."""
+    t0 = time.perf_counter()
+    ctx = runtime.start(hydra_cfg, recipe=recipe)
+    instance = recipe_cls(ctx)
+    result = run(instance, ctx.cfg, ctx.ckpt, instance.metrics, instance.start_metrics)
+    instance.metrics.close()
+    if not result.stopped_by:
+        log.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, ctx.run_dir)
+    runtime.finish()
+    if result.stopped_by:
+        sys.exit(result.exit_code)

@@ -1,130 +1,143 @@
 """Supervised fine-tuning on the DeepSpeed ZeRO trainer: cross-entropy on completion tokens.
 
     make sft                                                    # embedded default, 2 CPU ranks
-    torchrun --nproc_per_node=8 recipes/sft.py data.path=my.jsonl model.path=/models/x trainer.zero_stage=3
+    torchrun --nproc_per_node=8 recipes/sft.py data.path=my.jsonl model.path=/models/x
 
-One step:
+One step (`SFTRecipe.train_step`):
     the next trainer.batch_size examples (each rank takes its share)
     micro-batches (packed when algo.packing) -> log-probs of the completion tokens
     -> NLL averaged over the step's completion tokens on all ranks -> backward -> optimizer step
-Checkpoints (every trainer.save_every steps, on SIGINT / SIGTERM, at the end) resume exactly
-with resume=auto run_dir=<the run's directory>.
 Evaluation (start, every trainer.eval_every steps, end): held-out loss; where the held-out
 examples carry answers (the embedded arithmetic task does), greedy accuracy with the rollout
 engine: the same problems, prompts and answer extraction as GRPO's evaluation.
-The final HF checkpoint (<run dir>/checkpoint-final) is a model.path for dpo.py and grpo.py.
+The loop around it (resume, evaluation, checkpoints, clean stop) is colo_rl/loop.py; the final HF
+checkpoint (<run dir>/checkpoint-final) is a model.path for dpo.py and grpo.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import sys
 import time
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from colo_rl import algos, dist, runtime  # noqa: E402
-from colo_rl.checkpoint import export_hf  # noqa: E402
-from colo_rl.config import register_configs  # noqa: E402
-from colo_rl.data.sampler import EpochSampler  # noqa: E402
-from colo_rl.data.sft import load_sft_data  # noqa: E402
-from colo_rl.metrics import MetricsLogger, plot_curves, read_jsonl  # noqa: E402
-from colo_rl.models import load_tokenizer  # noqa: E402
-from colo_rl.train.offline import equalise, held_out_accuracy, masked_token_count, sft_micro_batches  # noqa: E402
-from colo_rl.train.offline_loop import build_offline_trainer, plan_steps, run_offline_loop  # noqa: E402
+from colo_rl import algos, dist, loop, runtime
+from colo_rl.checkpoint import export_hf
+from colo_rl.colocate.setup import build_actor
+from colo_rl.config import register_configs
+from colo_rl.data.sampler import EpochSampler
+from colo_rl.data.sft import load_sft_data
+from colo_rl.metrics import MetricsLogger, plot_curves, read_jsonl
+from colo_rl.models import load_tokenizer
+from colo_rl.rewards import RewardScorer
+from colo_rl.train.offline import equalise, held_out_accuracy, masked_token_count, plan_steps, sft_micro_batches
 
 log = logging.getLogger("colo_rl")
-register_configs()
 
 CONSOLE = ["train/loss", "train/grad_norm", "train/lr", "throughput/tokens_per_s", "time/step", "eval/loss",
            "eval/accuracy"]
 
 
-@hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
-@runtime.clean_errors
-def main(hydra_cfg: DictConfig) -> None:
-    t_start = time.perf_counter()
-    ctx = runtime.start(hydra_cfg, recipe="sft")
-    cfg, run_dir, tr = ctx.cfg, ctx.run_dir, ctx.cfg.trainer
-    ckpt = ctx.ckpt  # resume=auto|<dir> resolved; a config that changes its meaning was refused
+class SFTRecipe:
+    """Set-up in __init__; the loop calls resume / evaluate / train_step / save / finish."""
 
-    # ---- data: tokenised once, completion masks, over-length policy (counted)
-    tokenizer = load_tokenizer(cfg.model.path)
-    pad = tokenizer.pad_token_id
-    train, held, length_stats = load_sft_data(tokenizer, cfg.data)
-    log.info("data: %d train / %d held-out examples from %s; data.overlong_policy=%s: %s", len(train), len(held),
-             cfg.data.path or "the embedded arithmetic task", cfg.data.overlong_policy, length_stats.summary())
-    plan = plan_steps(cfg, len(train), "examples")
-    sampler = EpochSampler(len(train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of %d%s)",
-             plan.total_steps, tr.epochs, plan.steps_per_epoch, tr.batch_size, plan.local_batch, tr.micro_batch_size,
-             ", packed" if cfg.algo.packing else "")
+    name = "SFT"
 
-    # ---- trainer; plus the rollout engine when the held-out examples can be scored
-    gen_eval = bool(tr.eval_generate and held and all(ex.answer is not None for ex in held))
-    trainer = build_offline_trainer(cfg, ctx, tokenizer, plan, gen_eval)
-    actor = trainer.actor
-    metrics = MetricsLogger(run_dir, cfg.tensorboard, CONSOLE)
+    def __init__(self, ctx):
+        self.cfg, self.run_dir, self.dtype, self.t_start = ctx.cfg, ctx.run_dir, ctx.dtype, time.perf_counter()
+        cfg, tr = self.cfg, self.cfg.trainer
+        # ---- data: tokenised once, completion masks, over-length policy (counted)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pad = self.tokenizer.pad_token_id
+        self.train, self.held, self.length_stats = load_sft_data(self.tokenizer, cfg.data)
+        log.info("data: %d train / %d held-out examples from %s; data.overlong_policy=%s: %s", len(self.train),
+                 len(self.held), cfg.data.path or "the embedded arithmetic task", cfg.data.overlong_policy,
+                 self.length_stats.summary())
+        self.plan = plan_steps(cfg, len(self.train), "examples")
+        self.total_steps = self.plan.total_steps
+        self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of %d%s)",
+                 self.plan.total_steps, tr.epochs, self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch,
+                 tr.micro_batch_size, ", packed" if cfg.algo.packing else "")
+        # ---- trainer; plus the rollout engine when the held-out examples can be scored by generation
+        self.gen_eval = bool(tr.eval_generate and self.held and all(ex.answer is not None for ex in self.held))
+        self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,
+                                            self.plan.grad_accum, with_engine=self.gen_eval)
+        self.scorer = RewardScorer(cfg.reward) if self.gen_eval else None
+        self.metrics = MetricsLogger(self.run_dir, cfg.tensorboard, CONSOLE)
+        self.start_metrics: dict = {}
 
-    def micro(examples):
-        return sft_micro_batches(examples, tr.micro_batch_size, pad, cfg.algo.packing, cfg.data.max_seq_len,
-                                 ctx.dtype)
+    def update_phase(self):
+        """The trainer holds its states inside (with a colocated engine: the update phase)."""
+        return self.colo.switch.update() if self.colo is not None else contextlib.nullcontext()
 
-    def run_eval(step: int) -> dict:
+    @property
+    def engine(self):
+        return self.colo.engine if self.colo is not None else None
+
+    def micro(self, examples: list) -> list:
+        cfg = self.cfg
+        return sft_micro_batches(examples, cfg.trainer.micro_batch_size, self.pad, cfg.algo.packing,
+                                 cfg.data.max_seq_len, self.dtype)
+
+    # ------------------------------------------------------------------ the loop's calls
+    def resume(self, ckpt) -> int:
+        with self.update_phase():  # DeepSpeed state, data position, RNGs
+            return ckpt.maybe_resume(self.actor, self.sampler, self.engine)
+
+    def evaluate(self, step: int) -> dict[str, float]:
         out: dict = {}
-        if held:
-            with trainer.update_phase():
-                out.update(held_out_loss(actor, micro(dist.shard(held)), pad))
-        if gen_eval:
-            out.update(held_out_accuracy(trainer.colo, tokenizer, held, trainer.scorer,
-                                         cfg.rollout.eval_max_new_tokens, step))
-        if "eval/loss" in out:
+        if self.held:
+            with self.update_phase():
+                out.update(held_out_loss(self.actor, self.micro(dist.shard(self.held)), self.pad))
             log.info("eval @ step %d: held-out loss %.4f", step, out["eval/loss"])
+        if self.gen_eval:
+            out.update(held_out_accuracy(self.colo, self.tokenizer, self.held, self.scorer,
+                                         self.cfg.rollout.eval_max_new_tokens, step))
         return out
 
-    def step_fn(indices: list[int]) -> dict:
-        examples = [train[i] for i in indices]
-        return train_step(actor, micro(examples), pad, examples)
+    def train_step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        tr = self.cfg.trainer
+        if self.colo is not None:
+            self.colo.switch.step = step  # the ledger's records name the step they belong to
+        examples = [self.train[i] for i in self.sampler.next_local(tr.batch_size)]
+        with self.update_phase():
+            out = sft_step(self.actor, self.micro(examples), self.pad, examples)
+        out["throughput/tokens_per_s"] = out["train/tokens"] / (time.perf_counter() - t0)
+        out["train/epoch"] = (step + 1) * tr.batch_size / len(self.train)
+        return out
 
-    # ---- the loop: resume or evaluate the base model, steps, evaluations, checkpoints
-    result = run_offline_loop("SFT", cfg, plan, trainer, sampler, ckpt, metrics, step_fn, run_eval, len(train))
-    if result.stopped_by:
-        metrics.close()
-        runtime.finish()
-        sys.exit(result.exit_code)
+    def save(self, ckpt, step: int) -> None:
+        with self.update_phase():
+            ckpt.save(step, self.actor, self.sampler, self.engine)
 
-    # ---- outputs: HF checkpoint, loss curve, summary
-    with trainer.update_phase():
-        final = export_hf(actor, tokenizer, run_dir / "checkpoint-final")
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    if cfg.plots:
-        plot_curves(rows, run_dir / "loss_curve.png",
-                    [("loss (completion-token NLL)", ["train/loss", "eval/loss"]),
-                     ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient", "eval/format_rate"]),
-                     ("train tokens / s", ["throughput/tokens_per_s"])], f"SFT {run_dir.name}")
-    first_eval, last_eval = result.first_eval, result.last_eval
-    summary = {"recipe": "sft", "steps": plan.total_steps, "train_examples": len(train),
-               "held_out_examples": len(held), "resumed_at_step": result.start_step,
-               "overlong": vars(length_stats) | {"dropped_origins": length_stats.dropped_origins[:10]},
-               "start": first_eval, "end": last_eval, "checkpoint": str(final),
-               "seconds": time.perf_counter() - t_start}
-    if dist.is_rank0():
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
-    metrics.close()
-    if gen_eval and "eval/accuracy" in first_eval:
-        log.info("held-out accuracy: %.3f before -> %.3f after SFT (%d problems)", first_eval["eval/accuracy"],
-                 last_eval["eval/accuracy"], int(last_eval["eval/count"]))
-    log.info("done in %.0fs: %s (next: recipes/dpo.py or recipes/grpo.py model.path=%s)",
-             summary["seconds"], run_dir, final)
-    runtime.finish()
+    def finish(self, result: loop.LoopResult) -> None:
+        with self.update_phase():
+            final = export_hf(self.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+        if self.cfg.plots:
+            plot_curves(read_jsonl(self.run_dir / "metrics.jsonl"), self.run_dir / "loss_curve.png",
+                        [("loss (completion-token NLL)", ["train/loss", "eval/loss"]),
+                         ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient", "eval/format_rate"]),
+                         ("train tokens / s", ["throughput/tokens_per_s"])], f"SFT {self.run_dir.name}")
+        first, last = result.first_eval, result.last_eval
+        stats = self.length_stats
+        summary = {"recipe": "sft", "steps": self.plan.total_steps, "train_examples": len(self.train),
+                   "held_out_examples": len(self.held), "resumed_at_step": result.start_step,
+                   "overlong": vars(stats) | {"dropped_origins": stats.dropped_origins[:10]},
+                   "start": first, "end": last, "checkpoint": str(final), "seconds": time.perf_counter() - self.t_start}
+        if dist.is_rank0():
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+        if self.gen_eval and "eval/accuracy" in first:
+            log.info("held-out accuracy: %.3f before -> %.3f after SFT (%d problems)", first["eval/accuracy"],
+                     last["eval/accuracy"], int(last["eval/count"]))
+        log.info("next: recipes/dpo.py or recipes/grpo.py model.path=%s", final)
 
 
-def train_step(actor, batches: list, pad_id: int, examples: list) -> dict[str, float]:
+def sft_step(actor, batches: list, pad_id: int, examples: list) -> dict[str, float]:
     """One optimizer step over this rank's micro-batches; the loss is each rank's share of the
     token-mean over the step's completion tokens on all ranks (gradient accumulation and data
     parallelism then give the gradient of one big batch)."""
@@ -134,7 +147,7 @@ def train_step(actor, batches: list, pad_id: int, examples: list) -> dict[str, f
     loss_sum = 0.0
     for j, mb in enumerate(batches):
         logp, _ = actor.response_logprobs(mb)
-        loss = algos.sft_loss(logp, mb.response_mask, num_tokens=n_tok)
+        loss = algos.sft_loss(logp, mb.response_mask.to(logp.device), num_tokens=n_tok)
         actor.backward(loss, last_micro_batch=j == len(batches) - 1)
         loss_sum += float(loss.detach())
     stats = actor.step()
@@ -155,5 +168,12 @@ def held_out_loss(actor, batches: list, pad_id: int) -> dict[str, float]:
     return {"eval/loss": nll / max(tok, 1.0), "eval/tokens": tok}
 
 
+@hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
+@runtime.clean_errors
+def main(hydra_cfg: DictConfig) -> None:
+    loop.main(SFTRecipe, hydra_cfg, "sft")
+
+
 if __name__ == "__main__":
+    register_configs()
     main()

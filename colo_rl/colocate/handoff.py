@@ -102,8 +102,9 @@ class LogprobAgreement:
         self.max = 0.0
 
     def add(self, rollout_logp, trainer_logp, mask) -> None:
-        m = mask.float()
-        diff = (rollout_logp.float() - trainer_logp.detach().float()).abs() * m
+        dev = trainer_logp.device  # the engine's log-probs and the mask come from the CPU-side batch
+        m = mask.float().to(dev)
+        diff = (rollout_logp.float().to(dev) - trainer_logp.detach().float()).abs() * m
         self.abs_sum += float(diff.sum())
         self.count += float(m.sum())
         if m.sum() > 0:

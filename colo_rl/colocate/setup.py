@@ -83,3 +83,13 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
                             owns_engine=engine is not None)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger)
+
+
+def build_actor(cfg, dtype: torch.dtype, tokenizer, run_dir: Optional[Path], total_steps: int, grad_accum: int,
+                with_engine: bool) -> tuple[DeepSpeedActor, Optional[Colocated]]:
+    """SFT / DPO's trainer: the DeepSpeed actor alone, or (with_engine: greedy held-out accuracy)
+    the colocated actor + rollout engine."""
+    if with_engine:
+        colo = build_colocated(cfg, tokenizer, dtype, run_dir, total_steps=total_steps, grad_accum=grad_accum)
+        return colo.actor, colo
+    return DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum), None

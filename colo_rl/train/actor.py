@@ -165,13 +165,14 @@ class DeepSpeedActor:
 
     # ------------------------------------------------------------------ forward
     def response_logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
-                          grad: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """log pi(response tokens) [B, R] (float32) and optionally the entropy per position."""
+                          grad: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """log pi(response tokens) [B, R] (float32) and optionally the entropy per position
+        (differentiable with `entropy_grad`: an entropy bonus)."""
         if self.guard is not None:
             self.guard.require(Phase.UPDATE, "trainer forward")
         batch = batch.to(self.engine.device)
         with contextlib.nullcontext() if grad else torch.no_grad():
-            return response_logprobs(self.engine, batch, temperature, with_entropy)
+            return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Accumulate gradients; `loss` is already normalised by the global token / sequence count,

@@ -171,10 +171,11 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dty
                       logit_positions=torch.tensor(kept), logit_index=index)
 
 
-def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
+                      entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(response tokens | prefix) [B_resp, R] in float32 (0 on padding) and, with
-    `with_entropy`, the entropy of each predicting distribution (no gradient). `model` is any HF
+    `with_entropy`, the entropy of each predicting distribution (differentiable only with
+    `entropy_grad`, for an entropy bonus: its graph holds the softmax over the vocabulary). `model` is any HF
     causal LM callable (a DeepSpeed engine or the bare module); the vocabulary projection runs only
     on the positions whose logits are needed, and logsumexp is computed once for both outputs.
 
@@ -198,7 +199,7 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0,
     logp = flat[at, batch.response_ids] - logz[at]
     entropy = None
     if with_entropy:
-        with torch.no_grad():
+        with torch.enable_grad() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(flat, logz)[at]
     if valid is not None:
         logp = torch.where(valid, logp, 0.0)

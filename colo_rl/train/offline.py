@@ -1,5 +1,5 @@
-"""Pieces shared by the fixed-dataset recipes (SFT, DPO): micro-batches, sequence-level forward
-passes, the greedy held-out accuracy.
+"""Pieces shared by the fixed-dataset recipes (SFT, DPO): the step plan, micro-batches,
+sequence-level forward passes, the greedy held-out accuracy.
 
 Under ZeRO-3 every forward and backward gathers parameters collectively, so all ranks must run
 the same number of passes: `equalise` pads a rank's list of micro-batches with empty ones
@@ -9,14 +9,45 @@ the same number of passes: `equalise` pads a rank's list of micro-batches with e
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 
 import torch
 
 from colo_rl import algos, dist
+from colo_rl.config import ConfigError
+from colo_rl.data.files import DataError
 from colo_rl.data.packing import pack_bins, packed_batch, packed_pairs
 from colo_rl.train.batch import TokenBatch, build_batch, micro_batches
 
 log = logging.getLogger("colo_rl")
+
+
+@dataclass
+class StepPlan:
+    total_steps: int
+    steps_per_epoch: int
+    local_batch: int  # examples per rank per step
+    grad_accum: int  # micro-batches per rank per step
+
+
+def plan_steps(cfg, n_train: int, unit: str = "examples") -> StepPlan:
+    """trainer.epochs (cut at trainer.max_steps) over n_train examples in batches of
+    trainer.batch_size; refuses a batch the ranks cannot share or packing the attention cannot do."""
+    tr, world = cfg.trainer, dist.world_size()
+    if not n_train:
+        raise DataError(f"no training {unit} left (all over-length?): raise data.max_seq_len")
+    if tr.batch_size % world:
+        raise ConfigError(f"trainer.batch_size={tr.batch_size} must be divisible by the number of ranks ({world})")
+    if cfg.algo.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(f"algo.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
+                          f"not {cfg.model.attn_implementation!r}")
+    steps_per_epoch = math.ceil(n_train / tr.batch_size)
+    total = tr.epochs * steps_per_epoch
+    if tr.max_steps:
+        total = min(total, tr.max_steps)
+    local_batch = tr.batch_size // world
+    return StepPlan(total, steps_per_epoch, local_batch, math.ceil(local_batch / tr.micro_batch_size))
 
 
 def empty_batch(pad_id: int) -> TokenBatch:
