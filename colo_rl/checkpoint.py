@@ -254,7 +254,6 @@ class CheckpointManager:
         self.keep_last = cfg.trainer.keep_last if keep_last is None else keep_last
         self.last_saved_step: Optional[int] = None
         self.last_saved: Optional[Path] = None
-        self.resumed_from: Optional[Path] = None
         self.extra: dict = {}
         outcome = None
         if dist.is_rank0():
@@ -327,7 +326,6 @@ class CheckpointManager:
         for note in notes:
             log.warning("resume: %s (metrics after resuming will differ from an uninterrupted run)", note)
         self.extra = state.get("extra", {})
-        self.resumed_from = path
         self.last_saved_step = state["step"]
         self.last_saved = path
         if dist.is_rank0():

@@ -118,7 +118,6 @@ class RewardScorer:
         self.functions = resolve_reward_functions(list(reward_cfg.functions))
         self.format_weight = reward_cfg.format_weight
         self.max_failure_rate = reward_cfg.max_failure_rate
-        self.total_failures = 0
 
     def score(self, completions: list[str], truths: list[str]) -> RewardResult:
         rewards, failures, messages = [], 0, []
@@ -138,7 +137,6 @@ class RewardScorer:
         formatted = [extract_final_answer(t) is not None for t in completions]
         if self.format_weight:
             rewards = [r + self.format_weight * f for r, f in zip(rewards, formatted)]
-        self.total_failures += failures
         n_calls = max(1, len(completions) * len(self.functions))
         if failures / n_calls > self.max_failure_rate:
             raise RewardError(

@@ -33,7 +33,6 @@ class RunContext:
     cfg: RunConfig
     run_dir: Path
     dtype: torch.dtype
-    device: torch.device
     ckpt: Optional[CheckpointManager] = None  # resume=auto|<dir> resolved, the config checked against it
 
 
@@ -99,7 +98,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
-    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, device=dist.device(), ckpt=ckpt)
+    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt)
 
 
 def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:

@@ -173,6 +173,9 @@ class GRPORecipe:
             with self.timer("reward"):
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
                 scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)])
+            if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
+                log.warning("rank %d: %d reward call(s) failed this round; first: %s", dist.rank(), scored.failures,
+                            scored.failure_messages[0])
             groups = [{"completions": completions[j * G:(j + 1) * G], "rewards": scored.rewards[j * G:(j + 1) * G],
                        "correct": scored.correct[j * G:(j + 1) * G],
                        "lenient": scored.correct_lenient[j * G:(j + 1) * G],

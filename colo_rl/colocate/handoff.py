@@ -60,7 +60,6 @@ class WeightHandoff:
                 if self.feeds_engine:
                     self.engine.load_weights(tensors)
                 stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-                stats.tensors += len(tensors)
                 stats.buckets += 1
         if self.feeds_engine:
             self.engine.finish_weight_update()

@@ -105,7 +105,6 @@ class MemoryManager:
         self.ledger = ledger
         self.pin_memory = pin_memory
         self.owns_engine = owns_engine
-        self.trainer_resident = True
         self.last_handoff = None
 
     def _run(self, name: str, step: int, body) -> dict:
@@ -122,7 +121,6 @@ class MemoryManager:
         def body(t: _Transition) -> None:
             with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
                 m["moved"] = paged = bool(self.actor.offload_states(pin_memory=self.pin_memory))
-            self.trainer_resident = False
             if self.owns_engine:
                 with t.move("engine weights (allocate)", "none", "device") as m:
                     m["bytes"] = self.engine.wake([WEIGHTS])
@@ -152,6 +150,5 @@ class MemoryManager:
                     m["bytes"] = self.engine.sleep(ALL_TAGS)
             with t.move("trainer states", "host", "device", self.actor.state_bytes()) as m:
                 m["moved"] = self.actor.reload_states()
-            self.trainer_resident = True
 
         return self._run("generation->update", step, body)

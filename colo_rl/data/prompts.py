@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import re
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
 from colo_rl.data.files import DataError, Record, read_records
@@ -28,7 +28,6 @@ class PromptStats:
     kept: int = 0
     truncated: int = 0
     dropped: int = 0
-    dropped_ids: list[str] = field(default_factory=list)
 
 
 class PromptBuilder:
@@ -78,7 +77,6 @@ class PromptBuilder:
                 )
             if self.cfg.overlong_policy == "drop":
                 self.stats.dropped += 1
-                self.stats.dropped_ids.append(problem.id)
                 return None
             ids = ids[-limit:]  # keep the end: the question and the generation prompt
             self.stats.truncated += 1
@@ -127,6 +125,3 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     train = [problems[i] for i in order[data_cfg.eval_size:]][: data_cfg.train_size or None]
     return train, held
 
-
-def problem_summary(problems: list[Problem]) -> dict[str, Any]:
-    return {"count": len(problems), "first": problems[0].question if problems else None}

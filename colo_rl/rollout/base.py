@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
@@ -35,10 +35,8 @@ class Completion:
 @dataclass
 class HandoffStats:
     bytes: int = 0
-    tensors: int = 0
     buckets: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class RolloutEngine(Protocol):

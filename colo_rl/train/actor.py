@@ -280,10 +280,6 @@ class DeepSpeedActor:
         self.nonfinite_total = int(state.get("nonfinite_total", 0))
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
-    @property
-    def global_step(self) -> int:
-        return int(self.engine.global_steps)
-
     # ------------------------------------------------------------------ paging (memory manager)
     def offload_states(self, pin_memory: bool = True) -> bool:
         """Page optimizer state, master weights and gradient buffers to host memory (GPU only).
