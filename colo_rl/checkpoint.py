@@ -42,6 +42,7 @@ import torch
 from omegaconf import OmegaConf
 
 from colo_rl import dist
+from colo_rl.errors import CheckpointError
 
 log = logging.getLogger("colo_rl")
 
@@ -50,9 +51,6 @@ COMPLETE = "COMPLETE"
 DS_TAG = "ds"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------

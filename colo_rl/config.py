@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS,
-                           POLICY_LOSSES)
+from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.errors import ConfigError
 from colo_rl.rewards import REWARD_FUNCTIONS
 
 
@@ -208,9 +208,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.zero_stage": (0, 1, 2, 3),
 }
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------

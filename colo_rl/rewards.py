@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from colo_rl.errors import RewardError
+
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?![\d])(?![.,]\d)"  # a whole literal, never a prefix of one
 # A stated answer: "answer is 58", "Answer: 58", "answer = $58$", "\boxed{58}"; the number must
 # stand alone (a following operator means an expression, which does not count).
@@ -87,9 +89,6 @@ def format_reward(completion: str, truth: str) -> float:
     """1.0 when a final answer is stated as a number literal, whatever its value."""
     return 1.0 if extract_final_answer(completion) is not None else 0.0
 
-
-class RewardError(RuntimeError):
-    pass
 
 
 def resolve_reward_functions(names: list[str]) -> list[tuple[str, RewardFn]]:

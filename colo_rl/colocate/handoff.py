@@ -13,6 +13,7 @@ import time
 from typing import Optional
 
 from colo_rl import dist
+from colo_rl.errors import HandoffError
 from colo_rl.rollout.base import HandoffStats
 
 
@@ -122,6 +123,3 @@ class LogprobAgreement:
             )
         return {"handoff/logprob_diff_mean": mean, "handoff/logprob_diff_max": mx}
 
-
-class HandoffError(RuntimeError):
-    pass

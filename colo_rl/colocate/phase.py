@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import enum
 
+from colo_rl.errors import PhaseError
+
 
 class Phase(str, enum.Enum):
     IDLE = "idle"  # start-up: nothing handed off yet
     GENERATION = "generation"  # engine holds weights + KV cache; trainer states paged out
     UPDATE = "update"  # trainer holds its states; engine released
 
-
-class PhaseError(RuntimeError):
-    """An operation was attempted in the wrong phase (it would run on paged-out memory)."""
 
 
 class PhaseGuard:

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-
-class DataError(ValueError):
-    """Bad input data; the message names the file, line and key, and what to do."""
+from colo_rl.errors import DataError
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from colo_rl import dist
 from colo_rl.colocate.phase import Phase, PhaseGuard
 from colo_rl.config import ConfigError
+from colo_rl.errors import NonFiniteError
 from colo_rl.models import load_model
 from colo_rl.train.batch import TokenBatch, response_logprobs
 
@@ -49,9 +50,6 @@ def build_ds_config(trainer_cfg, dtype: torch.dtype, with_optimizer: bool, grad_
         }
     return cfg
 
-
-class NonFiniteError(RuntimeError):
-    """Too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
 # DeepSpeed optimizer types that resolve to its FusedAdam (the only optimizer whose ZeRO-3 states

@@ -1,0 +1,32 @@
+"""The errors colo_rl raises on purpose. Each message names the key, file or step and what to do;
+the recipes print them as one line (`runtime.clean_errors`)."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what to do."""
+
+
+class DataError(ValueError):
+    """Bad input data; the message names the file, line and key, and what to do."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and what to do."""
+
+
+class RewardError(RuntimeError):
+    """Reward functions failed on more of a batch than reward.max_failure_rate allows."""
+
+
+class PhaseError(RuntimeError):
+    """An operation was attempted in the wrong phase (it would run on paged-out memory)."""
+
+
+class HandoffError(RuntimeError):
+    """The engine did not take, or is not sampling from, the trainer's weights."""
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient."""
