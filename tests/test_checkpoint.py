@@ -158,7 +158,7 @@ def test_compare_configs_refuses_model_data_seeds_and_optimizer_values():
 
 def test_world_size_change_is_refused(tmp_path, monkeypatch):
     save_steps(tmp_path, [2])
-    monkeypatch.setattr("colo_rl.checkpoint.dist.world_size", lambda: 4)
+    monkeypatch.setattr("colo_rl.checkpoint.manager.dist.world_size", lambda: 4)
     cfg = make_cfg(tmp_path)
     cfg.resume = "auto"
     with pytest.raises(CheckpointError, match=r"written by 1 rank\(s\), this run has 4.*--nproc_per_node=1"):
@@ -232,3 +232,18 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path):
     mgr = CheckpointManager(tmp_path, cfg)  # the next run cleans the debris up and resumes from 2
     assert mgr.checkpoint.name == "step-000002"
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]
+
+
+def test_export_errors_speak_of_export_in_one_line(tmp_path, capsys):
+    from colo_rl.checkpoint import main as export_main
+
+    (tmp_path / "checkpoints" / "step-000002.tmp").mkdir(parents=True)  # an interrupted save only
+    for target, message in [(tmp_path / "missing", "does not exist"),
+                            (tmp_path, "no complete checkpoint in"),
+                            (tmp_path / "checkpoints" / "step-000002.tmp", "is not a complete checkpoint")]:
+        with pytest.raises(SystemExit) as e:
+            export_main([str(target), str(tmp_path / "out")])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: export: ") and message in err[0], err
+        assert "resume=" not in err[0]

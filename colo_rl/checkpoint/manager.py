@@ -1,47 +1,21 @@
-"""Checkpoints: atomic save, exact resume, HF export.
-
-A recipe uses it in a few lines:
-
-    ckpt = CheckpointManager(run_dir, cfg)                  # picks the checkpoint, checks the config
-    start_step = ckpt.maybe_resume(actor, sampler, engine)  # 0 on a fresh run
-    ...
-    ckpt.save(step, actor, sampler, engine)                 # every rank calls it (collective)
-
-On disk, one directory per checkpoint under <run_dir>/checkpoints/:
-
-    step-000004/
-      ds/                DeepSpeed's own checkpoint (engine.save_checkpoint): every rank writes its
-                         ZeRO shards: model, optimizer, scheduler, DeepSpeed's step counters
-      rank00000.pt ...   per rank: Python / NumPy / torch (+ CUDA) RNG states, the rollout engine's
-                         sampling RNG (each rank seeds differently)
-      state.json         step, data-sampler position and shuffle epoch, trainer counters, world size
-      config.yaml        the run's config (compared on resume)
-      COMPLETE           written last, before the rename
-
-Atomicity: everything is written into `step-000004.tmp/`; after a barrier (every rank finished),
-rank 0 writes COMPLETE, fsyncs and renames the directory to `step-000004`. A kill at any point
-before the rename leaves only a `.tmp` directory, which resume ignores (and the next run removes);
-a directory counts as a checkpoint only with its final name *and* its COMPLETE marker.
-Assumes the run directory is on one filesystem that every rank sees (one node, or a shared FS).
-"""
+"""CheckpointManager: which checkpoint to resume, atomic saves, pruning (the layout: __init__.py)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from colo_rl import dist
+from colo_rl.checkpoint.compat import capture_rng, compare_configs, config_container, restore_rng
 from colo_rl.errors import CheckpointError
 
 log = logging.getLogger("colo_rl")
@@ -52,79 +26,6 @@ DS_TAG = "ds"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-
-# ---------------------------------------------------------------------------------------------
-# Which config keys may differ between a checkpoint and the run resuming from it.
-# REFUSED: the saved state means something else (or is silently overridden) under a new value.
-# HARMLESS: how long / how often / where to log; changed silently.
-# Anything else (loss coefficients, sampling temperature, ...) is allowed with a warning: the
-# state is usable, but the resumed run no longer reproduces an uninterrupted one.
-REFUSED: dict[str, str] = {
-    "recipe": "a checkpoint of another recipe",
-    "model.path": "the weights and optimizer state belong to another model",
-    "model.random_init": "the weights and optimizer state belong to another model",
-    "model.hidden_size": "the weights and optimizer state belong to another model",
-    "model.num_layers": "the weights and optimizer state belong to another model",
-    "model.dtype": "DeepSpeed's optimizer state differs between bf16 and fp32 training",
-    "data.": "the saved data position indexes a different dataset / order",
-    "trainer.zero_stage": "DeepSpeed's shards are laid out per ZeRO stage",
-    "trainer.seed": "the saved per-rank RNG states were derived from the old seed",
-    "trainer.lr": "the restored optimizer and scheduler state would silently keep the old value",
-    "trainer.betas": "the restored optimizer state would silently keep the old value",
-    "trainer.weight_decay": "the restored optimizer state would silently keep the old value",
-    "trainer.batch_size": "the saved data position counts batches of the old size",
-    "rollout.prompts_per_step": "the saved data position counts batches of the old size",
-    "rollout.group_size": "a step's batch would no longer be the one the state was saved for",
-    "rollout.seed": "the saved engine sampling state was derived from the old seed",
-}
-HARMLESS: tuple[str, ...] = (
-    "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.eval_every",
-    "trainer.max_nonfinite_steps", "trainer.offload_pin_memory", "trainer.max_steps", "trainer.epochs",
-    "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
-    "rollout.mem_fraction_static", "rollout.memory_margin_gib", "rollout.handoff_bucket_mb",
-    "rollout.handoff_check_max_mean_abs", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
-    "resume", "debug", "tensorboard", "plots",
-)
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
-def _matches(key: str, pattern: str) -> bool:
-    return key.startswith(pattern) if pattern.endswith(".") else key == pattern
-
-
-def config_container(cfg) -> dict:
-    if isinstance(cfg, dict):
-        return cfg
-    node = cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg)
-    return OmegaConf.to_container(node, resolve=True)
-
-
-def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
-    """(refusals, warnings): one line per differing key, naming it with both values."""
-    old, new = _flatten(saved), _flatten(current)
-    refusals, warnings = [], []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
-        if a == b or any(_matches(key, p) for p in HARMLESS):
-            continue
-        reason = next((why for p, why in REFUSED.items() if _matches(key, p)), None)
-        line = f"{key}: checkpoint {a!r}, now {b!r}"
-        if reason is not None:
-            refusals.append(f"{line} ({reason})")
-        else:
-            warnings.append(line)
-    return refusals, warnings
-
-
-# ---------------------------------------------------------------------------------------------
 def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
@@ -175,49 +76,6 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
                           "Pass a checkpoint directory, or resume=null to start from scratch.")
 
 
-# ---------------------------------------------------------------------------------------------
-def _engine_with(engine, attr: str):
-    """The engine, or the engine a wrapper (TPGroupEngine.inner) holds, if it has `attr`."""
-    for candidate in (engine, getattr(engine, "inner", None)):
-        if candidate is not None and callable(getattr(candidate, attr, None)):
-            return candidate
-    return None
-
-
-def capture_rng(engine=None) -> dict:
-    """This rank's RNG states; `engine_sampling` is None for engines without `rng_state()`."""
-    owner = _engine_with(engine, "rng_state")
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "engine_sampling": owner.rng_state() if owner is not None else None,
-    }
-
-
-def restore_rng(state: dict, engine=None) -> list[str]:
-    """Restore what `capture_rng` saved; returns notes on what could not be restored exactly."""
-    notes = []
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None:
-        if torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state["cuda"])
-        else:
-            notes.append("CUDA RNG states not restored (different device count)")
-    saved = state.get("engine_sampling")
-    owner = _engine_with(engine, "set_rng_state")
-    if saved is not None and owner is not None:
-        owner.set_rng_state(saved)
-    elif saved is not None and engine is not None:
-        notes.append(f"{type(engine).__name__} has no set_rng_state(): its sampling RNG restarts from its seed")
-    elif saved is None and owner is not None:
-        notes.append("the checkpoint holds no engine sampling state: sampling restarts from the engine's seed")
-    return notes
-
-
 def _fsync_path(path: Path | str) -> None:
     """fsync a file or directory; best effort (some filesystems refuse directories)."""
     try:
@@ -239,7 +97,13 @@ def _write_file(path: Path, text: str) -> None:
         os.fsync(fh.fileno())
 
 
-# ---------------------------------------------------------------------------------------------
+def _fsync_tree(path: Path) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            _fsync_path(os.path.join(root, name))
+        _fsync_path(root)
+
+
 class CheckpointManager:
     """Save / resume for one run. Construct it on every rank before building the models: it
     resolves `cfg.resume` (rank 0 decides, every rank gets the same answer) and refuses a config
@@ -391,85 +255,3 @@ class CheckpointManager:
             return
         for old in complete_checkpoints(self.root)[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(path: Path) -> None:
-    for root, _, files in os.walk(path):
-        for name in files:
-            _fsync_path(os.path.join(root, name))
-        _fsync_path(root)
-
-
-# ---------------------------------------------------------------------------------------------
-def export_hf(actor, tokenizer, out_dir: Path) -> Path:
-    """Write an HF model directory (config, safetensors, tokenizer) that
-    `AutoModelForCausalLM.from_pretrained` and SGLang load. Every rank must call it (ZeRO-3
-    gathers are collectives); rank 0 writes, atomically via a temporary directory."""
-    out_dir = Path(out_dir)
-    state = actor.full_state_dict_on_rank0()
-    if dist.is_rank0():
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        actor.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-        log.info("HF model written to %s", out_dir)
-    dist.barrier()
-    return out_dir
-
-
-def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
-    """Export a saved checkpoint (any rank count, any ZeRO stage) to an HF model directory, in one
-    process without torchrun: DeepSpeed consolidates the fp32 master weights from the shards."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    from transformers import AutoModelForCausalLM
-
-    from colo_rl.config import RunConfig
-    from colo_rl.models import load_tokenizer, model_config
-
-    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    if not is_complete(checkpoint):
-        raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE} marker)")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
-                                              OmegaConf.load(checkpoint / "config.yaml")))
-    state = json.loads((checkpoint / "state.json").read_text())
-    dtype = getattr(torch, state.get("dtype", "float32"))
-    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
-    model = AutoModelForCausalLM.from_config(model_config(cfg.model), dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    tied = set(getattr(model, "_tied_weights_keys", None) or ())  # a dict {tied: source} or a list
-    missing = [k for k in missing if k not in tied]
-    if missing or unexpected:
-        raise CheckpointError(f"{checkpoint}: its weights do not match the model its config describes "
-                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
-    model.tie_weights()
-    model = model.to(dtype)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    load_tokenizer(cfg.model.path).save_pretrained(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    log.info("HF model from %s written to %s", checkpoint, out_dir)
-    return out_dir
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Export a colo_rl checkpoint to an HF model directory.")
-    parser.add_argument("checkpoint", help="<run_dir>/checkpoints/step-NNNNNN, or a run dir (its newest)")
-    parser.add_argument("out_dir")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    path = Path(args.checkpoint)
-    if not is_complete(path):
-        path = resolve_resume(str(path), path)
-    export_checkpoint_to_hf(path, Path(args.out_dir))
-
-
-if __name__ == "__main__":
-    main()

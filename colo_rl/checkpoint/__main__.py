@@ -1,0 +1,3 @@
+from colo_rl.checkpoint.export import main
+
+main()

@@ -1,0 +1,112 @@
+"""HF model directories from a live trainer (export_hf) or from a saved checkpoint
+(`python -m colo_rl.checkpoint <checkpoint or run dir> <out_dir>`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from colo_rl import dist
+from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complete, newest_checkpoint
+from colo_rl.errors import CheckpointError
+
+log = logging.getLogger("colo_rl")
+
+
+def export_hf(actor, tokenizer, out_dir: Path) -> Path:
+    """Write an HF model directory (config, safetensors, tokenizer) that
+    `AutoModelForCausalLM.from_pretrained` and SGLang load. Every rank must call it (ZeRO-3
+    gathers are collectives); rank 0 writes, atomically via a temporary directory."""
+    out_dir = Path(out_dir)
+    state = actor.full_state_dict_on_rank0()
+    if dist.is_rank0():
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        actor.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+        log.info("HF model written to %s", out_dir)
+    dist.barrier()
+    return out_dir
+
+
+def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
+    """Export a saved checkpoint (any rank count, any ZeRO stage) to an HF model directory, in one
+    process without torchrun: DeepSpeed consolidates the fp32 master weights from the shards."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from colo_rl.config import RunConfig
+    from colo_rl.models import load_tokenizer, model_config
+
+    checkpoint, out_dir = Path(checkpoint), Path(out_dir)
+    if not is_complete(checkpoint):
+        raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE} marker)")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
+                                              OmegaConf.load(checkpoint / "config.yaml")))
+    state = json.loads((checkpoint / "state.json").read_text())
+    dtype = getattr(torch, state.get("dtype", "float32"))
+    weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
+    model = AutoModelForCausalLM.from_config(model_config(cfg.model), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or ())  # a dict {tied: source} or a list
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise CheckpointError(f"{checkpoint}: its weights do not match the model its config describes "
+                              f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    model.tie_weights()
+    model = model.to(dtype)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(cfg.model.path).save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log.info("HF model from %s written to %s", checkpoint, out_dir)
+    return out_dir
+
+
+def checkpoint_to_export(path: Path) -> Path:
+    """The checkpoint `path` names for export: a complete checkpoint directory, or a run / checkpoints
+    directory (its newest complete checkpoint)."""
+    if is_complete(path):
+        return path
+    if not path.exists():
+        raise CheckpointError(f"export: {path} does not exist; pass <run_dir>/{CHECKPOINTS}/step-NNNNNN or a run "
+                              f"directory")
+    if path.name.startswith("step-"):
+        raise CheckpointError(f"export: {path} is not a complete checkpoint (no {COMPLETE} marker: its save was "
+                              f"interrupted); pass a complete one, e.g. the newest in {path.parent}")
+    for root in (path / CHECKPOINTS, path):
+        newest = newest_checkpoint(root)
+        if newest is not None:
+            return newest
+    raise CheckpointError(f"export: no complete checkpoint in {path} or {path / CHECKPOINTS}; a run writes them "
+                          f"every trainer.save_every steps and at the end")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m colo_rl.checkpoint",
+                                     description="Export a colo_rl checkpoint to an HF model directory.")
+    parser.add_argument("checkpoint", help="<run_dir>/checkpoints/step-NNNNNN, or a run dir (its newest)")
+    parser.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        export_checkpoint_to_hf(checkpoint_to_export(Path(args.checkpoint)), Path(args.out_dir))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
