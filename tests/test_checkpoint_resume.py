@@ -38,6 +38,13 @@ COMPARED = ["reward/mean", "reward/std", "response/len_mean", "response/stop_rat
             "eval/accuracy", "eval/format_rate"]
 
 
+# Run A's steps 1-4 on this machine's CPU (fp32, 2 gloo ranks): the resumed run B equals run A
+# step for step (below), so these are also the golden values after a resume.
+GOLDEN = {"train/loss": [-8.754432201385498e-08, 7.068771083140746e-05, 0.00010744977407739498, 0.0001448958064429462],
+          "train/grad_norm": [1.0769044915880421, 0.9903616193500923, 0.9680424184124837, 0.9634683050918107],
+          "reward/mean": [0.8801694810390472, 0.8901298642158508, 0.8817603290081024, 0.8773542940616608]}
+
+
 def torchrun_cmd(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER), *args]
 
@@ -115,6 +122,13 @@ def test_resumed_metrics_equal_the_uninterrupted_run_step_for_step(runs):
             if key in ra or key in rb:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), (rb["step"], key, ra[key], rb[key])
     assert k < STEPS and all("train/loss" in r for r in b[k + 1:])
+
+
+def test_uninterrupted_run_matches_the_golden_values(runs):
+    a = rows(runs["a"])[1:]
+    actual = {k: [r[k] for r in a] for k in GOLDEN}
+    for key, values in GOLDEN.items():
+        assert actual[key] == pytest.approx(values, rel=1e-4, abs=1e-6), (key, actual[key])
 
 
 def test_final_weights_equal_the_uninterrupted_run(runs):

@@ -1,45 +1,72 @@
-"""The GRPO recipe end to end under torchrun (2 gloo ranks, tiny model): what a run leaves behind."""
+"""The GRPO recipe end to end under torchrun (2 gloo ranks, tiny model): what a run leaves behind,
+and golden values of its first steps (in the manner of torchtune's recipe tests).
+
+The tiny random model never states a right answer, so the verifier rewards are all 0 and so would
+be the advantages; `letter_share` (tests/workers/grpo_resume_worker.py) varies from sample to
+sample, so the advantages, the gradients and the weights really move, and a KL reference is on.
+"""
 
 import json
 
 import pytest
 import torch
 
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, WORKERS, run_torchrun
 
 pytestmark = pytest.mark.slow
 
 KEYS = ["reward/mean", "reward/std", "reward/accuracy", "response/len_mean", "train/clip_frac", "train/entropy",
         "train/grad_norm", "train/lr", "time/generation", "time/reward", "time/update", "time/handoff",
-        "time/phase_switch", "time/step", "throughput/gen_tokens_per_s", "handoff/logprob_diff_mean"]
+        "time/phase_switch", "time/step", "throughput/gen_tokens_per_s", "handoff/logprob_diff_mean", "train/kl"]
+# Steps 1 and 2 of this run on this machine's CPU (fp32, 2 gloo ranks, seed 42): loss, grad norm,
+# mean reward. A change to the sampling, the advantages, the loss or the update shows up here.
+GOLDEN = {"train/loss": [1.3597309589385986e-06, 5.079631591797806e-05],
+          "train/grad_norm": [1.2571869143972587, 1.166116412591196],
+          "reward/mean": [0.8861164152622223, 0.8811561763286591]}
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo") / "run"
-    run_torchrun(ROOT / "recipes" / "grpo.py",
+    run_torchrun(WORKERS / "grpo_resume_worker.py",
                  ["model=tiny", "trainer.total_steps=2", "data.eval_size=8", "rollout.prompts_per_step=4",
                   "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
                   "algo.kl_coef=0.01", "trainer.micro_batch_size=8", "trainer.lr=1e-3",  # 2 packed groups per pass
+                  "reward.functions=[letter_share]", "reward.format_weight=0",
                   "rollout.handoff_check_max_mean_abs=0.001", f"run_dir={d}"], timeout=600)
     return d
 
 
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_run_directory_has_every_output(run_dir):
-    for name in ["metrics.jsonl", "ledger.jsonl", "reward_curve.png", "config.yaml", "checkpoint-final/config.json"]:
+    for name in ["metrics.jsonl", "ledger.jsonl", "reward_curve.png", "config.yaml", "summary.json",
+                 "checkpoint-final/config.json"]:
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["bottleneck"]["bound"] in ("rollout", "train") and summary["steps"] == 2
 
 
 def test_metrics_have_one_line_per_step_with_every_key(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
-    for row in rows[1:]:
-        missing = [k for k in KEYS + ["train/kl"] if k not in row]
+    r = rows(run_dir)
+    assert [x["step"] for x in r] == [0, 1, 2]
+    assert "eval/accuracy" in r[0] and "eval/accuracy" in r[-1]
+    for row in r[1:]:
+        missing = [k for k in KEYS if k not in row]
         assert not missing, missing
         assert row["handoff/logprob_diff_mean"] < 1e-3
         assert row["train/lr"] == pytest.approx(1e-3)
+
+
+def test_first_steps_match_the_golden_values(run_dir):
+    r = rows(run_dir)[1:]
+    actual = {k: [row[k] for row in r] for k in GOLDEN}
+    assert all(g > 0 for g in actual["train/grad_norm"]), actual  # the weights move
+    for key, values in GOLDEN.items():
+        assert actual[key] == pytest.approx(values, rel=1e-4, abs=1e-6), (key, actual[key])
 
 
 def test_ledger_covers_every_transition(run_dir):
@@ -48,9 +75,11 @@ def test_ledger_covers_every_transition(run_dir):
     kinds = [r["transition"] for r in records]
     assert kinds[0] == "update->generation" and kinds.count("generation->update") == 3
     assert kinds.count("update->generation") == 3
+    assert [r["step"] for r in records if r["transition"] == "generation->update"] == [0, 1, 1]
 
 
-def test_final_checkpoint_loads_with_transformers(run_dir):
+def test_final_checkpoint_holds_the_trained_weights(run_dir):
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "checkpoint-final")
@@ -58,3 +87,12 @@ def test_final_checkpoint_loads_with_transformers(run_dir):
     ids = tok("What is 1 + 1?", return_tensors="pt")["input_ids"]
     assert torch.isfinite(model(ids).logits).all()
     assert model.config.num_hidden_layers == 2
+    # the exported weights are the trained ones, not the seeded initial ones
+    from colo_rl.config import ModelConfig
+    from colo_rl.models import load_model
+
+    initial = load_model(ModelConfig(path="embedded", random_init=True, hidden_size=64, num_layers=2),
+                         torch.float32, seed=42).state_dict()
+    final = load_file(str(run_dir / "checkpoint-final" / "model.safetensors"))
+    moved = [n for n in final if n in initial and not torch.equal(final[n], initial[n])]
+    assert len(moved) > len(final) // 2, moved

@@ -18,6 +18,21 @@ COMMON = ["model=tiny", "trainer.zero_stage=3", "data.train_size=24", "data.eval
           "trainer.lr_schedule=constant", "rollout.eval_max_new_tokens=4"]
 
 
+# Steps 1 and 2 on this machine's CPU (fp32, 2 gloo ranks, seed 42), in the manner of torchtune's
+# recipe tests: a change to batching, packing, the losses or the update shows up here.
+GOLDEN_SFT = {"train/loss": [10.804613590240479, 10.518816471099854],
+              "train/grad_norm": [2.9192392273847148, 2.4095623079173514]}
+GOLDEN_DPO = {"train/loss": [0.6931472718715668, 0.6795983612537384],
+              "train/grad_norm": [0.6253872551730744, 0.49198549534030944],
+              "rewards/margins": [-1.9073486612342094e-07, 0.02863273397088051]}
+
+
+def _check_golden(rows, golden):
+    actual = {k: [r[k] for r in rows[1:3]] for k in golden}
+    for key, values in golden.items():
+        assert actual[key] == pytest.approx(values, rel=1e-4, abs=1e-6), (key, actual[key])
+
+
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -60,6 +75,7 @@ def test_sft_step_under_zero3(sft_dir):
         assert r["train/loss"] > 0 and torch.isfinite(torch.tensor(r["train/loss"]))
         assert r["train/grad_norm"] > 0 and r["train/lr"] == pytest.approx(1e-3)
     assert rows[-1]["train/loss"] < rows[1]["train/loss"]  # lr 1e-3 on a random model: the loss falls
+    _check_golden(rows, GOLDEN_SFT)
     summary = json.loads((sft_dir / "summary.json").read_text())
     assert summary["overlong"]["dropped"] == 0 and summary["train_examples"] == 24
 
@@ -81,6 +97,10 @@ def test_dpo_step_under_zero3_from_the_sft_checkpoint(dpo_dirs):
     assert _rows(dpo_dirs["precomputed"])[0]["time/ref_precompute"] > 0
 
 
+def test_dpo_first_steps_match_the_golden_values(dpo_dirs):
+    _check_golden(_rows(dpo_dirs["precomputed"]), GOLDEN_DPO)
+
+
 def test_precomputed_reference_equals_frozen_reference_model(dpo_dirs):
     a, b = _rows(dpo_dirs["frozen"]), _rows(dpo_dirs["precomputed"])
     for ra, rb in zip(a[1:], b[1:]):
@@ -91,13 +111,18 @@ def test_precomputed_reference_equals_frozen_reference_model(dpo_dirs):
 def test_grpo_starts_from_the_dpo_checkpoint(dpo_dirs, tmp_path):
     d = tmp_path / "grpo"
     ckpt = dpo_dirs["precomputed"] / "checkpoint-final"
+    # one step at a negligible learning rate: the result is the DPO checkpoint's weights only if
+    # GRPO really started from them
     run_torchrun(ROOT / "recipes" / "grpo.py",
                  ["model=tiny", f"model.path={ckpt}", "model.random_init=false", "trainer.total_steps=1",
-                  "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4",
-                  "rollout.eval_max_new_tokens=4", "trainer.micro_batch_size=4", f"run_dir={d}"], timeout=600)
-    assert (d / "checkpoint-final" / "config.json").exists()
-    rows = _rows(d)
-    assert rows[0]["step"] == 0 and "eval/accuracy" in rows[0]
+                  "trainer.lr=1e-12", "data.eval_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                  "rollout.max_new_tokens=4", "rollout.eval_max_new_tokens=4", "trainer.micro_batch_size=4",
+                  f"run_dir={d}"], timeout=600)
+    start = load_file(str(ckpt / "model.safetensors"))
+    end = load_file(str(d / "checkpoint-final" / "model.safetensors"))
+    assert start.keys() == end.keys()
+    assert max(float((start[k] - end[k]).abs().max()) for k in start) < 1e-6
+    assert _rows(d)[0]["step"] == 0 and "eval/accuracy" in _rows(d)[0]
 
 
 def _continue_and_compare(script, args: list[str], stopped: Path, tmp_path):
