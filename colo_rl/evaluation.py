@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 from colo_rl import dist
 from colo_rl.rollout.base import SamplingParams
+
+log = logging.getLogger("colo_rl")
 
 
 def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
@@ -24,3 +28,18 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     return {"eval/accuracy": correct / n, "eval/accuracy_lenient": lenient / n,
             "eval/format_rate": formatted / n, "eval/response_len": length / n, "eval/count": n,
             "eval/samples": [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]}
+
+
+def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer, max_new_tokens: int,
+                      step: int) -> dict[str, float]:
+    """`evaluate` in the generation phase (the engine gets the trainer's current weights through
+    the handoff first), with its log line: every recipe's greedy held-out accuracy."""
+    if not prompt_ids:  # data.eval_size=0: no held-out problems, nothing to report
+        return {}
+    with colo.switch.generation():
+        res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens)
+    samples = res.pop("eval/samples")
+    log.info("eval @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
+             step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
+             int(res["eval/count"]), samples[0]["completion"][:120] if samples else "")
+    return res

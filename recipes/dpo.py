@@ -33,12 +33,12 @@ from colo_rl.colocate.setup import build_actor
 from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
+from colo_rl.evaluation import held_out_accuracy
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.actor import DeepSpeedActor
-from colo_rl.train.offline import (empty_batch, equalise, held_out_accuracy, pair_logps, pair_micro_batches,
-                                   plan_steps, split_pair_logps)
+from colo_rl.train.offline import empty_batch, equalise, pair_logps, pair_micro_batches, plan_steps, split_pair_logps
 
 log = logging.getLogger("colo_rl")
 
@@ -135,7 +135,8 @@ class DPORecipe:
                      "loss %.4f on %d pairs", step, out["eval/rewards/accuracy"], out["eval/rewards/margins"],
                      out["eval/rewards/chosen"], out["eval/rewards/rejected"], out["eval/loss"], len(self.held))
         if self.gen_eval:
-            out.update(held_out_accuracy(self.colo, self.tokenizer, self.held, self.scorer,
+            out.update(held_out_accuracy(self.colo, self.tokenizer, [ex.prompt_ids for ex in self.held],
+                                         [ex.answer for ex in self.held], self.scorer,
                                          self.cfg.rollout.eval_max_new_tokens, step))
         return out
 

@@ -29,7 +29,7 @@ from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
-from colo_rl.evaluation import evaluate
+from colo_rl.evaluation import held_out_accuracy
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
@@ -94,16 +94,9 @@ class GRPORecipe:
         return step
 
     def evaluate(self, step: int) -> dict[str, float]:
-        if not self.eval_set:  # data.eval_size=0: no held-out problems, nothing to report
-            return {}
-        with self.colo.switch.generation():  # the engine gets the current weights first
-            result = evaluate(self.colo.engine, self.tokenizer, [ids for _, ids in self.eval_set],
-                              [p.answer for p, _ in self.eval_set], self.scorer, self.cfg.rollout.eval_max_new_tokens)
-        samples = result.pop("eval/samples")
-        log.info("eval @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
-                 step, result["eval/accuracy"], result["eval/accuracy_lenient"], result["eval/format_rate"],
-                 int(result["eval/count"]), samples[0]["completion"][:120] if samples else "")
-        return result
+        return held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
+                                 [p.answer for p, _ in self.eval_set], self.scorer,
+                                 self.cfg.rollout.eval_max_new_tokens, step)
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, colo = self.cfg, self.colo

@@ -30,10 +30,11 @@ from colo_rl.colocate.setup import build_actor
 from colo_rl.config import register_configs
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.data.sft import load_sft_data
+from colo_rl.evaluation import held_out_accuracy
 from colo_rl.metrics import MetricsLogger, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
-from colo_rl.train.offline import equalise, held_out_accuracy, masked_token_count, plan_steps, sft_micro_batches
+from colo_rl.train.offline import equalise, masked_token_count, plan_steps, sft_micro_batches
 
 log = logging.getLogger("colo_rl")
 
@@ -95,7 +96,8 @@ class SFTRecipe:
                 out.update(held_out_loss(self.actor, self.micro(dist.shard(self.held)), self.pad))
             log.info("eval @ step %d: held-out loss %.4f", step, out["eval/loss"])
         if self.gen_eval:
-            out.update(held_out_accuracy(self.colo, self.tokenizer, self.held, self.scorer,
+            out.update(held_out_accuracy(self.colo, self.tokenizer, [ex.prompt_ids for ex in self.held],
+                                         [ex.answer for ex in self.held], self.scorer,
                                          self.cfg.rollout.eval_max_new_tokens, step))
         return out
 

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colo_rl.colocate.handoff import HandoffError, LogprobAgreement, plan_buckets
+from colo_rl.colocate.handoff import HandoffError, LogprobAgreement
+from colo_rl.train.actor import plan_buckets
 from colo_rl.colocate.memory import plan_mem_fraction_static
 from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
 from colo_rl.rollout import sglang as sg

@@ -15,28 +15,7 @@ from typing import Optional
 from colo_rl import dist
 from colo_rl.errors import HandoffError
 from colo_rl.rollout.base import HandoffStats
-
-
-def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Group (name, bytes) into consecutive buckets of at most `bucket_bytes`, in order.
-
-    A tensor larger than a bucket travels alone. Order is kept: ZeRO-3 gathers are collectives,
-    so every rank must plan the same buckets.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"rollout.handoff_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
-    buckets: list[list[str]] = []
-    current: list[str] = []
-    used = 0
-    for name, nbytes in sizes:
-        if current and used + nbytes > bucket_bytes:
-            buckets.append(current)
-            current, used = [], 0
-        current.append(name)
-        used += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+from colo_rl.train.actor import plan_buckets
 
 
 class WeightHandoff:

@@ -90,6 +90,28 @@ def check_pageable(zero_stage: int, ds_config: dict) -> None:
                 "the trainer's states itself between phases.")
 
 
+def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group (name, bytes) into consecutive buckets of at most `bucket_bytes`, in order.
+
+    A tensor larger than a bucket travels alone. Order is kept: ZeRO-3 gathers are collectives,
+    so every rank must plan the same buckets.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"rollout.handoff_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
+    buckets: list[list[str]] = []
+    current: list[str] = []
+    used = 0
+    for name, nbytes in sizes:
+        if current and used + nbytes > bucket_bytes:
+            buckets.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
 def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard]) -> bool:
     """A colocated (guarded) trainer on GPU pages its states out for every generation phase."""
     return with_optimizer and guard is not None and torch.cuda.is_available()
@@ -348,8 +370,6 @@ class DeepSpeedActor:
 
     def full_state_dict_on_rank0(self) -> Optional[dict[str, torch.Tensor]]:
         """The whole model's weights on rank 0's CPU (None elsewhere); every rank must call it."""
-        from colo_rl.colocate.handoff import plan_buckets
-
         out: dict[str, torch.Tensor] = {}
         for bucket in plan_buckets(self.named_parameter_sizes(), 256 << 20):
             with self.gathered(bucket) as tensors:

@@ -1,5 +1,5 @@
 """Pieces shared by the fixed-dataset recipes (SFT, DPO): the step plan, micro-batches,
-sequence-level forward passes, the greedy held-out accuracy.
+sequence-level forward passes.
 
 Under ZeRO-3 every forward and backward gathers parameters collectively, so all ranks must run
 the same number of passes: `equalise` pads a rank's list of micro-batches with empty ones
@@ -134,20 +134,3 @@ def pair_logps(model, pairs: list, micro_batch_size: int, pad_id: int, average: 
     return chosen, rejected
 
 
-# ------------------------------------------------------------------ greedy held-out accuracy
-def held_out_accuracy(colo, tokenizer, examples: list, scorer, max_new_tokens: int, step: int) -> dict[str, float]:
-    """GRPO's evaluation (colo_rl.evaluation.evaluate: greedy decoding, the verifier's answer
-    extraction) on `examples` (with .prompt_ids and .answer), in the generation phase: the engine
-    gets the trainer's current weights through the handoff first."""
-    from colo_rl.evaluation import evaluate
-
-    if not examples:  # data.eval_size=0: no held-out problems, nothing to report
-        return {}
-    with colo.switch.generation():
-        res = evaluate(colo.engine, tokenizer, [ex.prompt_ids for ex in examples], [ex.answer for ex in examples],
-                       scorer, max_new_tokens)
-    samples = res.pop("eval/samples")
-    log.info("eval @ step %d: held-out accuracy %.3f (lenient %.3f, format %.3f) on %d problems; e.g. %r",
-             step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
-             int(res["eval/count"]), samples[0]["completion"][:100] if samples else "")
-    return res
