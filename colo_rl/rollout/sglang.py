@@ -1,4 +1,6 @@
-"""SGLang rollout engine (GPU): SGLang's offline `sglang.Engine` behind the colo_rl engine protocol.
+"""SGLang rollout engine: SGLang's offline `sglang.Engine` behind the colo_rl engine protocol (GPU;
+also SGLang's CPU engine with rollout.sglang_kwargs.device=cpu, which colo_rl's tests run: the
+CPU branches are engine_device / memory_saver_for / engine_base_gpu_id / payload_is_cuda_ipc).
 
 The engine is started with dummy weights and released right away: its weights only ever come
 from the trainer's handoff, as CUDA IPC handles to gathered buckets (the engine maps the
@@ -39,6 +41,7 @@ from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, Sampli
 log = logging.getLogger("colo_rl")
 
 GIB = 1 << 30
+FLUSH_TIMEOUT_S = 60.0  # how long to wait for an idle scheduler before a flush / release
 
 # ===================================================================== environment traps (all here)
 # Read by SGLang's child processes, which inherit our environment when the engine starts.
@@ -50,6 +53,10 @@ ENGINE_ENV = {
     "SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1",
 }
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# Unset for the engine's children: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) torch's tcp://
+# rendezvous joins the elastic agent's store as a client instead of hosting its own, so SGLang's
+# scheduler waits forever in init_process_group on its private port.
+TRAINER_ONLY_VARS = ("TORCHELASTIC_USE_AGENT_STORE",)
 
 
 def without_expandable_segments(conf: Optional[str]) -> Optional[str]:
@@ -143,6 +150,9 @@ def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = 
     (sglang#36533). The directory of the runtime this process loaded goes first (it matches
     torch); pip's nvidia/*/lib directories are the fallback. `maps_text` / `site_dirs` are for tests."""
     changes: dict[str, Optional[str]] = dict(ENGINE_ENV)
+    for var in TRAINER_ONLY_VARS:
+        if var in environ:
+            changes[var] = None
     for var in ALLOC_CONF_VARS:
         if var in environ:
             cleaned = without_expandable_segments(environ[var])
@@ -160,7 +170,7 @@ def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = 
 
 # Restored once the engine is up: SGLang spawns every child inside Engine(), and the trainer's
 # later children (DataLoader workers, compilers) should see the user's values.
-RESTORED_AFTER_START = ALLOC_CONF_VARS + ("LD_LIBRARY_PATH",)
+RESTORED_AFTER_START = ALLOC_CONF_VARS + ("LD_LIBRARY_PATH",) + TRAINER_ONLY_VARS
 
 
 @contextlib.contextmanager
@@ -234,6 +244,10 @@ def sglang_api() -> SimpleNamespace:
         raise ImportError(
             "rollout.engine=sglang needs SGLang (GPU only; `pip install sglang` on a CUDA machine, "
             "see `make gpu-check`), or use rollout.engine=hf") from e
+    except Exception as e:  # noqa: BLE001 - installed but broken here (e.g. a CUDA-only torchvision on CPU)
+        raise ImportError(f"SGLang is installed but does not import here ({type(e).__name__}: {e}); on a CPU-only "
+                          "machine its CUDA builds of torchvision / sgl_kernel cannot load (colo_rl's tests "
+                          "run it with the shims in tests/sglang_cpu_shims/), or use rollout.engine=hf") from e
     api = SimpleNamespace(
         serializer=import_first([("sglang.srt.utils", "MultiprocessingSerializer"),
                                  ("sglang.srt.utils.common", "MultiprocessingSerializer")]),
@@ -481,14 +495,24 @@ def payload_calls(rank_payloads: list[dict], lst_cls=None) -> list[UpdateCall]:
     raise HandoffError(f"unknown payload format {fmt!r}")
 
 
+def payload_is_cuda_ipc(named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
+    """CPU branch of the handoff: CPU tensors travel as shared memory (torch's ForkingPickler moves
+    their storage to shm and passes a file descriptor), and SGLang's reduction patch must stay off
+    for them: it rewrites the device index of a CUDA reduce tuple (its 7th entry), which a CPU
+    tensor's reduction does not have."""
+    return any(t.is_cuda for _, t in named_tensors)
+
+
 def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None) -> tuple[dict, list]:
-    """This rank's share of an engine update: CUDA IPC handles to (a flattened copy of) the bucket.
+    """This rank's share of an engine update: CUDA IPC handles to (a flattened copy of) the bucket
+    (on CPU: shared-memory handles, see payload_is_cuda_ipc).
 
     Returns (payload, keepalive). The payload is small and picklable (it can travel to the rank
     that drives the engine); `keepalive` holds the producer tensors, which must outlive the
     engine's update call (the engine maps their memory)."""
     api = api or sglang_api()
-    ensure_reductions_patched(api)
+    if payload_is_cuda_ipc(named_tensors):
+        ensure_reductions_patched(api)
     with ipc_producer_allocations():
         if api.bucket_cls is not None:
             one_call = getattr(api.bucket_cls, "supports_multi_dtypes", False)
@@ -603,6 +627,49 @@ def known_server_kwargs(kwargs: dict, server_args_cls, required: Iterable[str]) 
     return {k: v for k, v in kwargs.items() if k in fields}
 
 
+def engine_device(extra: Mapping[str, Any]) -> str:
+    """The engine's device: "cuda" unless rollout.sglang_kwargs.device says otherwise (SGLang's
+    CPU engine: device=cpu, with SGLANG_USE_CPU_ENGINE=1 in the environment)."""
+    return str(extra.get("device") or "cuda")
+
+
+def memory_saver_for(device: str) -> bool:
+    """CPU branch: SGLang's memory saver (torch_memory_saver) is CUDA-only, so a CPU engine runs
+    without it; its release / resume calls still run (SGLang's flush, state export / import and
+    barriers) but free nothing."""
+    return device != "cpu"
+
+
+def engine_free_bytes(device: str) -> int:
+    """Memory free for the engine now, as SGLang measures it when it sizes its static memory
+    (mem_fraction_static is a fraction of this): the GPU's free memory, or on CPU the machine's
+    available RAM (psutil)."""
+    if device == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    return torch.cuda.mem_get_info()[0]
+
+
+def engine_base_gpu_id(device: str, local_rank: int) -> int:
+    """The engine's first GPU: this rank's. CPU branch: 0 for every rank (one CPU device; SGLang's CPU
+    engine reads the id as a NUMA node index, and a machine with one NUMA node has only node 0)."""
+    return 0 if device == "cpu" else local_rank
+
+
+def check_cpu_engine_kwargs(extra: Mapping[str, Any]) -> None:
+    """CPU branch: RAM is shared with the trainer (nothing is paged out), so the KV cache must be
+    bounded by max_total_tokens; SGLang's CPU engine also needs SGLANG_USE_CPU_ENGINE=1, without
+    which it takes GPU code paths (and fails on a missing vllm import)."""
+    from colo_rl.config import ConfigError
+
+    if extra.get("max_total_tokens") is None:
+        raise ConfigError("rollout.sglang_kwargs.device=cpu needs rollout.sglang_kwargs.max_total_tokens: on CPU "
+                          "the KV cache would otherwise take all the RAM that mem_fraction_static leaves")
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "").lower() not in ("1", "true"):
+        raise ConfigError("rollout.sglang_kwargs.device=cpu needs SGLANG_USE_CPU_ENGINE=1 in the environment")
+
+
 REQUIRED_SERVER_ARGS = ("model_path", "tp_size", "base_gpu_id", "mem_fraction_static", "enable_memory_saver",
                         "load_format", "skip_tokenizer_init")
 
@@ -611,7 +678,8 @@ OWNED_SERVER_ARGS = {
     "model_path": "model.path (the engine reads the architecture there; weights come from the trainer)",
     "tp_size": "rollout.tp_size",
     "base_gpu_id": "nothing: colo_rl puts each engine on its TP group's first GPU (LOCAL_RANK)",
-    "enable_memory_saver": "nothing: colocation needs it on (the engine releases its memory between phases)",
+    "enable_memory_saver": "nothing: colocation needs it on (the engine releases its memory between phases; "
+                           "off on CPU, where SGLang has none)",
     "load_format": "nothing: the engine starts on dummy weights and takes the trainer's by handoff",
     "skip_tokenizer_init": "nothing: colo_rl sends and reads token ids",
     "port": "nothing: colo_rl picks a free port per engine",
@@ -668,6 +736,13 @@ class ChildFailure:
 
     def __call__(self, signum=None, frame=None):
         self.failed = True
+        # Inside a running event loop (the engine's, waiting for an answer the dead scheduler never
+        # sends) the loop runs this handler as a callback and only logs what it raises (uvloop):
+        # stopping the loop ends the pending call, which SGLangEngine._call turns into our error.
+        with contextlib.suppress(RuntimeError):
+            import asyncio
+
+            asyncio.get_running_loop().stop()
         raise SGLangEngineError(CHILD_FAILED)
 
     def check(self) -> None:
@@ -705,12 +780,45 @@ def _sigquit_from_child(signum, frame):
 
 
 def watch_child_failures() -> ChildFailure:
-    """The process's ChildFailure (one per process: SIGQUIT has one handler), installed."""
+    """A ChildFailure for the engine about to start, installed; SIGQUIT (one handler per process)
+    reaches the newest one. An engine that failed earlier keeps its own, failed, record."""
     global _CHILD_FAILURE
-    if _CHILD_FAILURE is None:
-        _CHILD_FAILURE = ChildFailure()
+    _CHILD_FAILURE = ChildFailure()
     _CHILD_FAILURE.install()
     return _CHILD_FAILURE
+
+
+def flush_until_idle(flush, timeout_s: float, poll_s: float = 0.05):
+    """Call SGLang's flush_cache until it succeeds or `timeout_s` passes; returns the last answer
+    as (success, message). The scheduler flushes only when idle, and right after a generate (or
+    right after start) it may not be idle yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = flush()
+        if isinstance(result, bool):  # some releases answer a bare bool
+            result = (result, "")
+        success = result.get("success") if isinstance(result, Mapping) else (
+            result[0] if isinstance(result, (tuple, list)) else getattr(result, "success", None))
+        if result is None or success is True or time.monotonic() >= deadline:
+            return result
+        time.sleep(poll_s)
+
+
+def run_in_engine_loop(engine, fn) -> None:
+    """Call `fn` inside the engine's event loop (Engine.loop, which every offline call runs).
+
+    SGLang >= 0.5.21 creates the tokenizer manager's handle loop on the *running* loop, and with
+    none running on a new one (get_or_create_event_loop): called from outside, the handle loop
+    lands on a loop nobody runs and every later engine call waits forever for its answer."""
+    loop = getattr(engine, "loop", None)
+    if loop is None or not hasattr(loop, "run_until_complete") or loop.is_running():
+        fn()
+        return
+
+    async def call():
+        fn()
+
+    loop.run_until_complete(call())
 
 
 def take_over_sigquit(engine, child_failure: ChildFailure) -> None:
@@ -723,7 +831,7 @@ def take_over_sigquit(engine, child_failure: ChildFailure) -> None:
     tm = getattr(engine, "tokenizer_manager", None)
     create = getattr(tm, "auto_create_handle_loop", None)
     if create is not None:
-        create()
+        run_in_engine_loop(engine, create)
     loop = getattr(tm, "event_loop", None) or getattr(engine, "loop", None)
     if loop is not None and hasattr(loop, "remove_signal_handler"):
         with contextlib.suppress(Exception):  # not registered there / not the main thread: nothing to undo
@@ -773,8 +881,10 @@ class SGLangEngine:
     """
 
     def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
-                 supported_tags: Iterable[str] = ALL_TAGS, api=None, child_failure: Optional[ChildFailure] = None):
+                 supported_tags: Iterable[str] = ALL_TAGS, api=None, child_failure: Optional[ChildFailure] = None,
+                 device: str = "cuda"):
         self.engine = engine
+        self.device = device
         self.tp_size = tp_size
         self.eos = list(eos_token_ids)
         self.guard = guard
@@ -799,24 +909,28 @@ class SGLangEngine:
         if rollout.tp_size > 1 and local_world % rollout.tp_size:
             raise ValueError(f"rollout.tp_size={rollout.tp_size} must divide the GPUs per node ({local_world}): "
                              "an engine's TP ranks must share a node")
-        if free_bytes is None:
-            free_bytes = torch.cuda.mem_get_info()[0]
-        fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
-                                            rollout.mem_fraction_static)
         # Checked before the engine starts: a typo fails in seconds, not after a failed launch.
         extra = validate_sglang_kwargs(_plain_dict(getattr(rollout, "sglang_kwargs", None)), api.server_args_cls)
+        device = engine_device(extra)
+        if device == "cpu":
+            check_cpu_engine_kwargs(extra)
+        if free_bytes is None:
+            free_bytes = engine_free_bytes(device)
+        fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
+                                            rollout.mem_fraction_static)
         model_dir = engine_model_dir(cfg.model)
         child_failure = watch_child_failures()
         kwargs = known_server_kwargs(dict(
-            model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=dist.local_rank(),
-            mem_fraction_static=fraction, enable_memory_saver=True, load_format="dummy",
+            model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
+            mem_fraction_static=fraction, enable_memory_saver=memory_saver_for(device), load_format="dummy",
             skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
             port=_free_port(), nccl_port=_free_port(), log_level="error",
             custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
         kwargs.update(extra)
-        log.info("starting SGLang %s (tp=%d, GPU %d, mem_fraction_static=%.3f of %.1f GiB free%s)",
-                 getattr(sglang, "__version__", "?"), rollout.tp_size, dist.local_rank(), fraction, free_bytes / GIB,
+        log.info("starting SGLang %s (tp=%d, %s %d, mem_fraction_static=%.3f of %.1f GiB free%s)",
+                 getattr(sglang, "__version__", "?"), rollout.tp_size, device, dist.local_rank(), fraction,
+                 free_bytes / GIB,
                  f", {extra}" if extra else "")
         t0 = time.perf_counter()
         try:
@@ -828,15 +942,29 @@ class SGLangEngine:
             raise
         log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
         return cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
-                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure)
+                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure,
+                   device=device)
 
     def _alive(self) -> None:
         if self.child_failure is not None:
             self.child_failure.check()
 
+    def _call(self, fn, *args, **kwargs):
+        """One call into SGLang; when a child failed meanwhile (SIGQUIT stopped the engine's loop),
+        whatever the interrupted call raised becomes SGLangEngineError."""
+        self._alive()
+        try:
+            return fn(*args, **kwargs)
+        except SGLangEngineError:
+            raise
+        except Exception as e:
+            if self.child_failure is not None and self.child_failure.failed:
+                raise SGLangEngineError(CHILD_FAILED) from e
+            raise
+
     # ---------------------------------------------------------------- memory protocol
     def _free_bytes(self) -> int:
-        if not torch.cuda.is_available():
+        if self.device == "cpu" or not torch.cuda.is_available():  # CPU: SGLang's release frees nothing
             return 0
         torch.cuda.synchronize()
         return torch.cuda.mem_get_info()[0]
@@ -847,8 +975,13 @@ class SGLangEngine:
         if not todo:
             return 0
         self._alive()
+        if KV_CACHE not in self.state.released:
+            # SGLang asserts an idle scheduler in release_memory_occupation (a failed assertion kills
+            # the scheduler), and it may still be finishing the last batch: a flush succeeds only
+            # once it is idle.
+            self._flush()
         before = self._free_bytes()
-        self.engine.release_memory_occupation(tags=todo)
+        self._call(self.engine.release_memory_occupation, tags=todo)
         self.state.mark_released(todo)
         return max(0, self._free_bytes() - before)
 
@@ -860,7 +993,7 @@ class SGLangEngine:
             return 0
         self._alive()
         before = self._free_bytes()
-        self.engine.resume_memory_occupation(tags=todo)
+        self._call(self.engine.resume_memory_occupation, tags=todo)
         self.state.mark_resumed(todo)
         if KV_CACHE in todo and self.state.flush_pending:
             self._flush()
@@ -869,9 +1002,7 @@ class SGLangEngine:
     def _flush(self) -> None:
         # The radix cache holds KV computed with the old weights. Flushing touches KV-cache
         # bookkeeping, so it runs only while the KV cache is resident.
-        result = self.engine.flush_cache()
-        if isinstance(result, bool):  # some releases answer a bare bool
-            result = (result, "")
+        result = flush_until_idle(lambda: self._call(self.engine.flush_cache), FLUSH_TIMEOUT_S)
         update_result(result, "flush_cache", allow_none=True)
         self.state.flush_pending = False
 
@@ -896,17 +1027,17 @@ class SGLangEngine:
         if len(rank_payloads) != self.tp_size:
             raise HandoffError(f"{len(rank_payloads)} payloads for an engine with tp_size={self.tp_size}")
         if self.session is not None and not self.state.session_open:
-            update_result(self.session.begin(), "begin_weight_update", allow_none=True)
+            update_result(self._call(self.session.begin), "begin_weight_update", allow_none=True)
             self.state.session_open = True
         for call in payload_calls(rank_payloads, getattr(self.api, "lst_cls", None)):
-            result = self.engine.update_weights_from_tensor(named_tensors=call.named_tensors,
-                                                            load_format=call.load_format, flush_cache=False)
+            result = self._call(self.engine.update_weights_from_tensor, named_tensors=call.named_tensors,
+                                load_format=call.load_format, flush_cache=False)
             update_result(result, "update_weights_from_tensor")
 
     def finish_weight_update(self) -> None:
         if self.state.session_open:
             self.state.session_open = False  # closed or failed: never end a session twice
-            update_result(self.session.end(), "end_weight_update", allow_none=True)
+            update_result(self._call(self.session.end), "end_weight_update", allow_none=True)
         if self.state.finish_update():
             self._flush()
 
@@ -921,8 +1052,9 @@ class SGLangEngine:
         expanded = expand_prompts(prompts, params.n)
         if not expanded:
             return []
-        outputs = self.engine.generate(input_ids=expanded, sampling_params=sglang_sampling_params(params, self.eos),
-                                       return_logprob=True, logprob_start_len=-1)
+        outputs = self._call(self.engine.generate, input_ids=expanded,
+                             sampling_params=sglang_sampling_params(params, self.eos), return_logprob=True,
+                             logprob_start_len=-1)
         return parse_outputs(expanded, outputs)
 
     def shutdown(self) -> None:
