@@ -75,6 +75,9 @@ def resolve_model_path(path: str) -> Path:
     if path == "embedded":
         return embedded_model_dir()
     p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model.path={path!r} does not exist. Pass an HF model directory (a colo_rl run's "
+                                "checkpoint-final/ is one) or model.path=embedded.")
     if not (p / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={path!r}: no config.json in that directory. Pass an HF model directory "
@@ -83,10 +86,18 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+    directory = resolve_model_path(str(path))
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(f"model.path={str(path)!r}: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in "
+                                f"{directory}. Copy them from the base model (colo_rl's checkpoint-final/ "
+                                f"directories include them).")
+    tok = AutoTokenizer.from_pretrained(directory)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

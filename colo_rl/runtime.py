@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
-from colo_rl.data.files import DataError
-from colo_rl.models import resolve_dtype
+from colo_rl.data.files import DataError, resolve_data_path
+from colo_rl.models import resolve_dtype, resolve_model_path
 from colo_rl.rewards import RewardError
 
 log = logging.getLogger("colo_rl")
@@ -84,6 +84,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     OmegaConf.set_struct(hydra_cfg, True)
     hydra_cfg.recipe = recipe
     cfg = to_object(hydra_cfg, recipe, found if overrides is None else overrides)
+    check_input_paths(cfg)
     dist.init()
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -99,6 +100,14 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
     return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt)
+
+
+def check_input_paths(cfg: RunConfig) -> None:
+    """The model and data the run names exist (seconds, before any process group or model)."""
+    if cfg.model.path != "embedded":
+        resolve_model_path(cfg.model.path)  # FileNotFoundError naming model.path and what to pass
+    if cfg.data.path is not None:
+        resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
 
 
 def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:

@@ -245,3 +245,37 @@ def test_jit_ops_are_built_inside_the_project_environment():
                           capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                if k != "TORCH_EXTENSIONS_DIR"})
     assert proc.stdout.strip() == os.path.join(sys.prefix, "torch_extensions")
+
+
+def test_missing_model_path_and_missing_tokenizer_files_say_so(tmp_path):
+    from colo_rl.models import load_tokenizer, resolve_model_path
+
+    with pytest.raises(FileNotFoundError, match=r"model.path='.*nope' does not exist"):
+        resolve_model_path(str(tmp_path / "nope"))
+    (tmp_path / "weights-only").mkdir()
+    (tmp_path / "weights-only" / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer files \(tokenizer.json, .*Copy them from the base model"):
+        load_tokenizer(str(tmp_path / "weights-only"))
+
+
+def test_data_paths_resolve_from_the_project_root_and_empty_files_are_refused(tmp_path, monkeypatch):
+    from colo_rl.data.files import DataError, read_records, resolve_data_path
+
+    monkeypatch.chdir(tmp_path)  # not the project: a relative path falls back to the project root
+    assert resolve_data_path("conf/config.yaml") == ROOT / "conf" / "config.yaml"
+    with pytest.raises(DataError, match=r"data.path='../nowhere/gsm8k.jsonl' does not exist \(looked for .* or .*\)"
+                                        r"\. data=gsm8k reads the GSM8K train split"):
+        resolve_data_path("../nowhere/gsm8k.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match=r"holds no records \(the file is empty\)"):
+        read_records("empty.jsonl")
+
+
+def test_missing_inputs_are_refused_before_anything_starts(tmp_path):
+    from colo_rl.data.files import DataError
+    from colo_rl.runtime import check_input_paths
+
+    with pytest.raises(FileNotFoundError, match="model.path"):
+        check_input_paths(_cfg([f"model.path={tmp_path / 'none'}"]))
+    with pytest.raises(DataError, match="data.path"):
+        check_input_paths(_cfg([f"data.path={tmp_path / 'none.jsonl'}"]))

@@ -40,10 +40,34 @@ class Record:
         )
 
 
-def read_records(path: str | Path) -> list[Record]:
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def resolve_data_path(path: str | Path) -> Path:
+    """A data file: as given (absolute, or relative to the current directory), else relative to the
+    project root, so `data=gsm8k` works from any directory. Raises DataError saying where it looked."""
     p = Path(path).expanduser()
-    if not p.exists():
-        raise DataError(f"data.path={str(path)!r} does not exist")
+    if p.exists():
+        return p
+    if not p.is_absolute() and (PROJECT_ROOT / p).exists():
+        return PROJECT_ROOT / p
+    where = f"{p.resolve()}" + ("" if p.is_absolute() else f" or {(PROJECT_ROOT / p).resolve()}")
+    hint = (" data=gsm8k reads the GSM8K train split (JSONL, question / answer with '#### n') from "
+            "../shared/data/gsm8k/train.jsonl beside the project; pass data.path=<your copy>."
+            if "gsm8k" in str(path).lower() else " Pass data.path=<a .jsonl / .json / .parquet file or a datasets "
+                                                 "directory>, or leave it null for the embedded task.")
+    raise DataError(f"data.path={str(path)!r} does not exist (looked for {where}).{hint}")
+
+
+def read_records(path: str | Path) -> list[Record]:
+    p = resolve_data_path(path)
+    records = _read_records(p, path)
+    if not records:
+        raise DataError(f"data.path={str(path)!r}: {p} holds no records (the file is empty)")
+    return records
+
+
+def _read_records(p: Path, path: str | Path) -> list[Record]:
     if p.is_dir():
         return _read_hf_dir(p)
     suffix = p.suffix.lower()
