@@ -1,0 +1,67 @@
+"""TEST SUPPORT: SGLang's real engine on CPU for colo_rl's tests (tests/test_sglang_cpu*.py).
+
+`activate()` makes this process and every process it starts (SGLang's spawned scheduler and
+detokenizer, torchrun's ranks) find the test shims in tests/sglang_cpu_shims/ (torchvision's
+operator schemas, a pure-torch sgl_kernel stand-in) and run SGLang's CPU engine
+(SGLANG_USE_CPU_ENGINE=1). `SGLANG_KWARGS` is what rollout.sglang_kwargs needs on CPU.
+
+These tests are part of `make test` (the Makefile installs SGLang's CPU stack first): when SGLang
+is missing they fail, naming the install step, rather than skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
+SGLANG_VERSION = "0.5.21"
+
+# SGLang's CPU engine without SGLang's CPU kernels: torch-native attention, no CUDA graphs, no
+# overlap scheduling (a second thread), a bounded KV cache (the CPU memory plan: RAM is shared).
+SGLANG_KWARGS = dict(device="cpu", attention_backend="torch_native", disable_cuda_graph=True,
+                     disable_overlap_schedule=True, max_total_tokens=2048, max_running_requests=8)
+
+
+def hydra_kwargs() -> str:
+    """SGLANG_KWARGS as a Hydra override value."""
+    items = ",".join(f"{k}:{str(v).lower() if isinstance(v, bool) else v}" for k, v in SGLANG_KWARGS.items())
+    return "{" + items + "}"
+
+
+def env() -> dict[str, str]:
+    """Environment additions for processes that run SGLang's CPU engine."""
+    path = os.pathsep.join(p for p in [str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+    return {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def require_sglang() -> None:
+    """Fail (not skip): these tests are part of make test. (A CUDA machine runs SGLang on its GPU
+    instead: tests/test_gpu.py, `make gpu-check`; the Makefile installs the CPU stack only without CUDA.)"""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("SGLang's CPU engine tests: this machine has CUDA (make gpu-check runs SGLang there)")
+    if importlib.util.find_spec("sglang") is None:
+        pytest.fail(f"SGLang {SGLANG_VERSION} is not installed in this environment: `make test` installs it "
+                    "(the sglang-cpu stamp in the Makefile); by hand: make sglang-cpu", pytrace=False)
+    from importlib.metadata import version
+
+    assert version("sglang") == SGLANG_VERSION, f"these tests pin SGLang {SGLANG_VERSION}, found {version('sglang')}"
+
+
+def activate(monkeypatch) -> None:
+    """This process and its children: shims on the path, SGLang's CPU engine on."""
+    require_sglang()
+    for key, value in env().items():
+        monkeypatch.setenv(key, value)
+    if str(SHIMS) not in sys.path:
+        monkeypatch.syspath_prepend(str(SHIMS))
+    import colo_rl_sglang_cpu_shim
+
+    colo_rl_sglang_cpu_shim.install()
