@@ -41,6 +41,12 @@ $(SGLANG_CPU_STAMP): $(STAMP) tests/sglang_cpu_requirements.txt
 	echo 'torch==2.13.0' >> $(VENV)/sglang-cpu-constraints.txt
 	$(PIP) install -q -c $(VENV)/sglang-cpu-constraints.txt -r tests/sglang_cpu_requirements.txt
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+	# PyPI's torchvision (an SGLang dependency) is a CUDA build: without the schema shim every
+	# `import transformers` model in this venv fails ("torchvision::nms does not exist"), so the shim
+	# is armed in every process of the venv (it only defines two operator schemas before torchvision loads).
+	echo "import sys; p = '$(CURDIR)/tests/sglang_cpu_shims'; p in sys.path or sys.path.append(p); import colo_rl_sglang_cpu_shim as s; s.install()" \
+	  > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/colo_rl_sglang_cpu_shim.pth"
+	$(PY) -c "from transformers import LlamaConfig; import torchvision"
 	touch $@
 
 sglang-cpu: $(SGLANG_CPU_STAMP)

@@ -13,6 +13,9 @@ attention_backend=torch_native), but two of its imports assume a CUDA machine:
 
 Activated by tests/sglang_cpu_shims/ on PYTHONPATH (its sitecustomize.py calls install(), so
 SGLang's spawned scheduler / detokenizer processes get it too) or by calling install() directly.
+`make test`'s CPU venv arms the torchvision part in every process (a .pth written by the Makefile's
+sglang-cpu stamp): once SGLang's CUDA-built torchvision is installed there, transformers cannot
+import its models without it. That venv is the tests'; on a CUDA machine none of this is installed.
 """
 
 from __future__ import annotations
