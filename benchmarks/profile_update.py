@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def packed_micro_batches(n_groups: int, group_size: int, prompt_len: int, response_len: int,
                          groups_per_micro_batch: int) -> list:
-    from colo_rl.train.batch import build_batch, pack_groups
+    from colo_rl.train.batch import build_batch
+    from colo_rl.train.packing import pack_groups
 
     g = torch.Generator().manual_seed(0)
     groups = []

@@ -106,8 +106,8 @@ class Progress:
         self.task = None
         if not dist.is_rank0():
             return
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
-                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+        from rich.progress import Progress as RichProgress
 
         self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)

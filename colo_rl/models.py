@@ -161,3 +161,17 @@ def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
             path, dtype=dtype, attn_implementation=model_cfg.attn_implementation
         )
     return model
+
+
+def eos_token_ids(tokenizer, model_dir: Path | None = None) -> list[int]:
+    """The token ids that end a response: the tokenizer's EOS and generation_config.json's."""
+    ids = {tokenizer.eos_token_id}
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir) if model_dir else None
+        eos = gen.eos_token_id if gen is not None else None
+        ids.update(eos if isinstance(eos, list) else [eos])
+    except Exception:  # noqa: BLE001 - no generation_config.json: the tokenizer's EOS is enough
+        pass
+    return sorted(i for i in ids if i is not None)

@@ -34,7 +34,8 @@ from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.rollout.base import SamplingParams
-from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches, pack_groups
+from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
+from colo_rl.train.packing import pack_groups
 
 log = logging.getLogger("colo_rl")
 

@@ -2,11 +2,11 @@
 
 import torch
 
-from colo_rl.algos import logprobs_from_logits
+from colo_rl.algos import entropy_from_logits, logprobs_from_logits
 from colo_rl.config import ModelConfig
 from colo_rl.models import load_model
-from colo_rl.algos import entropy_from_logits
-from colo_rl.train.batch import build_batch, group_micro_batches, micro_batches, pack_groups, response_logprobs
+from colo_rl.train.batch import build_batch, group_micro_batches, micro_batches, response_logprobs
+from colo_rl.train.packing import pack_groups
 
 TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
 

@@ -8,12 +8,12 @@ import signal
 
 import pytest
 import torch
+from conftest import WORKERS, read_json, run_torchrun
 
 from colo_rl import dist
-from colo_rl.colocate.phase import PhaseGuard
 from colo_rl.config import ConfigError, ModelConfig, RunConfig, TrainerConfig
+from colo_rl.phase import PhaseGuard
 from colo_rl.train.actor import DeepSpeedActor, build_ds_config, check_pageable
-from conftest import WORKERS, read_json, run_torchrun
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
 from colo_rl.colocate import memory
@@ -31,8 +32,6 @@ from colo_rl.rollout import sglang as sg
 from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from colo_rl.train import actor as actor_mod
 from colo_rl.train.actor import DeepSpeedActor
-
-from conftest import ROOT
 
 register_configs()
 
@@ -215,9 +214,7 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine, __version__="0.5.17"))
     monkeypatch.setattr(sg, "engine_model_dir", lambda model_cfg: "/models/x")
     monkeypatch.setattr(sg, "_own_maps", lambda: MAPS)
-    import colo_rl.colocate.setup as setup
-
-    monkeypatch.setattr(setup, "eos_token_ids", lambda tok, d: [2])
+    monkeypatch.setattr(sg, "eos_token_ids", lambda tok, d: [2])
     monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/lib/site")
     rollout = SimpleNamespace(tp_size=1, memory_margin_gib=2.0, mem_fraction_static=None, seed=3,
                               sglang_kwargs={"attention_backend": "triton", "disable_cuda_graph": True})

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from colo_rl.algos import logprobs_from_logits
-from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
 from colo_rl.config import ModelConfig
 from colo_rl.models import load_model, load_tokenizer
+from colo_rl.phase import Phase, PhaseError, PhaseGuard
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.hf import HFEngine
 from colo_rl.train.batch import build_batch

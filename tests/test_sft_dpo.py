@@ -13,7 +13,7 @@ from colo_rl import algos
 from colo_rl.config import DataConfig, ModelConfig
 from colo_rl.data.arithmetic_demos import worked_answer, worked_steps
 from colo_rl.data.files import DataError
-from colo_rl.data.packing import pack_bins, packed_batch
+from colo_rl.train.packing import pack_bins, packed_batch
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sft import SFTExample, load_sft_data
 from colo_rl.train.batch import build_batch

@@ -19,11 +19,10 @@ import pytest
 import torch
 
 from colo_rl.colocate.handoff import HandoffError, LogprobAgreement
-from colo_rl.train.actor import plan_buckets
-from colo_rl.colocate.memory import plan_mem_fraction_static
-from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
+from colo_rl.phase import Phase, PhaseError, PhaseGuard
 from colo_rl.rollout import sglang as sg
 from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS, SamplingParams
+from colo_rl.train.actor import plan_buckets
 
 
 # ============================================================================ fakes for SGLang
@@ -598,10 +597,10 @@ def test_server_kwargs_filtered_by_feature():
 
 def test_memory_plan_for_the_engine():
     gib = 1 << 30
-    assert plan_mem_fraction_static(40 * gib, 2 * gib) == pytest.approx(0.95)
-    assert plan_mem_fraction_static(40 * gib, 2 * gib, override=0.6) == 0.6
+    assert sg.plan_mem_fraction_static(40 * gib, 2 * gib) == pytest.approx(0.95)
+    assert sg.plan_mem_fraction_static(40 * gib, 2 * gib, override=0.6) == 0.6
     with pytest.raises(MemoryError, match="memory_margin_gib"):
-        plan_mem_fraction_static(gib, 2 * gib)
+        sg.plan_mem_fraction_static(gib, 2 * gib)
 
 
 def test_sglang_import_error_says_what_to_do(monkeypatch):

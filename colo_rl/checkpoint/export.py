@@ -16,7 +16,9 @@ from omegaconf import OmegaConf
 
 from colo_rl import dist
 from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complete, newest_checkpoint
+from colo_rl.config import RunConfig
 from colo_rl.errors import CheckpointError
+from colo_rl.models import load_tokenizer, model_config
 
 log = logging.getLogger("colo_rl")
 
@@ -46,8 +48,6 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
-    from colo_rl.config import RunConfig
-    from colo_rl.models import load_tokenizer, model_config
 
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):

@@ -47,26 +47,6 @@ class WeightHandoff:
         return stats
 
 
-def engine_rank_layout(world_size: int, tp_size: int) -> list[dict]:
-    """Trainer rank -> engine TP group on one node.
-
-    Ranks [g*tp, (g+1)*tp) form TP group g; its first rank owns the engine (the others only feed
-    their prompts to it and take back their completions). Returns one dict per rank.
-    """
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"rollout.tp_size={tp_size} must divide the number of ranks ({world_size})")
-    out = []
-    for r in range(world_size):
-        g = r // tp_size
-        out.append({"rank": r, "group": g, "group_ranks": list(range(g * tp_size, (g + 1) * tp_size)),
-                    "owner": g * tp_size, "owns_engine": r % tp_size == 0})
-    return out
-
-
-def current_layout(tp_size: int) -> dict:
-    return engine_rank_layout(dist.world_size(), tp_size)[dist.rank()]
-
-
 class LogprobAgreement:
     """Do the engine and the trainer agree on the log-probs of what the engine generated?
 

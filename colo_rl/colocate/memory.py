@@ -52,21 +52,6 @@ def release_cached_memory() -> int:
     return max(0, before - torch.cuda.memory_reserved())
 
 
-def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None) -> float:
-    """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
-    that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
-    if override is not None:
-        if not 0 < override < 1:
-            raise ValueError(f"rollout.mem_fraction_static={override} must be in (0, 1)")
-        return override
-    if free_bytes <= margin_bytes:
-        raise MemoryError(
-            f"only {free_bytes / GIB:.1f} GiB free after paging the trainer out, not more than the "
-            f"rollout.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
-            "trainer), a smaller model, or a smaller margin")
-    return round((free_bytes - margin_bytes) / free_bytes, 4)
-
-
 class Ledger:
     """Append-only jsonl of phase transitions (rank 0 writes; every rank keeps its records)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,14 +11,15 @@ from typing import Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.colocate.handoff import WeightHandoff, current_layout
+from colo_rl.colocate.handoff import WeightHandoff
 from colo_rl.colocate.memory import Ledger, MemoryManager
-from colo_rl.colocate.phase import PhaseGuard
 from colo_rl.colocate.switch import PhaseSwitcher
-from colo_rl.models import load_model
+from colo_rl.models import eos_token_ids, load_model, resolve_model_path
+from colo_rl.phase import PhaseGuard
 from colo_rl.rollout.base import ALL_TAGS
-from colo_rl.rollout.sglang import trainer_paged_out
-from colo_rl.rollout.tp_group import TPGroupEngine
+from colo_rl.rollout.hf import HFEngine
+from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
+from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
 
 log = logging.getLogger("colo_rl")
@@ -33,28 +35,27 @@ class Colocated:
     ledger: Ledger
 
 
-def eos_token_ids(tokenizer, model_dir: Path | None = None) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    try:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig.from_pretrained(model_dir) if model_dir else None
-        eos = gen.eos_token_id if gen is not None else None
-        ids.update(eos if isinstance(eos, list) else [eos])
-    except Exception:  # noqa: BLE001 - no generation_config.json: the tokenizer's EOS is enough
-        pass
-    return sorted(i for i in ids if i is not None)
+@contextlib.contextmanager
+def trainer_paged_out(actor, enabled: bool = True):
+    """Page the trainer's states out while the engine starts (every rank calls it: it holds
+    barriers), so SGLang sizes its static memory from what the generation phase really has.
+    A rank whose engine fails to start raises at once: a barrier there would hang every rank
+    (torchrun stops the others when one exits with an error)."""
+    if not enabled:
+        yield
+        return
+    actor.offload_states()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    dist.barrier()  # every GPU of a TP group is paged out before its engine measures memory
+    yield
+    dist.barrier()  # every engine has released its memory before any trainer reloads
+    actor.reload_states()
 
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
-    from colo_rl.models import resolve_model_path
-
     if cfg.rollout.engine == "sglang":
-        from colo_rl.rollout.sglang import SGLangEngine
-
         return SGLangEngine.create(cfg, tokenizer, dtype, guard)
-    from colo_rl.rollout.hf import HFEngine
-
     model = load_model(cfg.model, dtype, seed=cfg.trainer.seed).to(dist.device())
     return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
                     tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
@@ -76,7 +77,7 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
         if engine is not None:
             engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
     if tp_size > 1:  # every rank of a TP group reaches its group's engine through the group's first rank
-        engine = TPGroupEngine.build(engine, tp_size, guard=guard)
+        engine = TPGroupEngine.build(engine, tp_size, guard=guard, prepare_payload=prepare_rank_payload)
     handoff = WeightHandoff(actor, engine, cfg.rollout.handoff_bucket_mb, feeds_engine=engine is not None)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
     manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.trainer.offload_pin_memory,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from colo_rl.colocate.memory import MemoryManager
-from colo_rl.colocate.phase import Phase, PhaseError, PhaseGuard
+from colo_rl.phase import Phase, PhaseError, PhaseGuard
 
 
 class PhaseSwitcher:

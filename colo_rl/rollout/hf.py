@@ -13,7 +13,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from colo_rl.colocate.phase import Phase, PhaseGuard
+from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
 
 log = logging.getLogger("colo_rl")

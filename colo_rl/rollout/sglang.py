@@ -34,8 +34,10 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from colo_rl.colocate.handoff import HandoffError
-from colo_rl.colocate.phase import Phase
+from colo_rl import dist
+from colo_rl.errors import ConfigError, HandoffError
+from colo_rl.models import eos_token_ids, model_config, resolve_model_path
+from colo_rl.phase import Phase
 from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
 
 log = logging.getLogger("colo_rl")
@@ -651,6 +653,21 @@ def engine_free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None) -> float:
+    """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
+    that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
+    if override is not None:
+        if not 0 < override < 1:
+            raise ValueError(f"rollout.mem_fraction_static={override} must be in (0, 1)")
+        return override
+    if free_bytes <= margin_bytes:
+        raise MemoryError(
+            f"only {free_bytes / GIB:.1f} GiB free after paging the trainer out, not more than the "
+            f"rollout.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
+            "trainer), a smaller model, or a smaller margin")
+    return round((free_bytes - margin_bytes) / free_bytes, 4)
+
+
 def engine_base_gpu_id(device: str, local_rank: int) -> int:
     """The engine's first GPU: this rank's. CPU branch: 0 for every rank (one CPU device; SGLang's CPU
     engine reads the id as a NUMA node index, and a machine with one NUMA node has only node 0)."""
@@ -661,8 +678,6 @@ def check_cpu_engine_kwargs(extra: Mapping[str, Any]) -> None:
     """CPU branch: RAM is shared with the trainer (nothing is paged out), so the KV cache must be
     bounded by max_total_tokens; SGLang's CPU engine also needs SGLANG_USE_CPU_ENGINE=1, without
     which it takes GPU code paths (and fails on a missing vllm import)."""
-    from colo_rl.config import ConfigError
-
     if extra.get("max_total_tokens") is None:
         raise ConfigError("rollout.sglang_kwargs.device=cpu needs rollout.sglang_kwargs.max_total_tokens: on CPU "
                           "the KV cache would otherwise take all the RAM that mem_fraction_static leaves")
@@ -695,8 +710,6 @@ def validate_sglang_kwargs(extra: Mapping[str, Any], server_args_cls) -> dict:
     """rollout.sglang_kwargs checked against this SGLang's ServerArgs: a key colo_rl owns or a
     key ServerArgs lacks raises ConfigError naming it (unlike colo_rl's own optional arguments,
     a user's argument is never dropped silently)."""
-    from colo_rl.config import ConfigError
-
     extra = dict(extra or {})
     for key in extra:
         if key in OWNED_SERVER_ARGS:
@@ -856,8 +869,6 @@ def _plain_dict(value) -> dict:
 def engine_model_dir(model_cfg) -> str:
     """The directory SGLang reads the architecture from (weights are dummy: never read). A
     shrunk random model gets its config written to a temporary directory."""
-    from colo_rl.models import model_config, resolve_model_path
-
     if not model_cfg.random_init:
         return str(resolve_model_path(model_cfg.path))
     out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
@@ -897,10 +908,6 @@ class SGLangEngine:
     def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None):
         """Start the engine on this rank's GPU (and the next tp_size - 1), sized from the memory
         free now: call it while the trainer is paged out (see `trainer_paged_out`)."""
-        from colo_rl import dist
-        from colo_rl.colocate.memory import plan_mem_fraction_static
-        from colo_rl.colocate.setup import eos_token_ids
-
         api = sglang_api()
         import sglang
 
@@ -1066,23 +1073,3 @@ class SGLangEngine:
         finally:
             if self.child_failure is not None:  # the handler that was there before the engine
                 self.child_failure.restore()
-
-
-@contextlib.contextmanager
-def trainer_paged_out(actor, enabled: bool = True):
-    """Page the trainer's states out while the engine starts (every rank calls it: it holds
-    barriers), so SGLang sizes its static memory from what the generation phase really has."""
-    from colo_rl import dist
-
-    if not enabled:
-        yield
-        return
-    actor.offload_states()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    dist.barrier()  # every GPU of a TP group is paged out before its engine measures memory
-    try:
-        yield
-    finally:
-        dist.barrier()  # every engine has released its memory before any trainer reloads
-        actor.reload_states()

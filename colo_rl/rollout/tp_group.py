@@ -1,6 +1,6 @@
 """Engines with tensor parallelism on one node: one engine per TP group, driven by its first rank.
 
-Ranks [g*tp, (g+1)*tp) form group g (colo_rl.colocate.handoff.engine_rank_layout). Every rank
+Ranks [g*tp, (g+1)*tp) form group g (`engine_rank_layout`). Every rank
 holds a TPGroupEngine with the protocol's methods; only the owner (the group's first rank) holds
 the real engine. Traffic goes over a per-group gloo process group (objects are small pickles:
 prompt ids, completions, IPC handles):
@@ -25,9 +25,29 @@ import torch
 import torch.distributed as tdist
 
 from colo_rl import dist
-from colo_rl.colocate.handoff import HandoffError, engine_rank_layout
-from colo_rl.colocate.phase import Phase
+from colo_rl.errors import HandoffError
+from colo_rl.phase import Phase
 from colo_rl.rollout.base import ALL_TAGS, Completion, SamplingParams
+
+
+def engine_rank_layout(world_size: int, tp_size: int) -> list[dict]:
+    """Trainer rank -> engine TP group on one node.
+
+    Ranks [g*tp, (g+1)*tp) form TP group g; its first rank owns the engine (the others only feed
+    their prompts to it and take back their completions). Returns one dict per rank.
+    """
+    if tp_size < 1 or world_size % tp_size:
+        raise ValueError(f"rollout.tp_size={tp_size} must divide the number of ranks ({world_size})")
+    out = []
+    for r in range(world_size):
+        g = r // tp_size
+        out.append({"rank": r, "group": g, "group_ranks": list(range(g * tp_size, (g + 1) * tp_size)),
+                    "owner": g * tp_size, "owns_engine": r % tp_size == 0})
+    return out
+
+
+def current_layout(tp_size: int) -> dict:
+    return engine_rank_layout(dist.world_size(), tp_size)[dist.rank()]
 
 
 class TPGroupError(RuntimeError):
@@ -66,17 +86,13 @@ def _device_free_bytes() -> Optional[int]:
     return torch.cuda.mem_get_info()[0]
 
 
-def _default_prepare(named_tensors):
-    from colo_rl.rollout.sglang import prepare_rank_payload
-
-    return prepare_rank_payload(named_tensors)
-
-
 class TPGroupEngine:
     """The engine protocol for every rank of a TP group; the owner forwards to `inner`."""
 
     def __init__(self, inner, layout: dict, group, guard=None,
                  prepare_payload: Optional[Callable[[list], tuple[Any, Any]]] = None):
+        # prepare_payload(named_tensors) -> (payload, keepalive): this rank's share of a weight update
+        # (SGLang's: rollout.sglang.prepare_rank_payload, passed in by colocate/setup.py).
         if layout["owns_engine"] != (inner is not None):
             raise ValueError(f"rank {layout['rank']}: the group's first rank must hold the engine and only it "
                              f"(owns_engine={layout['owns_engine']}, engine given: {inner is not None})")
@@ -86,7 +102,7 @@ class TPGroupEngine:
         self.owner = layout["owner"]
         self.is_owner = layout["owns_engine"]
         self.guard = guard
-        self.prepare_payload = prepare_payload or _default_prepare
+        self.prepare_payload = prepare_payload
 
     @classmethod
     def build(cls, inner, tp_size: int, guard=None, prepare_payload=None) -> "TPGroupEngine":

@@ -10,10 +10,10 @@ from typing import Iterator, Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.colocate.phase import Phase, PhaseGuard
 from colo_rl.config import ConfigError
 from colo_rl.errors import NonFiniteError
 from colo_rl.models import load_model
+from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, response_logprobs
 
 log = logging.getLogger("colo_rl")

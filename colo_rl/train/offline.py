@@ -17,7 +17,7 @@ import torch
 from colo_rl import algos, dist
 from colo_rl.config import ConfigError
 from colo_rl.data.files import DataError
-from colo_rl.data.packing import pack_bins, packed_batch, packed_pairs
+from colo_rl.train.packing import pack_bins, packed_batch, packed_pairs
 from colo_rl.train.batch import TokenBatch, build_batch, micro_batches
 
 log = logging.getLogger("colo_rl")
@@ -91,7 +91,7 @@ def masked_token_count(batches: list[TokenBatch]) -> float:
 def pair_micro_batches(pairs: list, micro_batch_size: int, pad_id: int, packing: bool = False,
                        dtype: torch.dtype = torch.float32) -> list[tuple[list[int], TokenBatch]]:
     """(indices into `pairs`, batch) per micro-batch of micro_batch_size pairs: padded (chosen rows
-    first, then rejected, each behind its prompt) or, with packing (data/packing.packed_pairs),
+    first, then rejected, each behind its prompt) or, with packing (train/packing.packed_pairs),
     each pair is one row [prompt | chosen | p' | rejected] that computes its prompt once."""
     out = []
     for idx in micro_batches(len(pairs), micro_batch_size, [len(p) for p in pairs]):

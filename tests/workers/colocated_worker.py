@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from colo_rl import algos, dist
-from colo_rl.colocate.phase import PhaseError
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.models import load_tokenizer
+from colo_rl.phase import PhaseError
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.train.batch import build_batch
 

@@ -1,4 +1,5 @@
-"""Which side of the GPU is live. Engines and the trainer check it before they touch memory."""
+"""Which side of the device is live (the colocation phase). Engines and the trainer check it before
+they touch memory; colocate/switch.py moves it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sequence packing for SFT: several examples per row, no attention across their boundaries.
+"""Packed layouts: several sequences per row, no attention across their boundaries (SFT bins, DPO
+pair rows, GRPO group rows).
 
 A packed row is [ex_0 | ex_1 | ... | padding]. Each example keeps the position ids it has
 unpacked (0, 1, 2, ...), and the attention mask is 4D and block-diagonal causal: a token attends
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from colo_rl.train.batch import TokenBatch
+from colo_rl.train.batch import TokenBatch, build_batch
 
 
 def pack_bins(lengths: list[int], max_len: int) -> list[list[int]]:
@@ -93,8 +94,6 @@ def packed_pairs(pairs: list, pad_id: int, dtype: torch.dtype = torch.float32) -
     The rows use the standard [left-padded prompt | response] layout with a 4D additive mask;
     extras chosen_mask / rejected_mask [k, R] pick each side's trained tokens (see
     `offline.split_pair_logps`)."""
-    from colo_rl.train.batch import build_batch
-
     responses, masks, chosen_masks, rejected_masks = [], [], [], []
     for p in pairs:
         if not p.prompt_ids or not p.chosen_ids or not p.rejected_ids:
@@ -128,3 +127,64 @@ def packed_pairs(pairs: list, pad_id: int, dtype: torch.dtype = torch.float32) -
     mask = torch.zeros((B, 1, L, L), dtype=dtype)
     mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
     return TokenBatch(batch.input_ids, mask, positions, batch.response_ids, batch.response_mask, extras=batch.extras)
+
+
+def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dtype: torch.dtype) -> TokenBatch:
+    """Several GRPO groups as one micro-batch, each group one row [pad | prompt | r_1 | ... | r_G | pad],
+    so the trainer computes each shared prompt once and runs few, large forward passes (on one CPU
+    process, 4 groups of 8 per pass instead of 1 cut a ZeRO-3 update from 34 to 24 s: fewer ZeRO
+    gathers and partitioned-gradient copies, larger matrix multiplies).
+
+    `groups`: per group its prompt, its G responses and the same rows in the padded layout
+    (`TokenBatch.select`), whose targets, masks and extras are kept: the result's response-side
+    tensors are the groups' rows stacked in order, [sum G, R].
+
+    Each response keeps the position ids it has unpacked (P, P+1, ...) and attends to its prompt
+    and to its own earlier tokens only (a prefix-shared block-causal mask), so its log-probs equal
+    the unpacked ones to float tolerance. Prompts are left-padded to end at the same column, so the
+    positions whose logits are needed (`logit_positions`, passed as `logits_to_keep`) are nearly
+    the same columns in every row; `logit_index` [sum G, R] says which of the kept [B, U] logits
+    predicts each response token (-1 on padding). See `response_logprobs`.
+    """
+    P = max(len(prompt) for prompt, _, _ in groups)
+    totals = []
+    for prompt, responses, _ in groups:
+        if not prompt or min(len(r) for r in responses) < 1:
+            raise ValueError("pack_groups needs a prompt and at least one token per response")
+        totals.append(sum(len(r) for r in responses))
+    B, L = len(groups), P + max(totals)
+    ids = torch.zeros((B, L), dtype=torch.long)
+    positions = torch.zeros((B, L), dtype=torch.long)
+    segments = -torch.arange(1, L + 1, dtype=torch.long).repeat(B, 1)  # padding: one segment per position
+    predictors: list[list[list[int]]] = []  # per group, per response: the column predicting each token
+    for b, (prompt, responses, _) in enumerate(groups):
+        p0, col, cols = P - len(prompt), P, []
+        ids[b, p0:P] = torch.tensor(prompt)
+        positions[b, p0:P] = torch.arange(len(prompt))
+        segments[b, p0:P] = 0
+        for i, r in enumerate(responses):
+            n = len(r)
+            ids[b, col:col + n] = torch.tensor(r)
+            positions[b, col:col + n] = torch.arange(len(prompt), len(prompt) + n)
+            segments[b, col:col + n] = i + 1
+            cols.append([P - 1] + list(range(col, col + n - 1)))  # token 0 from the prompt's last column
+            col += n
+        predictors.append(cols)
+    mask = block_causal_mask(segments, dtype)
+    mask[:, :, P:, :P] = torch.where(segments[:, None, :P] == 0, 0.0, torch.finfo(dtype).min)[:, :, None, :]
+    kept = sorted({c for cols in predictors for resp in cols for c in resp})
+    column = {c: u for u, c in enumerate(kept)}
+    R = max(g.response_len for _, _, g in groups)
+    index = torch.full((sum(len(g) for _, _, g in groups), R), -1, dtype=torch.long)
+    row = 0
+    for b, cols in enumerate(predictors):
+        for resp in cols:
+            index[row, :len(resp)] = torch.tensor([b * len(kept) + column[c] for c in resp])
+            row += 1
+    widen = lambda t: torch.nn.functional.pad(t, (0, R - t.shape[1]))  # noqa: E731
+    parts = [g for _, _, g in groups]
+    extras = {k: torch.cat([widen(g.extras[k]) if g.extras[k].dim() == 2 else g.extras[k] for g in parts])
+              for k in parts[0].extras}
+    return TokenBatch(ids, mask, positions, torch.cat([widen(g.response_ids) for g in parts]),
+                      torch.cat([widen(g.response_mask) for g in parts]), extras=extras,
+                      logit_positions=torch.tensor(kept), logit_index=index)
