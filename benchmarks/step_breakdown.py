@@ -207,8 +207,8 @@ def instrumented(mem: PhaseMemory):
             setattr(owner, attr, method)
 
     wrap(metrics.Timer, "__call__", lambda name: name)
-    wrap(memory.MemoryManager, "evict_for_generation", lambda _: "phase_switch")
-    wrap(memory.MemoryManager, "evict_for_training", lambda _: "phase_switch")
+    wrap(memory.MemoryManager, "to_generation", lambda _: "phase_switch")
+    wrap(memory.MemoryManager, "to_train", lambda _: "phase_switch")
     wrap(handoff.WeightHandoff, "push", lambda _: "handoff")
     try:
         yield

@@ -295,7 +295,7 @@ def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):
     monkeypatch.setattr(memory, "release_cached_memory", release)
     manager = memory.MemoryManager(RecordingActor(calls), RecordingEngine(calls), RecordingHandoff(calls),
                                    memory.Ledger(None))
-    record = manager.evict_for_generation(step=0)
+    record = manager.to_generation(step=0)
     assert calls == ["offload", ("wake", (WEIGHTS,)), "push", "empty_cache", ("wake", (KV_CACHE, CUDA_GRAPH))]
     handoff = next(m for m in record["moves"] if m["what"] == "weights handoff")
     assert handoff["cache_released_bytes"] == 512 << 20

@@ -102,7 +102,7 @@ class MemoryManager:
         self.ledger.append(t.record)
         return t.record
 
-    def evict_for_generation(self, step: int) -> dict:
+    def to_generation(self, step: int) -> dict:
         def body(t: _Transition) -> None:
             with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
                 m["moved"] = paged = bool(self.actor.offload_states(pin_memory=self.pin_memory))
@@ -128,7 +128,7 @@ class MemoryManager:
 
         return self._run("update->generation", step, body)
 
-    def evict_for_training(self, step: int) -> dict:
+    def to_train(self, step: int) -> dict:
         def body(t: _Transition) -> None:
             if self.owns_engine:
                 with t.move("engine KV cache + weights (release)", "device", "none") as m:

@@ -37,7 +37,7 @@ class PhaseSwitcher:
             raise PhaseError(f"switch.generation() entered inside the {self.guard.phase.value} phase; "
                              "phases do not nest")
         if self.guard.phase is not Phase.GENERATION:
-            self._account(self.manager.evict_for_generation(self.step))
+            self._account(self.manager.to_generation(self.step))
             self.guard.phase = Phase.GENERATION
         self._inside = True
         try:
@@ -52,7 +52,7 @@ class PhaseSwitcher:
                              "phases do not nest")
         if self.guard.phase is not Phase.UPDATE:
             if self.guard.phase is Phase.GENERATION:
-                self._account(self.manager.evict_for_training(self.step))
+                self._account(self.manager.to_train(self.step))
             self.guard.phase = Phase.UPDATE
         self._inside = True
         try:
