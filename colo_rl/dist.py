@@ -152,6 +152,18 @@ def shard(items: list[Any]) -> list[Any]:
     return items[start:(r + 1) * n // w]
 
 
+class CurrentStdout:
+    """Writes to whatever sys.stdout is at the time: while the progress bar runs, rich swaps it for a
+    proxy that prints above the bar; a handler bound to the original stream would glue each log
+    line onto the stale bar instead."""
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
 def setup_logging(debug: bool = False) -> None:
     """Rank-aware logging: rank 0 logs at INFO; other ranks only warnings unless debugging."""
     import warnings
@@ -161,7 +173,7 @@ def setup_logging(debug: bool = False) -> None:
         warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     level = logging.INFO if (is_rank0() or debug) else logging.WARNING
     fmt = f"[%(asctime)s r{rank()}] %(message)s" if debug else "[%(asctime)s] %(message)s"
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=CurrentStdout(), force=True)
     log.setLevel(level)
     # DeepSpeed and transformers are chatty on every rank.
     for name in ("DeepSpeed", "deepspeed", "transformers", "torch.distributed"):

@@ -30,6 +30,17 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
             "eval/samples": [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]}
 
 
+def check_held_out_size(n: int, world: int) -> bool:
+    """Warn (rank 0) when fewer held-out examples than ranks: some ranks then evaluate nothing, and
+    the figures rest on very few problems. Returns whether it warned."""
+    if 0 < n < world:
+        if dist.is_rank0():
+            log.warning("only %d held-out example(s) for %d ranks: %d rank(s) evaluate nothing; raise data.eval_size "
+                        "to at least the number of ranks for figures worth reading", n, world, world - n)
+        return True
+    return False
+
+
 def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer, max_new_tokens: int,
                       step: int) -> dict[str, float]:
     """`evaluate` in the generation phase (the engine gets the trainer's current weights through

@@ -33,7 +33,7 @@ from colo_rl.colocate.setup import build_actor
 from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
-from colo_rl.evaluation import held_out_accuracy
+from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
@@ -65,6 +65,7 @@ class DPORecipe:
                  self.length_stats.summary())
         self.plan = plan_steps(cfg, len(self.train), "pairs")
         self.total_steps = self.plan.total_steps
+        check_held_out_size(len(self.held), dist.world_size())
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         log.info("plan: %d steps (%d epoch(s) x %d steps of %d pairs; %d per rank, micro-batches of %d pairs); "
                  "loss %s, beta %g, label smoothing %g; reference log-probs %s", self.plan.total_steps, tr.epochs,

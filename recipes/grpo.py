@@ -29,7 +29,7 @@ from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
-from colo_rl.evaluation import held_out_accuracy
+from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
@@ -59,6 +59,7 @@ class GRPORecipe:
         self.eval_set = [(p, ids) for p in eval_problems if (ids := builder.encode(p)) is not None]
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
                  len(self.train), len(self.eval_set), builder.stats.dropped, builder.stats.truncated)
+        check_held_out_size(len(self.eval_set), world)
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.start_metrics = {"data/overlong_dropped": builder.stats.dropped,
                               "data/overlong_truncated": builder.stats.truncated}

@@ -279,3 +279,40 @@ def test_missing_inputs_are_refused_before_anything_starts(tmp_path):
         check_input_paths(_cfg([f"model.path={tmp_path / 'none'}"]))
     with pytest.raises(DataError, match="data.path"):
         check_input_paths(_cfg([f"data.path={tmp_path / 'none.jsonl'}"]))
+
+
+def test_log_lines_follow_stdout_so_the_progress_bar_is_not_glued_in_front(monkeypatch):
+    import io
+    import logging
+
+    from colo_rl import dist
+
+    dist.setup_logging()
+    proxy = io.StringIO()  # what rich's live progress display puts in sys.stdout's place
+    monkeypatch.setattr("sys.stdout", proxy)
+    logging.getLogger("colo_rl").info("step 1 | loss=0.5")
+    assert "step 1 | loss=0.5" in proxy.getvalue()
+
+
+def test_a_coming_op_build_is_announced(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from colo_rl.train.actor import announce_op_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        assert announce_op_build("fused_adam", "the optimizer op")
+    assert "building the optimizer op into" in caplog.text
+    (tmp_path / "fused_adam").mkdir()
+    (tmp_path / "fused_adam" / "fused_adam.so").write_bytes(b"")
+    assert not announce_op_build("fused_adam", "the optimizer op")  # built: nothing to say
+
+
+def test_fewer_held_out_examples_than_ranks_is_warned(caplog):
+    import logging
+
+    from colo_rl.evaluation import check_held_out_size
+
+    with caplog.at_level(logging.WARNING, logger="colo_rl"):
+        assert check_held_out_size(1, 2) and "only 1 held-out example(s) for 2 ranks" in caplog.text
+    assert not check_held_out_size(0, 2) and not check_held_out_size(8, 2)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -112,6 +114,17 @@ def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[s
     return buckets
 
 
+def announce_op_build(name: str, what: str) -> bool:
+    """Log a line before a JIT op build that would otherwise be minutes of silence (`make install`
+    prebuilds them into the venv's TORCH_EXTENSIONS_DIR). Returns whether a build is coming."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root or any(Path(root).glob(f"{name}*/*.so")):
+        return False
+    if dist.is_rank0():
+        log.info("building %s into %s (once per environment; a minute or more on a small CPU)", what, root)
+    return True
+
+
 def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard]) -> bool:
     """A colocated (guarded) trainer on GPU pages its states out for every generation phase."""
     return with_optimizer and guard is not None and torch.cuda.is_available()
@@ -175,6 +188,8 @@ class DeepSpeedActor:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
             sched = lr_lambda(cfg.trainer, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, sched)
+        if with_optimizer:
+            announce_op_build("fused_adam", "DeepSpeed's FusedAdam optimizer op")
         self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
             model=model, config=ds_config, **kwargs)
         if with_optimizer:
