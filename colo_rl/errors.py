@@ -30,3 +30,11 @@ class HandoffError(RuntimeError):
 
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+class SGLangEngineError(RuntimeError):
+    """SGLang answered something colo_rl cannot use, or its scheduler died (the message says what and what to do)."""
+
+
+class EngineStateError(RuntimeError):
+    """The engine was asked to do something its memory state does not allow."""

@@ -29,6 +29,9 @@ from hydra import compose, initialize_config_dir
 from colo_rl.colocate import memory
 from colo_rl.config import ConfigError, register_configs, to_object
 from colo_rl.rollout import sglang as sg
+from colo_rl.rollout.sglang import engine as sg_engine
+from colo_rl.rollout.sglang import env as sg_env
+from colo_rl.rollout.sglang import failure as sg_failure
 from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from colo_rl.train import actor as actor_mod
 from colo_rl.train.actor import DeepSpeedActor
@@ -153,13 +156,13 @@ def _deliver_sigquit():
 @pytest.fixture
 def sigquit_state():
     before = signal.getsignal(signal.SIGQUIT)
-    saved = sg._CHILD_FAILURE
-    sg._CHILD_FAILURE = None
+    saved = sg_failure._CHILD_FAILURE
+    sg_failure._CHILD_FAILURE = None
     try:
         yield before
     finally:
         signal.signal(signal.SIGQUIT, before)
-        sg._CHILD_FAILURE = saved
+        sg_failure._CHILD_FAILURE = saved
 
 
 def test_sigquit_from_a_child_raises_engine_error_and_restores(sigquit_state):
@@ -210,11 +213,11 @@ class FakeEngine:
 def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state):
     api = SimpleNamespace(server_args_cls=FakeServerArgs, memory_tags=["kv_cache", "weights", "cuda_graph"],
                           begin_req=None, end_req=None)
-    monkeypatch.setattr(sg, "sglang_api", lambda: api)
+    monkeypatch.setattr(sg_engine, "sglang_api", lambda: api)
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine, __version__="0.5.17"))
-    monkeypatch.setattr(sg, "engine_model_dir", lambda model_cfg: "/models/x")
-    monkeypatch.setattr(sg, "_own_maps", lambda: MAPS)
-    monkeypatch.setattr(sg, "eos_token_ids", lambda tok, d: [2])
+    monkeypatch.setattr(sg_engine, "engine_model_dir", lambda model_cfg: "/models/x")
+    monkeypatch.setattr(sg_env, "_own_maps", lambda: MAPS)
+    monkeypatch.setattr(sg_engine, "eos_token_ids", lambda tok, d: [2])
     monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/lib/site")
     rollout = SimpleNamespace(tp_size=1, memory_margin_gib=2.0, mem_fraction_static=None, seed=3,
                               sglang_kwargs={"attention_backend": "triton", "disable_cuda_graph": True})
@@ -229,7 +232,7 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     try:
         assert fake.kwargs["attention_backend"] == "triton" and fake.kwargs["disable_cuda_graph"] is True
         assert fake.kwargs["load_format"] == "dummy" and fake.kwargs["enable_memory_saver"] is True
-        assert fake.kwargs["custom_sigquit_handler"] is sg._sigquit_from_child
+        assert fake.kwargs["custom_sigquit_handler"] is sg_failure._sigquit_from_child
         assert fake.ld_library_path == f"{PIP_CUDART}:/usr/lib/site"  # what the schedulers inherit
         assert os.environ["LD_LIBRARY_PATH"] == "/usr/lib/site"  # the trainer's own, restored
         # A scheduler fails after the tokenizer manager's loop exists: ours, not SGLang's, runs.

@@ -1,7 +1,7 @@
 """SGLang's real engine (0.5.21, CPU, plain-torch kernels) driven by colo_rl's SGLangEngine, weight
 handoff and memory manager, on a tiny random Llama: one engine for the module (start-up ~20-60 s).
 
-What CPU changes (colo_rl/rollout/sglang.py, named branches): the handoff passes shared-memory
+What CPU changes (colo_rl/rollout/sglang/, named branches): the handoff passes shared-memory
 handles instead of CUDA IPC handles, and the engine runs without SGLang's memory saver, so its
 release / resume calls run for real but free nothing: these tests check the calls and the ledger,
 not bytes. Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/.

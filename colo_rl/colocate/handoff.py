@@ -4,7 +4,7 @@ The trainer gathers ZeRO-3 partitions one bucket at a time (bounded extra memory
 takes each bucket in place:
 - CPU / HF engine: the engine copies into its own preallocated buffers (one memcpy per tensor).
 - GPU / SGLang: the bucket is flattened and passed as CUDA IPC handles; the engine maps the
-  trainer's memory and copies device-to-device (see colo_rl/rollout/sglang.py).
+  trainer's memory and copies device-to-device (see colo_rl/rollout/sglang/weights.py).
 """
 
 from __future__ import annotations

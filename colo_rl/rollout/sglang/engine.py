@@ -1,0 +1,328 @@
+"""SGLangEngine: the colo_rl engine protocol on SGLang's offline Engine, with its memory-tag state
+machine (see colo_rl/colocate/NOTES.md for the layout, the transition order and the traps)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from typing import Iterable, Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.errors import EngineStateError, HandoffError, SGLangEngineError
+from colo_rl.models import eos_token_ids, model_config, resolve_model_path
+from colo_rl.phase import Phase
+from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
+from colo_rl.rollout.sglang.compat import (
+    REQUIRED_SERVER_ARGS,
+    _plain_dict,
+    check_cpu_engine_kwargs,
+    engine_base_gpu_id,
+    engine_device,
+    engine_free_bytes,
+    known_server_kwargs,
+    memory_saver_for,
+    plan_mem_fraction_static,
+    sglang_api,
+    sglang_dtype,
+    supported_memory_tags,
+    validate_sglang_kwargs,
+)
+from colo_rl.rollout.sglang.env import engine_environment
+from colo_rl.rollout.sglang.failure import (
+    CHILD_FAILED,
+    ChildFailure,
+    _sigquit_from_child,
+    flush_until_idle,
+    take_over_sigquit,
+    watch_child_failures,
+)
+from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, sglang_sampling_params
+from colo_rl.rollout.sglang.weights import payload_calls, prepare_rank_payload, update_result, weight_session_api
+
+log = logging.getLogger("colo_rl")
+
+GIB = 1 << 30
+FLUSH_TIMEOUT_S = 60.0  # how long to wait for an idle scheduler before a flush / release
+
+
+# ===================================================================== memory tags (pure)
+class EngineMemoryState:
+    """Which SGLang memory tags are released, whether the weights are valid, whether a cache flush
+    or a weight-update session is pending.
+
+    SGLang raises when resuming a tag that is not released and must not release a tag twice
+    (torch_memory_saver aborts the process on a double pause); resumed weights are garbage
+    until a weight update finishes. `sleep`/`wake` are idempotent over this bookkeeping.
+    """
+
+    def __init__(self, supported: Iterable[str] = ALL_TAGS):
+        self.supported = tuple(supported)
+        self.released: set[str] = set()
+        self.weights_valid = False  # dummy weights at start: only the handoff makes them real
+        self.flush_pending = False
+        self.session_open = False
+
+    def _validate(self, tags: Iterable[str], verb: str) -> list[str]:
+        tags = list(tags)
+        unknown = [t for t in tags if t not in ALL_TAGS]
+        if unknown:
+            raise ValueError(f"cannot {verb} unknown memory tags {unknown}; known: {list(ALL_TAGS)}")
+        return [t for t in ALL_TAGS if t in tags and t in self.supported]  # canonical order
+
+    def plan_release(self, tags: Iterable[str]) -> list[str]:
+        if self.session_open:
+            raise EngineStateError("release requested during a weight update: call finish_weight_update() first")
+        return [t for t in self._validate(tags, "release") if t not in self.released]
+
+    def mark_released(self, tags: Iterable[str]) -> None:
+        tags = list(tags)
+        double = [t for t in tags if t in self.released]
+        if double:
+            raise EngineStateError(f"tags {double} are already released; releasing twice kills the engine")
+        self.released.update(tags)
+
+    def plan_resume(self, tags: Iterable[str]) -> list[str]:
+        return [t for t in self._validate(tags, "resume") if t in self.released]
+
+    def mark_resumed(self, tags: Iterable[str]) -> None:
+        tags = list(tags)
+        held = [t for t in tags if t not in self.released]
+        if held:
+            raise EngineStateError(f"tags {held} are not released; SGLang raises when resuming them")
+        self.released.difference_update(tags)
+        if WEIGHTS in tags:
+            self.weights_valid = False
+
+    def require_weights_resident(self, what: str) -> None:
+        if WEIGHTS in self.released:
+            raise EngineStateError(f"{what} while the engine's weights are released: wake(['weights']) first")
+
+    def finish_update(self) -> bool:
+        """A weight update finished: weights valid, cache to flush. Returns whether to flush now
+        (the KV cache is resident); otherwise the flush waits for the KV cache to be resumed."""
+        self.weights_valid = True
+        self.flush_pending = True
+        return KV_CACHE not in self.released
+
+    def require_generate(self) -> None:
+        released = [t for t in ALL_TAGS if t in self.released]
+        if released:
+            raise EngineStateError(f"generate while {released} are released: wake the engine first")
+        if self.session_open:
+            raise EngineStateError("generate during a weight update: call finish_weight_update() first")
+        if not self.weights_valid:
+            raise EngineStateError("generate on weights that no finished weight update has written (dummy or "
+                                   "just-resumed memory): run the handoff before generating")
+
+
+def engine_model_dir(model_cfg) -> str:
+    """The directory SGLang reads the architecture from (weights are dummy: never read). A
+    shrunk random model gets its config written to a temporary directory."""
+    if not model_cfg.random_init:
+        return str(resolve_model_path(model_cfg.path))
+    out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
+    model_config(model_cfg).save_pretrained(out)
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SGLangEngine:
+    """The colo_rl engine protocol on SGLang's offline Engine (one per TP group, on its first rank).
+
+    With tp_size > 1, wrap it in colo_rl.rollout.tp_group.TPGroupEngine: every TP rank must
+    contribute a payload for its own GPU, so `load_weights` alone only serves tp_size == 1.
+    """
+
+    def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
+                 supported_tags: Iterable[str] = ALL_TAGS, api=None, child_failure: Optional[ChildFailure] = None,
+                 device: str = "cuda"):
+        self.engine = engine
+        self.device = device
+        self.tp_size = tp_size
+        self.eos = list(eos_token_ids)
+        self.guard = guard
+        self.api = api
+        self.child_failure = child_failure
+        self.state = EngineMemoryState(supported_tags)
+        self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
+
+    @classmethod
+    def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None):
+        """Start the engine on this rank's GPU (and the next tp_size - 1), sized from the memory
+        free now: call it while the trainer is paged out (see `trainer_paged_out`)."""
+        api = sglang_api()
+        import sglang
+
+        rollout = cfg.rollout
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
+        if rollout.tp_size > 1 and local_world % rollout.tp_size:
+            raise ValueError(f"rollout.tp_size={rollout.tp_size} must divide the GPUs per node ({local_world}): "
+                             "an engine's TP ranks must share a node")
+        # Checked before the engine starts: a typo fails in seconds, not after a failed launch.
+        extra = validate_sglang_kwargs(_plain_dict(getattr(rollout, "sglang_kwargs", None)), api.server_args_cls)
+        device = engine_device(extra)
+        if device == "cpu":
+            check_cpu_engine_kwargs(extra)
+        if free_bytes is None:
+            free_bytes = engine_free_bytes(device)
+        fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
+                                            rollout.mem_fraction_static)
+        model_dir = engine_model_dir(cfg.model)
+        child_failure = watch_child_failures()
+        kwargs = known_server_kwargs(dict(
+            model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
+            mem_fraction_static=fraction, enable_memory_saver=memory_saver_for(device), load_format="dummy",
+            skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
+            port=_free_port(), nccl_port=_free_port(), log_level="error",
+            custom_sigquit_handler=_sigquit_from_child,
+        ), api.server_args_cls, REQUIRED_SERVER_ARGS)
+        kwargs.update(extra)
+        log.info("starting SGLang %s (tp=%d, %s %d, mem_fraction_static=%.3f of %.1f GiB free%s)",
+                 getattr(sglang, "__version__", "?"), rollout.tp_size, device, dist.local_rank(), fraction,
+                 free_bytes / GIB,
+                 f", {extra}" if extra else "")
+        t0 = time.perf_counter()
+        try:
+            with engine_environment():
+                engine = sglang.Engine(**kwargs)
+            take_over_sigquit(engine, child_failure)
+        except BaseException:
+            child_failure.restore()
+            raise
+        log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
+        return cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
+                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure,
+                   device=device)
+
+    def _alive(self) -> None:
+        if self.child_failure is not None:
+            self.child_failure.check()
+
+    def _call(self, fn, *args, **kwargs):
+        """One call into SGLang; when a child failed meanwhile (SIGQUIT stopped the engine's loop),
+        whatever the interrupted call raised becomes SGLangEngineError."""
+        self._alive()
+        try:
+            return fn(*args, **kwargs)
+        except SGLangEngineError:
+            raise
+        except Exception as e:
+            if self.child_failure is not None and self.child_failure.failed:
+                raise SGLangEngineError(CHILD_FAILED) from e
+            raise
+
+    # ---------------------------------------------------------------- memory protocol
+    def _free_bytes(self) -> int:
+        if self.device == "cpu" or not torch.cuda.is_available():  # CPU: SGLang's release frees nothing
+            return 0
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0]
+
+    def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Release `tags`; returns the bytes freed on this rank's GPU."""
+        todo = self.state.plan_release(tags)
+        if not todo:
+            return 0
+        self._alive()
+        if KV_CACHE not in self.state.released:
+            # SGLang asserts an idle scheduler in release_memory_occupation (a failed assertion kills
+            # the scheduler), and it may still be finishing the last batch: a flush succeeds only
+            # once it is idle.
+            self._flush()
+        before = self._free_bytes()
+        self._call(self.engine.release_memory_occupation, tags=todo)
+        self.state.mark_released(todo)
+        return max(0, self._free_bytes() - before)
+
+    def wake(self, tags: Iterable[str] = ALL_TAGS) -> int:
+        """Resume `tags`; returns the bytes taken on this rank's GPU. Resumed weights are garbage
+        until the next weight update finishes."""
+        todo = self.state.plan_resume(tags)
+        if not todo:
+            return 0
+        self._alive()
+        before = self._free_bytes()
+        self._call(self.engine.resume_memory_occupation, tags=todo)
+        self.state.mark_resumed(todo)
+        if KV_CACHE in todo and self.state.flush_pending:
+            self._flush()
+        return max(0, before - self._free_bytes())
+
+    def _flush(self) -> None:
+        # The radix cache holds KV computed with the old weights. Flushing touches KV-cache
+        # bookkeeping, so it runs only while the KV cache is resident.
+        result = flush_until_idle(lambda: self._call(self.engine.flush_cache), FLUSH_TIMEOUT_S)
+        update_result(result, "flush_cache", allow_none=True)
+        self.state.flush_pending = False
+
+    # ---------------------------------------------------------------- weights
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self.tp_size > 1:
+            raise RuntimeError(f"SGLangEngine.load_weights with tp_size={self.tp_size}: every TP rank must send "
+                               "its own payload; use colo_rl.rollout.tp_group.TPGroupEngine")
+        payload, keepalive = prepare_rank_payload(named_tensors, self.api)
+        try:
+            self.load_rank_payloads([payload])
+        finally:
+            del keepalive
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()
+
+    def load_rank_payloads(self, rank_payloads: list[dict]) -> None:
+        """One bucket, as prepared by every TP rank (index = TP rank); producers stay alive until
+        this returns."""
+        self.state.require_weights_resident("load_weights")
+        self._alive()
+        if len(rank_payloads) != self.tp_size:
+            raise HandoffError(f"{len(rank_payloads)} payloads for an engine with tp_size={self.tp_size}")
+        if self.session is not None and not self.state.session_open:
+            update_result(self._call(self.session.begin), "begin_weight_update", allow_none=True)
+            self.state.session_open = True
+        for call in payload_calls(rank_payloads, getattr(self.api, "lst_cls", None)):
+            result = self._call(self.engine.update_weights_from_tensor, named_tensors=call.named_tensors,
+                                load_format=call.load_format, flush_cache=False)
+            update_result(result, "update_weights_from_tensor")
+
+    def finish_weight_update(self) -> None:
+        if self.state.session_open:
+            self.state.session_open = False  # closed or failed: never end a session twice
+            update_result(self._call(self.session.end), "end_weight_update", allow_none=True)
+        if self.state.finish_update():
+            self._flush()
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if self.guard is not None:
+            self.guard.require(Phase.GENERATION, "engine.generate")
+        self.state.require_generate()
+        self._alive()
+        if self.state.flush_pending:
+            self._flush()
+        expanded = expand_prompts(prompts, params.n)
+        if not expanded:
+            return []
+        outputs = self._call(self.engine.generate, input_ids=expanded,
+                             sampling_params=sglang_sampling_params(params, self.eos), return_logprob=True,
+                             logprob_start_len=-1)
+        return parse_outputs(expanded, outputs)
+
+    def shutdown(self) -> None:
+        # SGLang's shutdown kills every child process of this process, not only its own.
+        try:
+            if self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
+        finally:
+            if self.child_failure is not None:  # the handler that was there before the engine
+                self.child_failure.restore()

@@ -1,0 +1,91 @@
+"""Generation requests and answers: colo_rl's SamplingParams as SGLang's dict, its outputs as
+Completions (pure: CPU-tested with fake outputs)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+from colo_rl.errors import SGLangEngineError
+from colo_rl.rollout.base import Completion, SamplingParams
+
+log = logging.getLogger("colo_rl")
+
+GIB = 1 << 30
+
+
+# ===================================================================== generation (pure)
+def sglang_sampling_params(params: SamplingParams, eos_token_ids: list[int]) -> dict:
+    """Our SamplingParams as SGLang's dict. `n` is always 1: we expand the prompts ourselves so the
+    order of the outputs is ours to define (a GRPO group is contiguous)."""
+    if params.greedy:
+        temperature, top_p, top_k = 0.0, 1.0, 1
+    else:
+        if not params.temperature > 0:
+            raise ValueError(f"sampling temperature must be > 0 (got {params.temperature}); use greedy=True")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {params.top_p})")
+        temperature, top_p, top_k = float(params.temperature), float(params.top_p), -1
+    return {
+        "max_new_tokens": int(params.max_new_tokens),
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "n": 1,
+        "stop_token_ids": list(eos_token_ids),
+        # Keep the EOS token in the output: the trainer must see (and learn) the stop.
+        "no_stop_trim": True,
+    }
+
+
+def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt n times in a row: completions j*n .. j*n+n-1 belong to prompt j."""
+    if n < 1:
+        raise ValueError(f"completions per prompt must be >= 1 (got {n})")
+    return [list(p) for p in prompts for _ in range(n)]
+
+
+def finish_reason(meta: Mapping) -> str:
+    """SGLang's finish reason as "stop" / "length"; an aborted request raises."""
+    reason = meta.get("finish_reason")
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind in ("stop", "length"):
+        return kind
+    if kind == "abort":
+        message = reason.get("message") if isinstance(reason, Mapping) else ""
+        raise SGLangEngineError(f"SGLang aborted a request: {message}. Common causes: a prompt longer than the "
+                                "engine's context length, or a KV cache too small for one sequence "
+                                "(raise rollout.mem_fraction_static or lower rollout.memory_margin_gib)")
+    raise SGLangEngineError(f"SGLang returned an unfinished request (finish_reason={reason!r}); "
+                            "colo_rl never streams, so this is an SGLang API change")
+
+
+def parse_completion(prompt_ids: list[int], out: Mapping) -> Completion:
+    """One SGLang output dict (from generate with return_logprob=True) as a Completion.
+
+    Token ids and sampling log-probs both come from meta_info["output_token_logprobs"] (entries
+    (logprob, token_id, text)), so they are aligned by construction; the plain output ids must
+    agree with them (trimmed by one stop token at most)."""
+    meta = out.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is None:
+        raise SGLangEngineError("SGLang returned no meta_info['output_token_logprobs']: the request must be "
+                                "sent with return_logprob=True")
+    token_ids = [int(e[1]) for e in entries]
+    logprobs = [float(e[0]) for e in entries]
+    reason = finish_reason(meta)
+    output_ids = out.get("output_ids", out.get("token_ids"))
+    if output_ids is not None:
+        output_ids = [int(t) for t in output_ids]
+        if output_ids != token_ids and not (reason == "stop" and output_ids == token_ids[:-1]):
+            raise SGLangEngineError(f"SGLang's output ids ({len(output_ids)}) disagree with the token ids of its "
+                                    f"log-probs ({len(token_ids)}): cannot tell which tokens were sampled")
+    return Completion(prompt_ids=list(prompt_ids), token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
+
+
+def parse_outputs(expanded_prompts: list[list[int]], outputs) -> list[Completion]:
+    if isinstance(outputs, Mapping):  # a batch of one can come back unwrapped
+        outputs = [outputs]
+    if len(outputs) != len(expanded_prompts):
+        raise SGLangEngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded_prompts)} requests")
+    return [parse_completion(p, o) for p, o in zip(expanded_prompts, outputs)]
