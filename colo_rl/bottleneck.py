@@ -71,13 +71,13 @@ def bottleneck_report(rows: Iterable[dict], n_gpus: int, skip: int = 1) -> dict:
 
 def format_report(report: dict) -> str:
     t, s = report["seconds_per_step"], report["shares"]
-    lines = [f"bottleneck ({report['steps_measured']} steps on {report['gpus']} GPU(s)/rank(s)): "
+    lines = [f"bottleneck ({report['steps_measured']} steps, {report['gpus']} ranks): "
              f"{report['bound']}-bound; per step {t['step']:.2f} s = generation {100 * s['generation']:.0f} % + "
              f"training {100 * s['train']:.0f} % + switching {100 * s['switch']:.1f} % + other {100 * s['other']:.0f} %"]
     best = report.get("best_split")
     if best:
         lines.append(
-            f"  balance rule: {report['balanced_generation_gpus']:.1f} of {report['gpus']} GPUs for generation; "
+            f"  balance rule: {report['balanced_generation_gpus']:.1f} of {report['gpus']} devices for generation; "
             f"best split {best['generation_gpus']} gen / {best['training_gpus']} train would take "
             f"{best['step_seconds']:.2f} s/step ({report['split_vs_colocated']:.2f}x colocated), idle: generation "
             f"pool {100 * best['generation_idle_share']:.0f} %, training pool {100 * best['training_idle_share']:.0f} %; "

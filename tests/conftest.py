@@ -15,12 +15,23 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
+# A test that started a process group in pytest's own process (dist.init) leaves its rendezvous in
+# os.environ; a child inheriting MASTER_PORT would try to bind the same, still-held, port.
+RENDEZVOUS_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                   "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "GROUP_RANK", "ROLE_RANK")
+
+
+def child_env(**extra: str) -> dict:
+    """os.environ for a child process that starts its own process group."""
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **extra}
+
+
 def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: int = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `script` under real torchrun (gloo on CPU); fail the test with the output on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -4,7 +4,6 @@ config compatibility, RNG capture, a kill in the middle of a save."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -21,7 +20,7 @@ from colo_rl.checkpoint import (COMPLETE, CheckpointError, CheckpointManager, ca
                                 config_container, newest_checkpoint, resolve_resume, restore_rng)
 from colo_rl.config import RunConfig, TrainerConfig
 from colo_rl.data.sampler import EpochSampler
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 
 class FakeActor:
@@ -218,7 +217,7 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path):
     """A real process killed with SIGKILL while it writes checkpoint 4: resume picks checkpoint 2."""
     code = KILL_MID_SAVE.format(tests=str(ROOT / "tests"), run=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=child_env(PYTHONPATH=str(ROOT)))
     try:
         assert proc.stdout.readline().strip() == "SAVING"  # inside the save, shards half written
         assert (tmp_path / "checkpoints" / "step-000004.tmp" / "ds").is_dir()

@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import psutil
 import pytest
 
 from colo_rl.checkpoint import newest_checkpoint
-from conftest import ROOT
+from conftest import ROOT, child_env
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +35,7 @@ class Run:
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(ROOT / "recipes" / "grpo.py"), *OVERRIDES, f"run_dir={run_dir}"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.launcher = psutil.Process(self.proc.pid)
