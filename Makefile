@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.colo_rl-installed
 NPROC ?= 2
-TORCHRUN := $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC)
+# torchrun without its failure report after a rank's one-line error (colo_rl/launch.py)
+TORCHRUN := $(PY) -m colo_rl.launch --standalone --nproc_per_node=$(NPROC)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install test test-fast demo sft dpo bench bench-gpu gpu-check clean-venv sglang-cpu

@@ -316,3 +316,21 @@ def test_fewer_held_out_examples_than_ranks_is_warned(caplog):
     with caplog.at_level(logging.WARNING, logger="colo_rl"):
         assert check_held_out_size(1, 2) and "only 1 held-out example(s) for 2 ranks" in caplog.text
     assert not check_held_out_size(0, 2) and not check_held_out_size(8, 2)
+
+
+def test_the_launcher_ends_a_refused_run_with_one_line_and_its_code():
+    proc = subprocess.run([sys.executable, "-m", "colo_rl.launch", "--standalone", "--nproc_per_node=2",
+                           "recipes/grpo.py", "trainer.lr=0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=child_env())
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2, lines
+    assert lines == ["error: trainer.lr=0.0 must be > 0"], lines  # no torchrun report, no banner
+
+
+def test_launcher_exit_code_prefers_a_ranks_own_error_over_the_agents_sigterm():
+    from types import SimpleNamespace
+
+    from colo_rl.launch import exit_code
+
+    assert exit_code({0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=2)}) == 2
+    assert exit_code({0: SimpleNamespace(exitcode=-9)}) == 137
