@@ -96,3 +96,23 @@ def test_final_checkpoint_holds_the_trained_weights(run_dir):
     final = load_file(str(run_dir / "checkpoint-final" / "model.safetensors"))
     moved = [n for n in final if n in initial and not torch.equal(final[n], initial[n])]
     assert len(moved) > len(final) // 2, moved
+
+
+def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
+    """DAPO's dynamic sampling under torchrun (2 ranks): uninformative groups are set aside and
+    more prompts sampled; each rank keeps the same number of groups, so the ZeRO-3 passes line up
+    and the run finishes (a mismatch would hang a collective until the timeout)."""
+    d = tmp_path / "run"
+    run_torchrun(WORKERS / "grpo_resume_worker.py",
+                 ["model=tiny", "trainer.total_steps=2", "data.eval_size=2", "rollout.prompts_per_step=4",
+                  "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
+                  "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[odd_length]",
+                  "reward.format_weight=0", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2",
+                  "tensorboard=false", "plots=false", f"run_dir={d}"], timeout=600)
+    r = rows(d)[1:]
+    assert len(r) == 2
+    for row in r:
+        assert 1 <= row["sampling/rounds"] <= 3  # the first round plus at most max_sampling_rounds
+        if row["sampling/filled_groups"] == 0:  # every kept group of 2 has one odd and one even answer
+            assert row["reward/mean"] == pytest.approx(0.5) and row["train/grad_norm"] > 0
+    assert max(row["sampling/rounds"] for row in r) > 1  # extra rounds were sampled

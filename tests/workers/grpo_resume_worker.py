@@ -24,6 +24,13 @@ def letter_share(completion: str, truth: str) -> float:
     return sum(c.isascii() and c.isalpha() for c in completion) / max(1, len(completion))
 
 
+@register_reward("odd_length")
+def odd_length(completion: str, truth: str) -> float:
+    """1 for an odd number of characters: some groups of a tiny model's samples score all alike,
+    others not, and differently on each rank (DAPO's dynamic sampling then has work to do)."""
+    return float(len(completion) % 2)
+
+
 if __name__ == "__main__":
     sys.argv[0] = str(ROOT / "recipes" / "grpo.py")
     runpy.run_path(str(ROOT / "recipes" / "grpo.py"), run_name="__main__")
