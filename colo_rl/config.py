@@ -128,7 +128,6 @@ class AlgoConfig:
     dpo_loss: str = "sigmoid"  # sigmoid | ipo | hinge
     label_smoothing: float = 0.0
     precompute_ref_logprobs: bool = True
-    packing: bool = False
 
 
 @dataclass
@@ -142,10 +141,11 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
-    # GRPO: whole prompt groups per micro-batch (micro_batch_size // group_size of them, at least
-    # one), each packed as one row [prompt | r_1 | ... | r_G] so its shared prompt is computed once.
-    # False = padded micro-batches of micro_batch_size sequences.
-    pack_groups: bool = True
+    # Several sequences per row, no attention across them (needs model.attn_implementation sdpa or
+    # eager). GRPO: each prompt group one row [prompt | r_1 | ... | r_G] (its prompt computed once),
+    # micro_batch_size // group_size groups per micro-batch; DPO: each pair one row [prompt | chosen |
+    # p' | rejected]; SFT: examples packed into rows of data.max_seq_len. False: padded rows.
+    packing: bool = True
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
     ppo_epochs: int = 1  # passes over one rollout batch (old log-probs computed once, before the first)
     total_steps: int = 10
@@ -216,7 +216,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 # here and set on the command line is refused: it would be accepted and then silently ignored.
 _GRPO_ONLY = {
     "trainer.total_steps": "set trainer.max_steps (a cap) or trainer.epochs",
-    "trainer.pack_groups": "GRPO only", "trainer.mini_batches_per_step": "GRPO only",
+    "trainer.mini_batches_per_step": "GRPO only",
     "rollout.prompts_per_step": "GRPO only", "rollout.group_size": "GRPO only",
     "rollout.max_new_tokens": "evaluation uses rollout.eval_max_new_tokens",
     "rollout.temperature": "evaluation decodes greedily", "rollout.top_p": "evaluation decodes greedily",
@@ -237,7 +237,7 @@ RECIPES: dict[str, dict[str, Any]] = {
         "trainer.max_steps": "set trainer.total_steps", "trainer.epochs": "set trainer.total_steps",
         "trainer.batch_size": "set rollout.prompts_per_step (x rollout.group_size completions)",
         "trainer.eval_generate": "GRPO always evaluates with generation (trainer.eval_every)",
-        "algo.packing": "set trainer.pack_groups", "data.max_seq_len": "set data.max_prompt_tokens and "
+        "data.max_seq_len": "set data.max_prompt_tokens and "
                                                                         "rollout.max_new_tokens"}},
     "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY}},
     "dpo": {"algo": "dpo", "group_based": False, "ignores": dict(_GRPO_ONLY)},

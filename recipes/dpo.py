@@ -111,7 +111,7 @@ class DPORecipe:
         cfg = self.cfg
         shard = dist.shard(list(range(len(pairs))))
         c, r = pair_logps(model, [pairs[i] for i in shard], cfg.trainer.micro_batch_size, self.pad,
-                          self.length_normalised, cfg.algo.packing, self.dtype)
+                          self.length_normalised, cfg.trainer.packing, self.dtype)
         chosen, rejected = torch.zeros(len(pairs)), torch.zeros(len(pairs))
         for idx, ci, ri in dist.all_gather_objects((shard, c, r)):
             chosen[idx], rejected[idx] = ci, ri
@@ -198,7 +198,7 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
     the number of pairs on all ranks. `indices` are the pairs' places in the training set (for
     the cached reference log-probs)."""
     algo, n_pairs = cfg.algo, float(cfg.trainer.batch_size)
-    batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, algo.packing, dtype),
+    batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype),
                           pad_id, make=lambda: ([], empty_batch(pad_id)))
     keys = ("loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs")
     sums = dict.fromkeys(keys, 0.0)

@@ -217,7 +217,7 @@ class GRPORecipe:
         """This rank's rows (response lengths given) as micro-batches: whole packed groups, or padded
         micro-batches of trainer.micro_batch_size sequences."""
         cfg = self.cfg
-        if cfg.trainer.pack_groups:
+        if cfg.trainer.packing:
             return group_micro_batches(lengths, cfg.rollout.group_size, cfg.trainer.micro_batch_size)
         return micro_batches(len(lengths), cfg.trainer.micro_batch_size, lengths)
 
@@ -225,7 +225,7 @@ class GRPORecipe:
         """Rows of `batch` as one micro-batch, built when used: it carries the batch's extras as
         they are then (old / reference log-probs and advantages are added after planning). Packed:
         one row per group [prompt | r_1 | ... | r_G], its prompt computed once."""
-        if not self.cfg.trainer.pack_groups:
+        if not self.cfg.trainer.packing:
             return batch.select(rows)
         G = self.cfg.rollout.group_size
         groups = [rows[k:k + G] for k in range(0, len(rows), G)]

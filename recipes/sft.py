@@ -5,7 +5,7 @@
 
 One step (`SFTRecipe.train_step`):
     the next trainer.batch_size examples (each rank takes its share)
-    micro-batches (packed when algo.packing) -> log-probs of the completion tokens
+    micro-batches (packed when trainer.packing) -> log-probs of the completion tokens
     -> NLL averaged over the step's completion tokens on all ranks -> backward -> optimizer step
 Evaluation (start, every trainer.eval_every steps, end): held-out loss; where the held-out
 examples carry answers (the embedded arithmetic task does), greedy accuracy with the rollout
@@ -63,7 +63,7 @@ class SFTRecipe:
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of %d%s)",
                  self.plan.total_steps, tr.epochs, self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch,
-                 tr.micro_batch_size, ", packed" if cfg.algo.packing else "")
+                 tr.micro_batch_size, ", packed" if cfg.trainer.packing else "")
         # ---- trainer; plus the rollout engine when the held-out examples can be scored by generation
         self.gen_eval = bool(tr.eval_generate and self.held and all(ex.answer is not None for ex in self.held))
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,
@@ -82,7 +82,7 @@ class SFTRecipe:
 
     def micro(self, examples: list) -> list:
         cfg = self.cfg
-        return sft_micro_batches(examples, cfg.trainer.micro_batch_size, self.pad, cfg.algo.packing,
+        return sft_micro_batches(examples, cfg.trainer.micro_batch_size, self.pad, cfg.trainer.packing,
                                  cfg.data.max_seq_len, self.dtype)
 
     # ------------------------------------------------------------------ the loop's calls

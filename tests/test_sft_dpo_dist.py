@@ -48,7 +48,7 @@ def _outputs_exist(run_dir):
 def sft_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("sft") / "run"
     # packing on: micro-batch counts differ between ranks and are equalised (ZeRO-3 collectives)
-    run_torchrun(ROOT / "recipes" / "sft.py", COMMON + ["algo.packing=true", "trainer.eval_generate=true",
+    run_torchrun(ROOT / "recipes" / "sft.py", COMMON + ["trainer.packing=true", "trainer.eval_generate=true",
                                                         f"run_dir={d}"], timeout=600)
     return d
 
@@ -152,7 +152,7 @@ def _continue_and_compare(script, args: list[str], stopped: Path, tmp_path):
 
 
 def test_sft_resumes_exactly(sft_dir, tmp_path):
-    _continue_and_compare(ROOT / "recipes" / "sft.py", COMMON + ["algo.packing=true", "trainer.eval_generate=true"],
+    _continue_and_compare(ROOT / "recipes" / "sft.py", COMMON + ["trainer.packing=true", "trainer.eval_generate=true"],
                           sft_dir, tmp_path)
 
 

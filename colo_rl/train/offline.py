@@ -39,8 +39,8 @@ def plan_steps(cfg, n_train: int, unit: str = "examples") -> StepPlan:
         raise DataError(f"no training {unit} left (all over-length?): raise data.max_seq_len")
     if tr.batch_size % world:
         raise ConfigError(f"trainer.batch_size={tr.batch_size} must be divisible by the number of ranks ({world})")
-    if cfg.algo.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"algo.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
+    if cfg.trainer.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
+        raise ConfigError(f"trainer.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
                           f"not {cfg.model.attn_implementation!r}")
     steps_per_epoch = math.ceil(n_train / tr.batch_size)
     total = tr.epochs * steps_per_epoch
