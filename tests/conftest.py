@@ -31,7 +31,7 @@ def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: i
     """Run `script` under real torchrun (gloo on CPU); fail the test with the output on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
-    full_env = child_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    full_env = child_env(**{"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
