@@ -11,7 +11,9 @@ is missing they fail, naming the install step, rather than skip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -65,3 +67,30 @@ def activate(monkeypatch) -> None:
     import colo_rl_sglang_cpu_shim
 
     colo_rl_sglang_cpu_shim.install()
+
+
+@contextlib.contextmanager
+def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8):
+    """The colocated set (ZeRO-3 actor, SGLang's CPU engine, switcher) for one test module:
+    shims and CPU engine on, a world of one kept for the session (a process group cannot be
+    re-created here), the engine shut down and the start method SGLang forced restored after.
+    `make_cfg()` builds the RunConfig once the environment is set; rollout.sglang_kwargs is filled in."""
+    import torch
+
+    from colo_rl import dist
+    from colo_rl.colocate.setup import build_colocated
+
+    method = multiprocessing.get_start_method(allow_none=True)
+    with pytest.MonkeyPatch.context() as mp:
+        activate(mp)
+        dist.init()
+        cfg = make_cfg()
+        cfg.rollout.sglang_kwargs = dict(SGLANG_KWARGS)
+        built = build_colocated(cfg, tokenizer, torch.float32, run_dir=work, total_steps=total_steps, grad_accum=1)
+        built.cfg, built.work, built.pad = cfg, work, tokenizer.pad_token_id
+        try:
+            yield built
+        finally:
+            if built.engine is not None:
+                built.engine.shutdown()
+            multiprocessing.set_start_method(method, force=True)

@@ -10,7 +10,6 @@ not bytes. Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,28 +36,16 @@ def prompts(n: int, seed: int, length: int = 8) -> list[list[int]]:
 def colo(tmp_path_factory):
     from benchmarks.phase_switch import EOS, PAD, bench_config, write_random_llama
 
-    from colo_rl import dist
-    from colo_rl.colocate.setup import build_colocated
-
     work = tmp_path_factory.mktemp("sglang_cpu")
-    method = multiprocessing.get_start_method(allow_none=True)
-    with pytest.MonkeyPatch.context() as mp:
-        sglang_cpu.activate(mp)
-        dist.init()  # a world of one, kept for the session (a process group cannot be re-created here)
-        model_dir = write_random_llama(work / "model", **DIMS)
-        cfg = bench_config(model_dir, "sglang", "fp32", steps=8, seqs=8)
+
+    def make_cfg():
+        cfg = bench_config(write_random_llama(work / "model", **DIMS), "sglang", "fp32", steps=8, seqs=8)
         cfg.trainer.lr = 1e-3  # weights move visibly in one step
         cfg.rollout.handoff_check_max_mean_abs = THRESHOLD
-        cfg.rollout.sglang_kwargs = dict(sglang_cpu.SGLANG_KWARGS)
-        built = build_colocated(cfg, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD), torch.float32,
-                                run_dir=work, total_steps=8, grad_accum=1)
-        built.cfg, built.work, built.pad = cfg, work, PAD
-        try:
-            yield built
-        finally:
-            if built.engine is not None:
-                built.engine.shutdown()
-            multiprocessing.set_start_method(method, force=True)
+        return cfg
+
+    with sglang_cpu.colocated(make_cfg, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD), work) as built:
+        yield built
 
 
 class Spy:

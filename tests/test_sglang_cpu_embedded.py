@@ -6,7 +6,6 @@ Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/."""
 
 from __future__ import annotations
 
-import multiprocessing
 
 import pytest
 import torch
@@ -21,32 +20,23 @@ QUESTIONS = ["What is 7 + 5?", "Name a primary colour.", "Write the word cat bac
 
 @pytest.fixture(scope="module")
 def colo(tmp_path_factory):
-    from colo_rl import dist
-    from colo_rl.colocate.setup import build_colocated
     from colo_rl.config import ModelConfig, RunConfig
     from colo_rl.models import load_tokenizer
 
-    work = tmp_path_factory.mktemp("sglang_cpu_embedded")
-    method = multiprocessing.get_start_method(allow_none=True)
-    with pytest.MonkeyPatch.context() as mp:
-        sglang_cpu.activate(mp)
-        dist.init()  # a world of one, kept for the session (a process group cannot be re-created here)
+    def make_cfg():
         cfg = RunConfig()
         cfg.model = ModelConfig(path="embedded", dtype="fp32", random_init=False)
         cfg.rollout.engine = "sglang"
         cfg.trainer.zero_stage = 3
         cfg.trainer.micro_batch_size = 8
         cfg.trainer.lr = 1e-5
-        cfg.rollout.sglang_kwargs = dict(sglang_cpu.SGLANG_KWARGS)
-        tokenizer = load_tokenizer("embedded")
-        built = build_colocated(cfg, tokenizer, torch.float32, run_dir=work, total_steps=4, grad_accum=1)
-        built.cfg, built.work, built.pad, built.tokenizer = cfg, work, tokenizer.pad_token_id, tokenizer
-        try:
-            yield built
-        finally:
-            if built.engine is not None:
-                built.engine.shutdown()
-            multiprocessing.set_start_method(method, force=True)
+        return cfg
+
+    tokenizer = load_tokenizer("embedded")
+    with sglang_cpu.colocated(make_cfg, tokenizer, tmp_path_factory.mktemp("sglang_cpu_embedded"),
+                              total_steps=4) as built:
+        built.tokenizer = tokenizer
+        yield built
 
 
 def chat_prompts(tokenizer) -> list[list[int]]:
