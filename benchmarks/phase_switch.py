@@ -131,22 +131,15 @@ def handoff_summary(records: list[dict]) -> dict:
 
 
 def device_copy_seconds(nbytes: int, repeats: int = 10) -> Optional[float]:
-    """Best time of a device-to-device copy of `nbytes` (one `dst.copy_(src)`), CUDA only: the floor
-    the handoff is compared against (it moves the same bytes, plus gathers, flattening and IPC)."""
+    """Best time of a device-to-device copy of `nbytes` (benchmarks/handoff.py's memcpy), CUDA only:
+    the floor the handoff is compared against (it moves the same bytes, plus gathers, flattening and IPC)."""
     if not torch.cuda.is_available() or nbytes <= 0:
         return None
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    del src, dst
+    from benchmarks.handoff import memcpy_bandwidth
+
+    seconds = nbytes / memcpy_bandwidth(nbytes, repeats, torch.device("cuda"))
     torch.cuda.empty_cache()
-    return best
+    return seconds
 
 
 def markdown(result: dict) -> str:

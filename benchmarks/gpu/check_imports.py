@@ -38,7 +38,7 @@ IMAGE = ["torch==2.11.0", "torchvision==0.26.0", "torchaudio==2.11.0", "transfor
          "cuda-core", "cuda-pathfinder", "ninja", "click", "h11", "annotated-doc", "pygments", "timm", "requests",
          "tqdm", "regex", "packaging", "pyyaml", "filelock", "fsspec", "rich", "tabulate", "xxhash", "lxml",
          "urllib3", "matplotlib", "tensorboard", "sympy", "py-cpuinfo", "numba", "pandas", "pyarrow", "peft",
-         "cloudpickle", "typer", "requests", "certifi", "idna", "pyyaml", "protobuf", "networkx", "pytest"]
+         "cloudpickle", "typer", "certifi", "idna", "protobuf", "networkx", "pytest"]
 MODULES = [
     "sgl_kernel", "flashinfer", "torch_memory_saver", "xgrammar", "sglang",
     "sglang.srt.server_args", "sglang.srt.entrypoints.engine", "sglang.srt.managers.tokenizer_manager",

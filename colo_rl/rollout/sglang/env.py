@@ -4,7 +4,6 @@ producer allocations."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import re
@@ -13,10 +12,6 @@ import sys
 from typing import Iterable, Mapping, Optional
 
 import torch
-
-log = logging.getLogger("colo_rl")
-
-GIB = 1 << 30
 
 
 # ===================================================================== environment traps (all here)

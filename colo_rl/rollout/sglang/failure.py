@@ -4,17 +4,12 @@ instead of SGLang's kill of the whole process tree."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import threading
 import time
 from typing import Any, Mapping, Optional
 
 from colo_rl.errors import SGLangEngineError
-
-log = logging.getLogger("colo_rl")
-
-GIB = 1 << 30
 
 
 # ===================================================================== a failed SGLang child (SIGQUIT)

@@ -3,15 +3,10 @@ Completions (pure: CPU-tested with fake outputs)."""
 
 from __future__ import annotations
 
-import logging
 from typing import Mapping
 
 from colo_rl.errors import SGLangEngineError
 from colo_rl.rollout.base import Completion, SamplingParams
-
-log = logging.getLogger("colo_rl")
-
-GIB = 1 << 30
 
 
 # ===================================================================== generation (pure)

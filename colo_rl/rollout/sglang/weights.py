@@ -4,7 +4,6 @@ CPU), the weight-update session (SGLang >= 0.5.21), result checks."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Any, Mapping, Optional
 
 import torch
@@ -12,10 +11,6 @@ import torch
 from colo_rl.errors import HandoffError
 from colo_rl.rollout.sglang.compat import ensure_reductions_patched, sglang_api
 from colo_rl.rollout.sglang.env import ipc_producer_allocations
-
-log = logging.getLogger("colo_rl")
-
-GIB = 1 << 30
 
 
 # ===================================================================== weight updates (pure)
