@@ -108,12 +108,11 @@ class GRPORecipe:
         # weights of the last update (the weight handoff), then wakes its KV cache.
         with colo.switch.generation():
             rollout = self.rollout()
-        rewards = rollout["rewards"]
+        completions, rewards = rollout["completions"], rollout["rewards"]
         if cfg.algo.overlong_buffer_len:
-            lengths = torch.tensor([len(c.token_ids) for c in rollout["completions"]])
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
             rewards = rewards + algos.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
                                                        cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
-        completions = rollout["completions"]
         batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions],
                             self.tokenizer.pad_token_id, per_token={"rollout_logp": [c.logprobs for c in completions]})
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
