@@ -32,12 +32,13 @@ RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
 ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "handoff", "phase_switch",
-         "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl"]
+         "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "algorithms"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",
     "phase_switch": "Phase switch: seconds and memory per transition (ledger)",
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
+    "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
     "phase_switch_sglang_0.5b": "Phase switch with SGLang: 0.5B-class random Llama (GPU)",

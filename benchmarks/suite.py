@@ -6,8 +6,8 @@ one (bigger handoff sizes, the 0.5B-class phase-switch model).
     python benchmarks/suite.py --preset gpu
     python benchmarks/suite.py --only race_trl --dry-run
 
-The CPU preset is sized for about ten minutes on an idle 2-core machine (the race's 8 steps per side
-dominate); on a loaded machine it takes longer, and every result records the load average.
+The CPU preset takes about ten minutes on an idle 2-core machine (the race's 8 steps per side
+dominate) plus about 80 for the algorithm comparison (`--only` leaves it out); on a loaded machine it takes longer, and every result records the load average.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ PRESETS = {
         "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
+        # the demo once per estimator / loss and grpo on 3 seeds: about 80 minutes of the suite's time
+        "algorithms": ["benchmarks/algorithms.py"],
     },
     # Seconds-scale plumbing check (tiny random model, few tokens): not a measurement.
     "smoke": {
@@ -45,6 +47,7 @@ PRESETS = {
                            "rollout.max_new_tokens=8"],
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m", "--repeats", "1", "--memcpy-mb", "64"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "2", "--max-new-tokens", "4"],
+        "algorithms": ["benchmarks/algorithms.py", "--smoke", "--variants", "grpo,gspo", "--seeds", "7"],
     },
     "gpu": {
         "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
