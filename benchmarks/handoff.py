@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", type=lambda s: [x.strip().lower() for x in s.split(",") if x.strip()],
                    default=["30m", "135m", "500m"], help=f"comma-separated, from {list(SIZES)}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--bucket-mb", type=int, default=256, help="handoff bucket (rollout.handoff_bucket_mb)")
+    p.add_argument("--bucket-mb", type=int, default=256, help="handoff bucket (colocate.handoff_bucket_mb)")
     p.add_argument("--memcpy-mb", type=int, default=512, help="memcpy benchmark buffer")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument("--out", type=Path, default=common.RESULTS)

@@ -80,20 +80,33 @@ class RolloutConfig:
     top_p: float = 1.0
     eval_max_new_tokens: int = 64
     eval_batch_size: int = 64
-    # SGLang / GPU colocation.
+    # SGLang: GPUs per engine (tensor parallel), within one node. An engine setting, so here; how the
+    # engine and the trainer share each GPU is the `colocate` group.
     tp_size: int = 1
-    mem_fraction_static: Optional[float] = None  # None = planned from memory free after eviction
-    memory_margin_gib: float = 2.0
-    handoff_bucket_mb: int = 256
-    # Stop when the engine's sampling log-probs differ from the trainer's by more than this
-    # (mean absolute difference per response token): the engine is not on the trainer's weights.
-    handoff_check_max_mean_abs: float = 0.2
     seed: Optional[int] = None  # None = trainer.seed (each rank's sampling RNG adds its rank)
     # More sglang.Engine arguments (ServerArgs fields), e.g. rollout.sglang_kwargs={attention_backend:triton}
     # or +rollout.sglang_kwargs.disable_cuda_graph=true; checked against the installed SGLang at start.
     # Not in struct mode (its keys are SGLang's, checked there), so `rollout.sglang_kwargs={...}` can
     # set new keys without a `+`.
     sglang_kwargs: dict[str, Any] = field(default_factory=lambda: OmegaConf.create({}, flags={"struct": False}))
+
+
+@dataclass
+class ColocateConfig:
+    """How the trainer and the rollout engine share each device: memory, paging, the weight handoff."""
+
+    # SGLang's static memory (weights + KV cache) as a fraction of the memory free when it starts
+    # (the trainer paged out); None = planned so that memory_margin_gib stays free.
+    mem_fraction_static: Optional[float] = None
+    # What must stay free beside SGLang's static memory (activations, CUDA graphs, the handoff's buckets).
+    memory_margin_gib: float = 2.0
+    # The trainer gathers and hands over the weights in buckets of this size (peak: two buckets).
+    handoff_bucket_mb: int = 256
+    # Stop when the engine's sampling log-probs differ from the trainer's by more than this
+    # (mean absolute difference per response token): the engine is not on the trainer's weights.
+    handoff_check_max_mean_abs: float = 0.2
+    # Page the trainer's states out into pinned host memory (faster copies; costs locked RAM).
+    offload_pin_memory: bool = True
 
 
 @dataclass
@@ -156,7 +169,6 @@ class TrainerConfig:
     save_every: int = 0  # 0 = only the final checkpoint
     keep_last: int = 2
     max_nonfinite_steps: int = 3  # consecutive skipped steps before stopping
-    offload_pin_memory: bool = True
     # SFT / DPO: examples (DPO: pairs) per optimizer step over all ranks; max_steps > 0 stops
     # before `epochs` are done; eval_generate adds greedy held-out accuracy with the rollout engine
     # (when the held-out examples carry answers, as the embedded arithmetic task does).
@@ -172,6 +184,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    colocate: ColocateConfig = field(default_factory=ColocateConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     output_root: str = "outputs"
@@ -220,7 +233,7 @@ _GRPO_ONLY = {
     "rollout.prompts_per_step": "GRPO only", "rollout.group_size": "GRPO only",
     "rollout.max_new_tokens": "evaluation uses rollout.eval_max_new_tokens",
     "rollout.temperature": "evaluation decodes greedily", "rollout.top_p": "evaluation decodes greedily",
-    "rollout.handoff_check_max_mean_abs": "GRPO only",
+    "colocate.handoff_check_max_mean_abs": "GRPO only",
     "algo.scale_by_std": "GRPO only", "algo.clip_low": "GRPO only", "algo.clip_high": "GRPO only",
     "algo.kl_coef": "GRPO only", "algo.kl_estimator": "GRPO only", "algo.loss_agg": "GRPO only",
     "algo.tis_cap": "GRPO only", "algo.adv_estimator": "GRPO only", "algo.policy_loss": "GRPO only",

@@ -295,7 +295,7 @@ class GRPORecipe:
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
-                        step_stats.update(agreement.check(cfg.rollout.handoff_check_max_mean_abs))
+                        step_stats.update(agreement.check(cfg.colocate.handoff_check_max_mean_abs))
         loss_sum, clip_sum, ent_sum, kl_sum, tok = dist.all_reduce_sum([sums[k] for k in sums])
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch

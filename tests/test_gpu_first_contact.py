@@ -138,7 +138,7 @@ def test_sglang_kwargs_checked_against_server_args():
     assert sg.validate_sglang_kwargs(extra, FakeServerArgs) == extra
     with pytest.raises(ConfigError, match=r"rollout\.sglang_kwargs\.attention_backnd .*did you mean attention_backend"):
         sg.validate_sglang_kwargs({"attention_backnd": "triton"}, FakeServerArgs)
-    with pytest.raises(ConfigError, match=r"rollout\.sglang_kwargs\.mem_fraction_static .*rollout\.mem_fraction_static"):
+    with pytest.raises(ConfigError, match=r"rollout\.sglang_kwargs\.mem_fraction_static .*colocate\.mem_fraction_static"):
         sg.validate_sglang_kwargs({"mem_fraction_static": 0.5}, FakeServerArgs)
     with pytest.raises(ConfigError, match=r"rollout\.sglang_kwargs\.tp_size .*rollout\.tp_size"):
         sg.validate_sglang_kwargs({"tp_size": 2}, FakeServerArgs)
@@ -219,9 +219,10 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     monkeypatch.setattr(sg_env, "_own_maps", lambda: MAPS)
     monkeypatch.setattr(sg_engine, "eos_token_ids", lambda tok, d: [2])
     monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/lib/site")
-    rollout = SimpleNamespace(tp_size=1, memory_margin_gib=2.0, mem_fraction_static=None, seed=3,
+    rollout = SimpleNamespace(tp_size=1, seed=3,
                               sglang_kwargs={"attention_backend": "triton", "disable_cuda_graph": True})
-    cfg = SimpleNamespace(rollout=rollout, model=SimpleNamespace())
+    colocate = SimpleNamespace(memory_margin_gib=2.0, mem_fraction_static=None)
+    cfg = SimpleNamespace(rollout=rollout, colocate=colocate, model=SimpleNamespace())
     method = multiprocessing.get_start_method(allow_none=True)
     FakeEngine.instances.clear()
     try:

@@ -33,7 +33,7 @@ def run_dir(tmp_path_factory):
                   "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
                   "algo.kl_coef=0.01", "trainer.micro_batch_size=8", "trainer.lr=1e-3",  # 2 packed groups per pass
                   "reward.functions=[letter_share]", "reward.format_weight=0",
-                  "rollout.handoff_check_max_mean_abs=0.001", f"run_dir={d}"], timeout=600)
+                  "colocate.handoff_check_max_mean_abs=0.001", f"run_dir={d}"], timeout=600)
     return d
 
 

@@ -41,7 +41,7 @@ def colo(tmp_path_factory):
     def make_cfg():
         cfg = bench_config(write_random_llama(work / "model", **DIMS), "sglang", "fp32", steps=8, seqs=8)
         cfg.trainer.lr = 1e-3  # weights move visibly in one step
-        cfg.rollout.handoff_check_max_mean_abs = THRESHOLD
+        cfg.colocate.handoff_check_max_mean_abs = THRESHOLD
         return cfg
 
     with sglang_cpu.colocated(make_cfg, SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD), work) as built:

@@ -35,10 +35,9 @@ REFUSED: dict[str, str] = {
 }
 HARMLESS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.eval_every",
-    "trainer.max_nonfinite_steps", "trainer.offload_pin_memory", "trainer.max_steps", "trainer.epochs",
+    "trainer.max_nonfinite_steps", "trainer.max_steps", "trainer.epochs",
     "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
-    "rollout.mem_fraction_static", "rollout.memory_margin_gib", "rollout.handoff_bucket_mb",
-    "rollout.handoff_check_max_mean_abs", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
+    "colocate.", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
     "resume", "debug", "tensorboard", "plots",
 )
 

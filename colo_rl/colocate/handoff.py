@@ -76,7 +76,7 @@ class LogprobAgreement:
         if threshold is not None and not (mean <= threshold):  # NaN fails too
             raise HandoffError(
                 f"the engine's log-probs differ from the trainer's by {mean:.4f} per token on average "
-                f"(max {mx:.4f}; rollout.handoff_check_max_mean_abs={threshold}): the engine is not on "
+                f"(max {mx:.4f}; colocate.handoff_check_max_mean_abs={threshold}): the engine is not on "
                 "the trainer's weights. Check the weight handoff (engine update errors above); raise the "
                 "threshold only for a known precision mismatch between engine and trainer."
             )

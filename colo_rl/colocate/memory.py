@@ -119,7 +119,7 @@ class MemoryManager:
                 m["h2d_bytes"] = self.actor.handoff_h2d_bytes() if paged else 0
                 # The buckets and their flattened copies stay reserved in the trainer's caching
                 # allocator (up to 2 x handoff_bucket_mb) unless returned before the engine's
-                # KV cache, sized to leave only rollout.memory_margin_gib, comes back.
+                # KV cache, sized to leave only colocate.memory_margin_gib, comes back.
                 m["cache_released_bytes"] = release_cached_memory()
                 self.last_handoff = stats
             if self.owns_engine:

@@ -78,9 +78,9 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
             engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
     if tp_size > 1:  # every rank of a TP group reaches its group's engine through the group's first rank
         engine = TPGroupEngine.build(engine, tp_size, guard=guard, prepare_payload=prepare_rank_payload)
-    handoff = WeightHandoff(actor, engine, cfg.rollout.handoff_bucket_mb, feeds_engine=engine is not None)
+    handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
-    manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.trainer.offload_pin_memory,
+    manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.colocate.offload_pin_memory,
                             owns_engine=engine is not None)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger)

@@ -99,7 +99,7 @@ def plan_buckets(sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[s
     so every rank must plan the same buckets.
     """
     if bucket_bytes <= 0:
-        raise ValueError(f"rollout.handoff_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
+        raise ValueError(f"colocate.handoff_bucket_mb must be > 0 (got {bucket_bytes} bytes)")
     buckets: list[list[str]] = []
     current: list[str] = []
     used = 0

@@ -52,7 +52,7 @@ def logprob_agreement(cfg, colo, completions) -> dict:
     agreement = LogprobAgreement()
     dev = trainer_logp.device
     agreement.add(batch.extras["rollout_logp"].to(dev), trainer_logp, batch.response_mask.to(dev))
-    return agreement.check(cfg.rollout.handoff_check_max_mean_abs)
+    return agreement.check(cfg.colocate.handoff_check_max_mean_abs)
 
 
 def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
@@ -74,7 +74,7 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
     model_dir = write_random_llama(Path(work) / "model", **DIMS)
     cfg = bench_config(model_dir, "sglang", "bf16", steps=8, seqs=8)
     cfg.trainer.lr = 1e-3  # weights move visibly between steps
-    cfg.rollout.memory_margin_gib = 8.0
+    cfg.colocate.memory_margin_gib = 8.0
     cfg.rollout.temperature = 1.0
     cfg.rollout.sglang_kwargs = dict(report["sglang_kwargs"])
     t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
                     grpo_like_update(colo.actor, completions)
             steps.append({"handoff_bytes": stats.bytes, "handoff_seconds": stats.seconds,
                           "tokens": sum(len(c.token_ids) for c in completions), **check})
-        report["agreement"] = {"steps": steps, "threshold": cfg.rollout.handoff_check_max_mean_abs,
+        report["agreement"] = {"steps": steps, "threshold": cfg.colocate.handoff_check_max_mean_abs,
                                "model_bytes": sum(n for _, n in colo.actor.named_parameter_sizes()),
                                "ledger": colo.ledger.records[-2:]}
         save()

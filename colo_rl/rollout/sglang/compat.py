@@ -146,12 +146,12 @@ def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optio
     that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
     if override is not None:
         if not 0 < override < 1:
-            raise ValueError(f"rollout.mem_fraction_static={override} must be in (0, 1)")
+            raise ValueError(f"colocate.mem_fraction_static={override} must be in (0, 1)")
         return override
     if free_bytes <= margin_bytes:
         raise MemoryError(
             f"only {free_bytes / GIB:.1f} GiB free after paging the trainer out, not more than the "
-            f"rollout.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
+            f"colocate.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
             "trainer), a smaller model, or a smaller margin")
     return round((free_bytes - margin_bytes) / free_bytes, 4)
 
@@ -188,7 +188,7 @@ OWNED_SERVER_ARGS = {
     "port": "nothing: colo_rl picks a free port per engine",
     "nccl_port": "nothing: colo_rl picks a free port per engine",
     "dtype": "model.dtype (the engine must run the trainer's dtype)",
-    "mem_fraction_static": "rollout.mem_fraction_static (or rollout.memory_margin_gib)",
+    "mem_fraction_static": "colocate.mem_fraction_static (or colocate.memory_margin_gib)",
     "random_seed": "rollout.seed (colo_rl adds the rank)",
     "custom_sigquit_handler": "nothing: colo_rl installs one that raises SGLangEngineError",
 }

@@ -164,7 +164,7 @@ class SGLangEngine:
         api = sglang_api()
         import sglang
 
-        rollout = cfg.rollout
+        rollout, colocate = cfg.rollout, cfg.colocate
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
         if rollout.tp_size > 1 and local_world % rollout.tp_size:
             raise ValueError(f"rollout.tp_size={rollout.tp_size} must divide the GPUs per node ({local_world}): "
@@ -176,8 +176,8 @@ class SGLangEngine:
             check_cpu_engine_kwargs(extra)
         if free_bytes is None:
             free_bytes = engine_free_bytes(device)
-        fraction = plan_mem_fraction_static(free_bytes, int(rollout.memory_margin_gib * GIB),
-                                            rollout.mem_fraction_static)
+        fraction = plan_mem_fraction_static(free_bytes, int(colocate.memory_margin_gib * GIB),
+                                            colocate.mem_fraction_static)
         model_dir = engine_model_dir(cfg.model)
         child_failure = watch_child_failures()
         kwargs = known_server_kwargs(dict(

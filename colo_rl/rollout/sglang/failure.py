@@ -15,7 +15,7 @@ from colo_rl.errors import SGLangEngineError
 # ===================================================================== a failed SGLang child (SIGQUIT)
 CHILD_FAILED = (
     "the SGLang scheduler process failed (SIGQUIT from a child): see its traceback above; common causes: "
-    "CUDA out of memory when the KV cache resumes or while generating (raise rollout.memory_margin_gib), "
+    "CUDA out of memory when the KV cache resumes or while generating (raise colocate.memory_margin_gib), "
     "a weight name or shape the engine's model lacks (update_weights_from_tensor), a kernel missing from the "
     "installed sgl_kernel (e.g. FA3's flash_ops: rollout.sglang_kwargs={attention_backend:triton}), a failed "
     "JIT build (nvcc / ninja), or 'libcudart.so.13: cannot open shared object file' (exit code 127: the "

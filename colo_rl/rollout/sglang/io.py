@@ -50,7 +50,7 @@ def finish_reason(meta: Mapping) -> str:
         message = reason.get("message") if isinstance(reason, Mapping) else ""
         raise SGLangEngineError(f"SGLang aborted a request: {message}. Common causes: a prompt longer than the "
                                 "engine's context length, or a KV cache too small for one sequence "
-                                "(raise rollout.mem_fraction_static or lower rollout.memory_margin_gib)")
+                                "(raise colocate.mem_fraction_static or lower colocate.memory_margin_gib)")
     raise SGLangEngineError(f"SGLang returned an unfinished request (finish_reason={reason!r}); "
                             "colo_rl never streams, so this is an SGLang API change")
 
