@@ -262,7 +262,7 @@ class GRPORecipe:
             batch.extras["advantages"] = algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
                 rewards, cfg.rollout.group_size, algo, batch.response_mask, kl_penalty)
         per_step = len(plan) // cfg.trainer.mini_batches_per_step
-        sums = dict.fromkeys(("loss", "clip_frac", "entropy", "kl", "tokens"), 0.0)
+        sums = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
         step_stats: dict[str, float] = {}
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
         with self.timer("update"):
@@ -288,18 +288,20 @@ class GRPORecipe:
                         actor.backward(loss, last_micro_batch=j == len(chunk) - 1)
                         m_tok = float(mb.response_mask.sum())
                         sums["loss"] += float(loss.detach())
-                        sums["clip_frac"] += float(stats["clip_frac"]) * m_tok
                         sums["entropy"] += float((entropy.detach() * mb.response_mask.to(dev)).sum())
-                        sums["kl"] += float(stats.get("kl_sum", 0.0))
+                        sums["kl"] += float(stats.pop("kl_sum", 0.0))
                         sums["tokens"] += m_tok
+                        for key, value in stats.items():  # clip_frac, dual_clip_frac, ratio_mean, ...: token means
+                            sums[key] = sums.get(key, 0.0) + float(value) * m_tok
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
                         step_stats.update(agreement.check(cfg.colocate.handoff_check_max_mean_abs))
-        loss_sum, clip_sum, ent_sum, kl_sum, tok = dist.all_reduce_sum([sums[k] for k in sums])
+        totals = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))  # same keys, same order on every rank
+        loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch
-        out = {"train/loss": loss_sum / n_steps, "train/clip_frac": clip_sum / max(tok, 1),
+        out = {"train/loss": loss_sum / n_steps, **{f"train/{k}": v / max(tok, 1) for k, v in totals.items()},
                "train/entropy": ent_sum / max(tok, 1), "train/grad_norm": step_stats["grad_norm"],
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
                "train/skipped_steps_total": float(actor.nonfinite_total),
