@@ -21,7 +21,6 @@ def _compose(overrides, name="config"):
 
 def test_default_config_composes_to_the_typed_schema():
     cfg = to_object(_compose([]))
-    assert isinstance(cfg, RunConfig)
     assert cfg.model.path == "embedded" and cfg.trainer.zero_stage == 3 and cfg.rollout.engine == "hf"
 
 

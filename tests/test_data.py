@@ -81,8 +81,10 @@ def test_chat_prompt_without_template_is_refused(tokenizer):
     bare.chat_template = None
     with pytest.raises(DataError, match="no chat template.*data.use_chat_template=false"):
         PromptBuilder(bare, DataConfig())
-    assert PromptBuilder(bare, DataConfig(use_chat_template=False)).encode(
-        load_problems(DataConfig(train_size=1, eval_size=1))[0][0])
+    problem = load_problems(DataConfig(train_size=1, eval_size=1))[0][0]
+    text = tokenizer.decode(PromptBuilder(bare, DataConfig(use_chat_template=False)).encode(problem))
+    assert problem.question in text and DataConfig().instruction in text  # the plain prompt: question + instruction
+    assert "<|im_start|>" not in text  # and no chat markup
 
 
 def test_sampler_is_seeded_and_resumable():
