@@ -211,20 +211,31 @@ def main(argv=None) -> int:
         print(f"[algorithms {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
     plan = [(n, DEFAULT_SEED) for n in variants] + [("grpo", s) for s in seeds if s != DEFAULT_SEED]
+    failed = []
     for i, (name, seed) in enumerate(plan, 1):
         log(f"run {i}/{len(plan)}")
-        run_one(name, seed, shared + VARIANTS[name][0], args.work, args.nproc, args.fresh, log)
+        for attempt in (1, 2):  # a rank killed from outside (the OOM killer on a shared machine) gets one retry
+            try:
+                run_one(name, seed, shared + VARIANTS[name][0], args.work, args.nproc, args.fresh or attempt > 1, log)
+                break
+            except RuntimeError as e:
+                log(f"{e}" + ("; retrying once" if attempt == 1 else "; going on without it"))
+        else:
+            failed.append(f"{name}-seed{seed}")
+            continue
         if not args.smoke:  # results after every run: an interrupted benchmark still leaves its table
             result = collect(variants, seeds, args.work, steps)
             result["shared"] = shared
             for r in result["runs"].values():
                 r.pop("run_dir", None)
             common.publish("algorithms", result, table(result), args.out, chart=chart)
+    if failed:
+        log(f"failed twice, left out of the table: {failed}")
     if args.smoke:
         result = collect(variants, seeds, args.work, steps)
         print(table({**result, "shared": shared}))
         assert len(result["runs"]) == len(plan), sorted(result["runs"])
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
