@@ -225,3 +225,12 @@ def test_pool_and_in_process_scores_agree(user_file):
     here.per_source.pop("my_rewards:batch_size"), pooled.per_source.pop("my_rewards:batch_size")
     assert pooled.per_source == here.per_source
     assert all(math.isfinite(r) for r in pooled.rewards)
+
+
+def test_reward_model_seconds_count_as_training_in_the_bottleneck_report():
+    from colo_rl.bottleneck import phase_means
+
+    rows = [{"step": 1, "time/step": 10.0, "time/generation": 4.0, "time/logprobs": 1.0, "time/update": 2.0,
+             "time/reward_model": 1.5, "time/reward": 0.5}]
+    means = phase_means(rows, skip=0)
+    assert means["train"] == 4.5 and means["generation"] == 4.0 and means["other"] == 0.5
