@@ -234,3 +234,12 @@ def test_reward_model_seconds_count_as_training_in_the_bottleneck_report():
              "time/reward_model": 1.5, "time/reward": 0.5}]
     means = phase_means(rows, skip=0)
     assert means["train"] == 4.5 and means["generation"] == 4.0 and means["other"] == 0.5
+
+
+def test_a_callable_object_is_named_by_its_entry(tmp_path):
+    path = tmp_path / "objects.py"
+    path.write_text("class Scorer:\n    def __call__(self, completion, truth):\n        return 'high'\n\nscore = Scorer()\n")
+    s = scorer(f"{path}:score")
+    assert s.sources[0].batched is False
+    with pytest.raises(RewardError, match=r"objects.py:score returned str 'high'"):
+        s.score(["a"], ["1"])

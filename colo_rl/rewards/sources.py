@@ -45,7 +45,7 @@ class RewardSource:
 
     @property
     def where(self) -> str:
-        return f"{self.file}:{self.fn.__name__}" if self.file else self.label
+        return f"{self.file}:{split_spec(self.label)[1]}" if self.file else self.label
 
     def select_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
         """The record fields this function takes; a RewardError when a field it requires is missing or
@@ -166,7 +166,7 @@ def load_module(path: Path):
 
 def inspect_signature(spec: str, fn: Callable[..., Any], file: str) -> RewardSource:
     """Per-sample or batched, and which record fields it takes, from the function's signature."""
-    where = f"{file}:{getattr(fn, '__name__', spec)}"
+    where = f"{file}:{split_spec(spec)[1]}"
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError) as e:
