@@ -5,7 +5,6 @@ passed through; weights; the worker pool's timeout counted as a failure."""
 import json
 import math
 import time
-from pathlib import Path
 
 import pytest
 
@@ -150,7 +149,7 @@ def test_weights_scale_each_source(user_file):
 def test_record_fields_reach_the_function(user_file, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i), "difficulty": i}) for i in range(4)))
-    train, held = load_problems(DataConfig(path=str(data), eval_size=1, train_size=0))
+    train, _ = load_problems(DataConfig(path=str(data), eval_size=1, train_size=0))
     problems = sorted(train, key=lambda p: p.answer)
     fields = [p.fields for p in problems]
     assert fields[0] == {"question": fields[0]["question"], "answer": problems[0].answer,

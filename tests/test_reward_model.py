@@ -9,11 +9,11 @@ import json
 
 import pytest
 import torch
+from conftest import WORKERS, run_torchrun
 
 from colo_rl.config import ConfigError, ModelConfig
 from colo_rl.models import load_tokenizer, model_config
 from colo_rl.train.reward_model import check_reward_model_config
-from conftest import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.slow  # each test starts torchrun (2 gloo ranks): 30-90 s on the 2-core CPU
 
@@ -56,7 +56,7 @@ def test_reward_model_scores_follow_its_weights(tmp_path):
         assert a["scores"] == pytest.approx(a["reference"], abs=1e-5)
         assert b["scores"] == pytest.approx(b["reference"], abs=1e-5)
         assert b["scores"] == pytest.approx([-3.0 * s for s in a["scores"]], rel=1e-4, abs=1e-6)
-        assert len(set(round(s, 6) for s in a["scores"])) == len(a["scores"])  # each text its own score
+        assert len({round(s, 6) for s in a["scores"]}) == len(a["scores"])  # each text its own score
         assert a["state_bytes"] > 0 and a["moved"] is False  # paged on GPU only
         assert a["after_reload"] == a["scores"]
     r0 = json.loads((out / "rm_a.rank0.json").read_text())
