@@ -21,7 +21,8 @@ import math
 import statistics
 from typing import Iterable
 
-PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update"],
+# time/reward_model: the reward model scores on the training GPUs, in the update phase.
+PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update", "time/reward_model"],
           "switch": ["time/handoff", "time/phase_switch"], "other": ["time/reward"]}
 
 

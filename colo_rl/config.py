@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from colo_rl.errors import ConfigError
-from colo_rl.rewards import REWARD_FUNCTIONS
+from colo_rl.rewards import check_reward_config
 
 
 @dataclass
@@ -64,10 +64,24 @@ class DataConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    # An HF *ForSequenceClassification directory (one label): its score of prompt + completion joins
+    # the reward in the update phase (a frozen ZeRO-3 model, paged out for generation). None = none.
+    path: Optional[str] = None
+
+
+@dataclass
 class RewardConfig:
+    # Registered names (math_verify, last_number, format) or `path/to/my_rewards.py:function` (a
+    # relative path from the launch directory); README "Your own reward" has the signatures.
     functions: list[str] = field(default_factory=lambda: ["math_verify"])
+    # One weight per reward source: each of `functions` in order, then the reward model; [] = 1.0 each.
+    weights: list[float] = field(default_factory=list)
     format_weight: float = 0.1  # bonus when the final answer is stated in the required format
-    max_failure_rate: float = 0.05  # reward functions that raise / return NaN beyond this stop the run
+    max_failure_rate: float = 0.05  # reward calls that raise / return NaN / time out beyond this stop the run
+    workers: int = 0  # > 0: the user's file functions run in this many processes per rank
+    timeout_s: float = 30.0  # per call in a worker (reward.workers > 0); a timeout counts as a failure
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
 
 
 @dataclass
@@ -241,6 +255,8 @@ _GRPO_ONLY = {
     "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
     "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
+    "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
+    "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
 }
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
@@ -296,6 +312,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.beta": (lambda v: v > 0, "must be > 0"),
     "algo.label_smoothing": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
     "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+    "reward.workers": (lambda v: v >= 0, "must be >= 0 (0 = call the reward functions in the trainer's process)"),
+    "reward.timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
     "data.train_size": (lambda v: v >= 0, "must be >= 0 (0 = every record of data.path)"),
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
@@ -348,10 +366,7 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
                           f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
     if spec["group_based"]:
         check_grpo_rules(obj)
-    unknown = [n for n in obj.reward.functions if n not in REWARD_FUNCTIONS]
-    if unknown:
-        raise ConfigError(f"reward.functions: unknown reward function {unknown[0]!r}; available: "
-                          f"{sorted(REWARD_FUNCTIONS)}")
+    check_reward_config(obj.reward)
 
 
 def check_grpo_rules(cfg: "RunConfig") -> None:

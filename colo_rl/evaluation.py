@@ -19,7 +19,7 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
     completions = completions[:len(local_ids)]
     texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True) if completions else []
-    res = scorer.score(texts, local_answers)
+    res = scorer.verify(texts, local_answers)  # correctness only: no reward function is called
     n, correct, lenient, formatted, length = dist.all_reduce_sum([
         len(texts), sum(res.correct), sum(res.correct_lenient), sum(res.formatted),
         sum(len(c.token_ids) for c in completions)])

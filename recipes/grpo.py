@@ -32,7 +32,7 @@ from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
-from colo_rl.rewards import RewardScorer
+from colo_rl.rewards import RewardScorer, model_weight
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
 from colo_rl.train.packing import pack_groups
@@ -54,7 +54,7 @@ class GRPORecipe:
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_problems, eval_problems = load_problems(cfg.data)
-        builder = PromptBuilder(self.tokenizer, cfg.data)
+        self.builder = builder = PromptBuilder(self.tokenizer, cfg.data)
         self.train = [(p, ids) for p in train_problems if (ids := builder.encode(p)) is not None]
         self.eval_set = [(p, ids) for p in eval_problems if (ids := builder.encode(p)) is not None]
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
@@ -108,14 +108,18 @@ class GRPORecipe:
         # weights of the last update (the weight handoff), then wakes its KV cache.
         with colo.switch.generation():
             rollout = self.rollout()
-        completions, rewards = rollout["completions"], rollout["rewards"]
-        if cfg.algo.overlong_buffer_len:
-            lengths = torch.tensor([len(c.token_ids) for c in completions])
-            rewards = rewards + algos.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
-                                                       cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
+        completions = rollout["completions"]
         batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions],
                             self.tokenizer.pad_token_id, per_token={"rollout_logp": [c.logprobs for c in completions]})
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
+            if colo.reward_model is not None:  # its score joins the verifiers' before the advantages
+                with self.timer("reward_model"):
+                    self.add_reward_model_scores(rollout)
+            rewards = rollout["rewards"]
+            if cfg.algo.overlong_buffer_len:
+                lengths = torch.tensor([len(c.token_ids) for c in completions])
+                rewards = rewards + algos.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
+                                                           cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
             train_metrics = self.update(batch, completions, rewards)
         return {**train_metrics, **self.rollout_metrics(rollout, rewards), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
@@ -166,14 +170,18 @@ class GRPORecipe:
                 completions = self.colo.engine.generate([ids for _, ids in problems], self.sampling)
             with self.timer("reward"):
                 texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
-                scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)])
+                scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],
+                                           [p.fields for p, _ in problems for _ in range(G)])
             if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
                 log.warning("rank %d: %d reward call(s) failed this round; first: %s", dist.rank(), scored.failures,
                             scored.failure_messages[0])
             groups = [{"completions": completions[j * G:(j + 1) * G], "rewards": scored.rewards[j * G:(j + 1) * G],
                        "correct": scored.correct[j * G:(j + 1) * G],
                        "lenient": scored.correct_lenient[j * G:(j + 1) * G],
-                       "formatted": scored.formatted[j * G:(j + 1) * G]} for j in range(len(problems))]
+                       "formatted": scored.formatted[j * G:(j + 1) * G], "texts": texts[j * G:(j + 1) * G],
+                       "problems": [problems[j][0]] * G,
+                       **{f"source:{k}": v[j * G:(j + 1) * G] for k, v in scored.per_source.items()}}
+                      for j in range(len(problems))]
             failures = scored.failures
             rounds += 1
             if not cfg.algo.dynamic_sampling:
@@ -190,21 +198,34 @@ class GRPORecipe:
         flat = lambda key: [x for g in kept for x in g[key]]  # noqa: E731
         return {"completions": flat("completions"), "rewards": torch.tensor(flat("rewards")),
                 "correct": flat("correct"), "lenient": flat("lenient"), "formatted": flat("formatted"),
+                "texts": flat("texts"), "problems": flat("problems"),
+                "sources": {k[len("source:"):]: flat(k) for k in kept[0] if k.startswith("source:")} if kept else {},
                 "failures": failures, "rounds": rounds, "filled": filled}
+
+    def add_reward_model_scores(self, rollout: dict) -> None:
+        """rollout["rewards"] += reward.weights' last x the reward model's score of each sample
+        (update phase: the reward model's partitions are back on the device)."""
+        rm, problems = self.colo.reward_model, rollout["problems"]
+        texts = rm.texts([self.builder.messages(p) for p in problems], [self.builder.text(p) for p in problems],
+                         rollout["texts"])
+        scores = rm.score(texts)
+        rollout["sources"]["model"] = scores.tolist()
+        rollout["rewards"] = rollout["rewards"] + model_weight(self.cfg.reward) * scores
 
     def rollout_metrics(self, rollout: dict, rewards: torch.Tensor) -> dict[str, float]:
         """Reward, response and sampling metrics of the step's training batch, over all ranks."""
-        completions, raw = rollout["completions"], rollout["rewards"]
+        completions, raw, sources = rollout["completions"], rollout["rewards"], rollout["sources"]
         n_tok = sum(len(c.token_ids) for c in completions)
-        r_sum, r_sq, n, acc, acc_len, fmt, gen_tok, n_stop, fails, shaped, filled = dist.all_reduce_sum([
+        r_sum, r_sq, n, acc, acc_len, fmt, gen_tok, n_stop, fails, shaped, filled, *source_sums = dist.all_reduce_sum([
             float(raw.sum()), float((raw ** 2).sum()), float(len(raw)), sum(rollout["correct"]),
             sum(rollout["lenient"]), sum(rollout["formatted"]), n_tok,
             sum(c.finish_reason == "stop" for c in completions), rollout["failures"], float(rewards.sum()),
-            rollout["filled"]])
+            rollout["filled"], *(float(sum(v)) for v in sources.values())])
         out = {"reward/mean": r_sum / n, "reward/std": max(0.0, r_sq / n - (r_sum / n) ** 2) ** 0.5,
                "reward/accuracy": acc / n, "reward/accuracy_lenient": acc_len / n, "reward/format_rate": fmt / n,
                "reward/failures": fails, "response/len_mean": gen_tok / n, "response/stop_rate": n_stop / n,
-               "throughput/gen_tokens_per_s": gen_tok / max(self.timer.seconds.get("generation", 1e-9), 1e-9)}
+               "throughput/gen_tokens_per_s": gen_tok / max(self.timer.seconds.get("generation", 1e-9), 1e-9),
+               **{f"reward_source/{name}": total / n for name, total in zip(sources, source_sums)}}
         if self.cfg.algo.overlong_buffer_len:
             out["reward/overlong_penalty"] = (shaped - r_sum) / n
         if self.cfg.algo.dynamic_sampling:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from colo_rl.config import RewardConfig
+from colo_rl.config import ConfigError, RewardConfig
 from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extract_final_answer,
                              extract_last_number, register_reward)
 
@@ -45,7 +45,7 @@ def test_numeric_equivalence_via_math_verify():
 
 
 def test_unknown_reward_function_names_the_choices():
-    with pytest.raises(RewardError, match=r"unknown reward function 'math_verfy'.*math_verify"):
+    with pytest.raises(ConfigError, match=r"unknown reward function 'math_verfy'.*math_verify"):
         RewardScorer(RewardConfig(functions=["math_verfy"]))
 
 

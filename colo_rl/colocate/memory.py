@@ -83,8 +83,9 @@ class _Transition:
 
 class MemoryManager:
     def __init__(self, actor, engine, handoff, ledger: Ledger, pin_memory: bool = True,
-                 owns_engine: bool = True):
+                 owns_engine: bool = True, frozen: tuple = ()):
         self.actor = actor
+        self.frozen = tuple(frozen)  # frozen models paged with the trainer (the reward model): name, *_states
         self.engine = engine
         self.handoff = handoff
         self.ledger = ledger
@@ -106,6 +107,9 @@ class MemoryManager:
         def body(t: _Transition) -> None:
             with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
                 m["moved"] = paged = bool(self.actor.offload_states(pin_memory=self.pin_memory))
+            for model in self.frozen:
+                with t.move(model.name, "device", "host", model.state_bytes()) as m:
+                    m["moved"] = model.offload_states(pin_memory=self.pin_memory)
             if self.owns_engine:
                 with t.move("engine weights (allocate)", "none", "device") as m:
                     m["bytes"] = self.engine.wake([WEIGHTS])
@@ -135,5 +139,8 @@ class MemoryManager:
                     m["bytes"] = self.engine.sleep(ALL_TAGS)
             with t.move("trainer states", "host", "device", self.actor.state_bytes()) as m:
                 m["moved"] = self.actor.reload_states()
+            for model in self.frozen:
+                with t.move(model.name, "host", "device", model.state_bytes()) as m:
+                    m["moved"] = model.reload_states()
 
         return self._run("generation->update", step, body)

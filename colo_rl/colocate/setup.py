@@ -21,6 +21,7 @@ from colo_rl.rollout.hf import HFEngine
 from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
+from colo_rl.train.reward_model import RewardModel
 
 log = logging.getLogger("colo_rl")
 
@@ -33,24 +34,30 @@ class Colocated:
     switch: PhaseSwitcher
     guard: PhaseGuard
     ledger: Ledger
+    reward_model: Optional[RewardModel] = None  # reward.model.path
 
 
 @contextlib.contextmanager
-def trainer_paged_out(actor, enabled: bool = True):
-    """Page the trainer's states out while the engine starts (every rank calls it: it holds
-    barriers), so SGLang sizes its static memory from what the generation phase really has.
+def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
+    """Page the trainer's states (and the `frozen` models') out while the engine starts (every rank
+    calls it: it holds barriers), so SGLang sizes its static memory from what the generation phase
+    really has.
     A rank whose engine fails to start raises at once: a barrier there would hang every rank
     (torchrun stops the others when one exits with an error)."""
     if not enabled:
         yield
         return
     actor.offload_states()
+    for model in frozen:
+        model.offload_states()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     dist.barrier()  # every GPU of a TP group is paged out before its engine measures memory
     yield
     dist.barrier()  # every engine has released its memory before any trainer reloads
     actor.reload_states()
+    for model in frozen:
+        model.reload_states()
 
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
@@ -71,8 +78,10 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     ref = None
     if cfg.algo.kl_coef > 0:
         ref = DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
+    reward_model = RewardModel(cfg, dtype, guard=guard) if cfg.reward.model.path else None
+    frozen = (reward_model,) if reward_model is not None else ()
     # SGLang sizes its memory from what is free when it starts: start it with the trainer paged out.
-    with trainer_paged_out(actor, enabled=cfg.rollout.engine == "sglang"):
+    with trainer_paged_out(actor, enabled=cfg.rollout.engine == "sglang", frozen=frozen):
         engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
         if engine is not None:
             engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
@@ -81,9 +90,9 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
     manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.colocate.offload_pin_memory,
-                            owns_engine=engine is not None)
+                            owns_engine=engine is not None, frozen=frozen)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
-                     ledger=ledger)
+                     ledger=ledger, reward_model=reward_model)
 
 
 def build_actor(cfg, dtype: torch.dtype, tokenizer, run_dir: Optional[Path], total_steps: int, grad_accum: int,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import random
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
 from colo_rl.data.files import DataError, Record, read_records
@@ -21,6 +21,9 @@ class Problem:
     answer: str  # ground truth for the verifier
     messages: Optional[list[dict[str, str]]] = None
     origin: str = ""
+    # The record's keys as read (the embedded task: question / answer): the `**fields` of a user's
+    # reward function.
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,14 +99,17 @@ def _problem_from_record(rec: Record, index: int) -> Problem:
         answer = m.group(1).replace(",", "").strip() if m else ""
         if not answer:
             raise DataError(f"{rec.origin}: key 'answer' has no final answer after '####'")
-        return Problem(id=str(d.get("id", index)), question=str(question), answer=answer, origin=rec.origin)
+        return Problem(id=str(d.get("id", index)), question=str(question), answer=answer, origin=rec.origin,
+                       fields=dict(d))
     _, prompt = rec.first_of("prompt", "question", "messages")
     _, answer = rec.first_of("answer", "ground_truth", "solution")
     if isinstance(prompt, list):
-        return Problem(id=str(d.get("id", index)), question="", answer=str(answer), messages=prompt, origin=rec.origin)
+        return Problem(id=str(d.get("id", index)), question="", answer=str(answer), messages=prompt, origin=rec.origin,
+                       fields=dict(d))
     if not str(prompt).strip():
         raise DataError(f"{rec.origin}: empty prompt; remove the record or fill it in")
-    return Problem(id=str(d.get("id", index)), question=str(prompt), answer=str(answer), origin=rec.origin)
+    return Problem(id=str(d.get("id", index)), question=str(prompt), answer=str(answer), origin=rec.origin,
+                   fields=dict(d))
 
 
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
@@ -111,7 +117,8 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     if data_cfg.path is None:
         task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
         train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
-        as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v))  # noqa: E731
+        as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v),  # noqa: E731
+                                                fields={"question": f"What is {e}?", "answer": str(v)})
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
     records = read_records(data_cfg.path)

@@ -1,4 +1,4 @@
-"""Verifiable rewards: a registry of reward functions, answer extraction and fault isolation.
+"""Built-in verifiable rewards: a registry of reward functions and answer extraction.
 
 The final answer is the number literal the response states as its answer ("The answer is 58.",
 "Answer: 58", "\\boxed{58}"). Only a literal is accepted: math-verify evaluates expressions, so
@@ -7,12 +7,8 @@ comparing the raw text would pay a policy for restating the question ("23 + 35" 
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
 from typing import Callable, Optional
-
-from colo_rl.errors import RewardError
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?![\d])(?![.,]\d)"  # a whole literal, never a prefix of one
 # A stated answer: "answer is 58", "Answer: 58", "answer = $58$", "\boxed{58}"; the number must
@@ -88,65 +84,3 @@ def last_number_reward(completion: str, truth: str) -> float:
 def format_reward(completion: str, truth: str) -> float:
     """1.0 when a final answer is stated as a number literal, whatever its value."""
     return 1.0 if extract_final_answer(completion) is not None else 0.0
-
-
-
-def resolve_reward_functions(names: list[str]) -> list[tuple[str, RewardFn]]:
-    unknown = [n for n in names if n not in REWARD_FUNCTIONS]
-    if unknown:
-        raise RewardError(f"reward.functions: unknown reward function {unknown[0]!r}; "
-                          f"available: {sorted(REWARD_FUNCTIONS)}")
-    return [(n, REWARD_FUNCTIONS[n]) for n in names]
-
-
-@dataclass
-class RewardResult:
-    rewards: list[float]
-    correct: list[bool]  # strict: stated answer equals the truth
-    correct_lenient: list[bool]  # last number anywhere equals the truth
-    formatted: list[bool]
-    failures: int = 0
-    failure_messages: list[str] = field(default_factory=list)
-
-
-class RewardScorer:
-    """Scores completions; a reward function that raises or returns NaN scores that sample 0 and
-    is counted, and the run stops only when failures pass `max_failure_rate` of the batch."""
-
-    def __init__(self, reward_cfg):
-        self.functions = resolve_reward_functions(list(reward_cfg.functions))
-        self.format_weight = reward_cfg.format_weight
-        self.max_failure_rate = reward_cfg.max_failure_rate
-
-    def score(self, completions: list[str], truths: list[str]) -> RewardResult:
-        rewards, failures, messages = [], 0, []
-        for text, truth in zip(completions, truths):
-            total = 0.0
-            for name, fn in self.functions:
-                try:
-                    value = float(fn(text, truth))
-                    if not math.isfinite(value):
-                        raise ValueError(f"returned {value}")
-                except Exception as e:  # noqa: BLE001 - isolated: this sample scores 0
-                    failures += 1
-                    messages.append(f"{name}: {type(e).__name__}: {e}")
-                    value = 0.0
-                total += value
-            rewards.append(total)
-        formatted = [extract_final_answer(t) is not None for t in completions]
-        if self.format_weight:
-            rewards = [r + self.format_weight * f for r, f in zip(rewards, formatted)]
-        n_calls = max(1, len(completions) * len(self.functions))
-        if failures / n_calls > self.max_failure_rate:
-            raise RewardError(
-                f"{failures}/{n_calls} reward calls failed in this batch (> reward.max_failure_rate="
-                f"{self.max_failure_rate}); first: {messages[0]}"
-            )
-        return RewardResult(
-            rewards=rewards,
-            correct=[answers_match(extract_final_answer(t), a) for t, a in zip(completions, truths)],
-            correct_lenient=[answers_match(extract_last_number(t), a) for t, a in zip(completions, truths)],
-            formatted=formatted,
-            failures=failures,
-            failure_messages=messages,
-        )

@@ -1,0 +1,226 @@
+"""Reward sources: the registry's functions and functions loaded from a user's file.
+
+`reward.functions` entries are registered names (`math_verify`) or `path/to/file.py:function`
+(a relative path is taken from the launch directory). A file's function is one of
+
+    per-sample  def score(completion, truth, **fields) -> float
+    batched     def score(completions, truths, **fields) -> list[float]
+
+told apart by the name of the first parameter (`completion` / `completions`) or, failing that, by its
+annotation (`str` / `list[str]`). `fields` are the record's other keys (one value each per-sample, one
+list each batched); a function without `**fields` gets only the keys it names as parameters. Every
+mistake that can be seen without data (bad path, missing function, wrong signature) is a
+ConfigError at start-up naming the file and the function; a wrong return a RewardError on the batch
+that shows it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from colo_rl.errors import ConfigError, RewardError
+from colo_rl.rewards.verifiers import REWARD_FUNCTIONS
+
+SIGNATURES = ("per-sample `def f(completion, truth, **fields) -> float` or batched "
+              "`def f(completions, truths, **fields) -> list[float]`")
+
+
+@dataclass
+class RewardSource:
+    label: str  # as written in reward.functions
+    fn: Callable[..., Any]
+    batched: bool
+    file: Optional[str] = None  # absolute path of a user file; None for a registered function
+    fields: Optional[frozenset[str]] = frozenset()  # keyword parameters it takes; None = any (**fields)
+    required: frozenset[str] = frozenset()  # keyword parameters without a default
+    positional: tuple[str, str] = ("completion", "truth")
+    checked_fields: set = field(default_factory=set)  # record key sets already checked (once each)
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{split_spec(self.label)[1]}" if self.file else self.label
+
+    def select_fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """The record fields this function takes; a RewardError when a field it requires is missing or
+        a field's name collides with its positional parameters (checked once per key set)."""
+        keys = frozenset(fields)
+        if keys not in self.checked_fields:
+            clash = sorted(keys & set(self.positional)) if self.fields is None else []
+            if clash:
+                raise RewardError(f"reward function {self.where}: the record field {clash[0]!r} has the name of its "
+                                  f"parameter {clash[0]!r}; rename that parameter")
+            missing = sorted(self.required - keys)
+            if missing:
+                raise RewardError(f"reward function {self.where} requires the record field {missing[0]!r}, but the "
+                                  f"records have {sorted(keys)}; give it a default or fix the data")
+            self.checked_fields.add(keys)
+        if self.fields is None:
+            return dict(fields)
+        return {k: v for k, v in fields.items() if k in self.fields}
+
+    def as_floats(self, value: Any, n: int) -> list[float]:
+        """The call's return as n floats (NaN / inf kept: the scorer counts them as failures); a
+        RewardError naming the file and function for a wrong type or length."""
+        if not self.batched:
+            if isinstance(value, numbers.Real):
+                return [float(value)]
+            raise RewardError(f"reward function {self.where} returned {type(value).__name__} {_short(value)}; a "
+                              f"per-sample reward function returns a float")
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()  # numpy array / torch tensor
+        if not isinstance(value, (list, tuple)):
+            raise RewardError(f"reward function {self.where} returned {type(value).__name__} {_short(value)}; a "
+                              f"batched reward function returns a list of {n} floats, one per completion")
+        if len(value) != n:
+            raise RewardError(f"reward function {self.where} returned {len(value)} values for {n} completions; a "
+                              f"batched reward function returns one float per completion")
+        bad = [v for v in value if not isinstance(v, numbers.Real)]
+        if bad:
+            raise RewardError(f"reward function {self.where} returned a list holding {type(bad[0]).__name__} "
+                              f"{_short(bad[0])}; every element must be a float")
+        return [float(v) for v in value]
+
+    def call(self, completions: list[str], truths: list[str], fields: list[dict[str, Any]]) -> list[float]:
+        """Scores of the samples (batched: one call; per-sample: one call each). Exceptions propagate."""
+        if self.batched:
+            columns = _columns([self.select_fields(f) for f in fields])
+            return self.as_floats(self.fn(list(completions), list(truths), **columns), len(completions))
+        return [self.as_floats(self.fn(c, t, **self.select_fields(f)), 1)[0]
+                for c, t, f in zip(completions, truths, fields)]
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-record fields as one list per key (None where a record lacks the key)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def split_spec(spec: str) -> Optional[tuple[str, str]]:
+    """`path/to/file.py:function` -> (path, function); None for a registered name."""
+    path, sep, name = spec.rpartition(":")
+    if sep and path.endswith(".py"):
+        return path, name
+    return None
+
+
+def load_source(spec: str, base_dir: Optional[Path] = None) -> RewardSource:
+    """The reward source `spec` names (see the module docstring); ConfigError naming the entry, the
+    file and the function for a bad path, a missing function or a wrong signature."""
+    parsed = split_spec(spec)
+    if parsed is None:
+        if spec not in REWARD_FUNCTIONS:
+            raise ConfigError(f"reward.functions: unknown reward function {spec!r}; available: "
+                              f"{sorted(REWARD_FUNCTIONS)}, or a file's function as path/to/file.py:function")
+        return RewardSource(label=spec, fn=REWARD_FUNCTIONS[spec], batched=False)
+    path_text, name = parsed
+    path = Path(path_text).expanduser()
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise ConfigError(f"reward.functions: {spec!r}: no file {path} (a relative path is taken from the directory "
+                          f"the run is launched in)")
+    module = load_module(path)
+    fn = getattr(module, name, None) if name.isidentifier() else None
+    if not callable(fn):
+        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        what = "is not a function" if hasattr(module, name) else "is not defined"
+        raise ConfigError(f"reward.functions: {spec!r}: {name!r} {what} in {path} (its functions: {found})")
+    return inspect_signature(spec, fn, str(path))
+
+
+_LOADED: dict[Path, Any] = {}
+
+
+def load_module(path: Path):
+    """Import a user's file once per process (validation and the scorer share it); an import error is a
+    ConfigError naming the file."""
+    if path in _LOADED:
+        return _LOADED[path]
+    mod_name = f"colo_rl_user_reward_{abs(hash(str(path)))}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module  # dataclasses / pickling inside the file look themselves up here
+    if str(path.parent) not in sys.path:  # helpers beside the file import as they would from a script
+        sys.path.append(str(path.parent))
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file: re-raised with its name
+        sys.modules.pop(mod_name, None)
+        raise ConfigError(f"reward.functions: importing {path} failed: {type(e).__name__}: {e}") from e
+    _LOADED[path] = module
+    return module
+
+
+def inspect_signature(spec: str, fn: Callable[..., Any], file: str) -> RewardSource:
+    """Per-sample or batched, and which record fields it takes, from the function's signature."""
+    where = f"{file}:{split_spec(spec)[1]}"
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reward.functions: {where}: cannot read its signature ({e}); write it as {SIGNATURES}")
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"reward.functions: {where}{inspect.signature(fn)} must take the completion(s) and the "
+                          f"truth(s) as its first two parameters: {SIGNATURES}")
+    batched = _is_batched(positional[0])
+    if batched is None:
+        raise ConfigError(f"reward.functions: {where}{inspect.signature(fn)}: name its first parameter `completion` "
+                          f"(per-sample) or `completions` (batched), or annotate it `str` / `list[str]`: "
+                          f"{SIGNATURES}")
+    extra_positional = [p.name for p in positional[2:] if p.default is p.empty]
+    if any(p.kind is p.POSITIONAL_ONLY for p in positional[2:]):
+        raise ConfigError(f"reward.functions: {where}: parameters after the first two must be passable by name "
+                          f"(record fields)")
+    keywords = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    required = frozenset(extra_positional + [p.name for p in params if p.kind is p.KEYWORD_ONLY
+                                             and p.default is p.empty])
+    return RewardSource(label=spec, fn=fn, batched=batched, file=file,
+                        fields=None if takes_any else frozenset(p.name for p in keywords), required=required,
+                        positional=(positional[0].name, positional[1].name))
+
+
+def _is_batched(param: inspect.Parameter) -> Optional[bool]:
+    if param.name == "completions":
+        return True
+    if param.name == "completion":
+        return False
+    note = param.annotation
+    text = note if isinstance(note, str) else getattr(note, "__name__", None) or str(note)
+    text = text.replace(" ", "").lower()
+    if text == "str":
+        return False
+    if text.startswith(("list[str]", "list", "sequence[str]", "typing.list[str]", "typing.sequence[str]")):
+        return True
+    return None
+
+
+def resolve_sources(specs: list[str], base_dir: Optional[Path] = None) -> list[RewardSource]:
+    return [load_source(s, base_dir) for s in specs]
+
+
+def check_reward_config(reward_cfg) -> None:
+    """The start-up check of the reward options (config.validate): every reward.functions entry
+    loads with a usable signature, and reward.weights has one weight per source."""
+    resolve_sources(list(reward_cfg.functions))
+    sources = list(reward_cfg.functions) + (["reward.model.path"] if reward_cfg.model.path else [])
+    weights = list(reward_cfg.weights)
+    if weights and len(weights) != len(sources):
+        raise ConfigError(f"reward.weights has {len(weights)} value(s) for {len(sources)} reward source(s) "
+                          f"{sources}: give one weight per source, in that order (the reward model last), or none "
+                          f"(1.0 each)")
+    if any(not math.isfinite(w) for w in weights):
+        raise ConfigError(f"reward.weights={weights}: every weight must be a finite number")

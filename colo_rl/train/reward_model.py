@@ -1,0 +1,134 @@
+"""The reward model (`reward.model.path`): an HF *ForSequenceClassification model with one label,
+frozen under DeepSpeed ZeRO-3 like the reference model, scoring prompt + completion in the update
+phase. On GPU its parameter partitions are paged to host memory for the generation phase (the
+memory manager does it and records it in the ledger), so it costs the engine no memory.
+
+What it scores: the conversation as the reward model's own chat template writes it (the prompt's
+messages, then the completion as the assistant's turn) when its tokenizer has one and
+data.use_chat_template is on; otherwise the prompt text exactly as the policy saw it followed by the
+completion. The score is the head's output at the last token of that text.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.errors import ConfigError
+from colo_rl.models import load_tokenizer, resolve_model_path
+from colo_rl.phase import Phase, PhaseGuard
+from colo_rl.train.actor import build_ds_config
+
+log = logging.getLogger("colo_rl")
+
+
+def check_reward_model_config(path: str, config) -> None:
+    """A scalar sequence-classification model, or a ConfigError saying what the directory holds."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise ConfigError(f"reward.model.path={path!r} holds {archs or 'no architectures'}, not a "
+                          f"*ForSequenceClassification model: save a reward model with "
+                          f"AutoModelForSequenceClassification (num_labels=1)")
+    if config.num_labels != 1:
+        raise ConfigError(f"reward.model.path={path!r} has num_labels={config.num_labels}: a reward model gives one "
+                          f"score per sequence (num_labels=1)")
+
+
+class RewardModel:
+    """Frozen ZeRO-3 sequence-classification model; `score` runs in the update phase."""
+
+    name = "reward model"
+
+    def __init__(self, cfg, dtype: torch.dtype, guard: Optional[PhaseGuard] = None):
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        path = resolve_model_path(cfg.reward.model.path)
+        check_reward_model_config(cfg.reward.model.path, AutoConfig.from_pretrained(path))
+        self.tokenizer = load_tokenizer(str(path))
+        self.guard = guard
+        self.micro_batch_size = cfg.trainer.micro_batch_size
+        self.use_chat_template = cfg.data.use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
+        head = getattr(model, "score", None)
+        if not isinstance(head, torch.nn.Module):
+            raise ConfigError(f"reward.model.path={cfg.reward.model.path!r}: {type(model).__name__} has no `score` "
+                              f"head; colo_rl scores decoder models' *ForSequenceClassification (Llama, Qwen2, "
+                              f"Mistral, Gemma, ...)")
+        if model.config.pad_token_id is None:  # HF's own pooling refuses batches without one (we pool ourselves)
+            model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.max_len = getattr(model.config, "max_position_embeddings", None)
+        model.requires_grad_(False)
+        self._head_out: list[torch.Tensor] = []
+        head.register_forward_hook(lambda _m, _i, out: self._head_out.append(out))
+        self.engine, *_ = deepspeed.initialize(model=model, config=build_ds_config(cfg.trainer, dtype, False))
+        self.engine.eval()
+        self.module = self.engine.module
+        # Paged like the trainer: only a colocated GPU run has an engine that wants the memory.
+        self.pages = guard is not None and torch.cuda.is_available()
+
+    # ------------------------------------------------------------------ scoring
+    def texts(self, messages: list[list[dict]], prompt_texts: list[str], completions: list[str]) -> list[str]:
+        """What the reward model reads for each sample (see the module docstring)."""
+        if self.use_chat_template:
+            return [self.tokenizer.apply_chat_template(m + [{"role": "assistant", "content": c}], tokenize=False)
+                    for m, c in zip(messages, completions)]
+        return [p + c for p, c in zip(prompt_texts, completions)]
+
+    @torch.no_grad()
+    def score(self, texts: list[str]) -> torch.Tensor:
+        """One float32 score per text (CPU). Every rank calls it with as many texts (ZeRO-3's
+        gathers are collectives: the micro-batch counts must match)."""
+        if self.guard is not None:
+            self.guard.require(Phase.UPDATE, "reward model forward")
+        ids = [self.tokenizer(t, add_special_tokens=not self.use_chat_template)["input_ids"] for t in texts]
+        if self.max_len:
+            ids = [x[-self.max_len:] for x in ids]  # keep the end: the completion is what is judged
+        out = torch.zeros(len(ids), dtype=torch.float32)
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(ids), self.micro_batch_size):
+            rows = ids[start:start + self.micro_batch_size]
+            width = max(len(r) for r in rows)
+            input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.engine.device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.engine.device)
+            self._head_out.clear()
+            self.engine(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            logits = self._head_out[-1]  # [b, T, 1]: the head at every position
+            last = mask.sum(-1) - 1
+            out[start:start + len(rows)] = logits[torch.arange(len(rows), device=logits.device), last, 0].float().cpu()
+        return out
+
+    # ------------------------------------------------------------------ paging (memory manager)
+    def _resident(self) -> list[torch.Tensor]:
+        """The tensors this rank keeps between forwards: ZeRO-3 partitions, and the full data of
+        persistent (small, unpartitioned) parameters."""
+        out = []
+        for p in self.module.parameters():
+            if getattr(p, "ds_tensor", None) is not None:
+                out.append(p.ds_tensor)
+            if getattr(p, "ds_persist", False) or not hasattr(p, "ds_tensor"):
+                out.append(p)
+        return out
+
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._resident())
+
+    def offload_states(self, pin_memory: bool = True) -> bool:
+        """Move the resident tensors to host memory (GPU only); returns whether anything moved."""
+        if not self.pages:
+            return False
+        for t in self._resident():
+            host = t.data.to("cpu")
+            t.data = host.pin_memory() if pin_memory else host
+        return True
+
+    def reload_states(self) -> bool:
+        if not self.pages:
+            return False
+        for t in self._resident():
+            t.data = t.data.to(dist.device(), non_blocking=False)
+        return True

@@ -1,0 +1,244 @@
+"""User reward functions from a file (`reward.functions=[path/file.py:fn]`): every kind of mistake is
+a clear error naming the file and the function; per-sample vs batched by signature; record fields
+passed through; weights; the worker pool's timeout counted as a failure."""
+
+import json
+import math
+import time
+
+import pytest
+
+from colo_rl.config import ConfigError, DataConfig, RewardConfig, RewardModelConfig, RunConfig, validate
+from colo_rl.data import load_problems
+from colo_rl.rewards import RewardError, RewardScorer
+
+USER_FILE = '''
+import math, time
+
+def length(completion, truth, **fields):
+    return float(len(completion))
+
+def batch_size(completions, truths, **fields):
+    return [float(len(completions))] * len(completions)  # equal to the batch: one call saw all of it
+
+def annotated(texts: list[str], answers: list[str]) -> list[float]:
+    return [1.0 if t == a else 0.0 for t, a in zip(texts, answers)]
+
+def annotated_one(text: str, answer: str) -> float:
+    return 1.0 if text == answer else 0.0
+
+def with_fields(completion, truth, **fields):
+    return float(fields["difficulty"]) + (0.5 if fields["question"] in completion else 0.0)
+
+def named_field(completion, truth, difficulty=0):  # takes only the field it names
+    return float(difficulty)
+
+def batched_fields(completions, truths, difficulty):
+    return [float(d) * 10 for d in difficulty]
+
+def needs_missing(completion, truth, *, topic):
+    return 1.0
+
+def flaky(completion, truth):
+    if "boom" in completion:
+        raise RuntimeError("verifier crashed")
+    if "nan" in completion:
+        return math.nan
+    return 1.0
+
+def hangs(completion, truth):
+    if completion == "hang":
+        time.sleep(600)
+    return 2.0
+
+def returns_text(completion, truth):
+    return "1.0"
+
+def returns_scalar(completions, truths):
+    return 1.0
+
+def returns_short(completions, truths):
+    return [1.0]
+
+def one_param(completion):
+    return 0.0
+
+def odd_names(a, b):
+    return 0.0
+
+not_a_function = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def scorer(*functions, **kw):
+    return RewardScorer(RewardConfig(functions=list(functions), format_weight=0.0, **kw))
+
+
+# ---------------------------------------------------------------- mistakes seen at start-up
+def test_bad_path_is_refused_at_start_up_with_the_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = RunConfig(reward=RewardConfig(functions=["rewards/nope.py:score"]))
+    with pytest.raises(ConfigError, match=r"'rewards/nope.py:score': no file .*rewards/nope.py \(a relative path "
+                                          r"is taken from the directory the run is launched in\)"):
+        validate(cfg)
+
+
+def test_relative_path_is_taken_from_the_launch_directory(user_file, monkeypatch):
+    monkeypatch.chdir(user_file.parent)
+    validate(RunConfig(reward=RewardConfig(functions=["my_rewards.py:length", "math_verify"])))
+    assert scorer("my_rewards.py:length").score(["abc"], ["1"]).rewards == [3.0]
+
+
+@pytest.mark.parametrize("name,message", [
+    ("missing", r"'missing' is not defined in .*my_rewards.py \(its functions: \[.*'length'.*\]\)"),
+    ("not_a_function", r"'not_a_function' is not a function in .*my_rewards.py"),
+    ("one_param", r"my_rewards.py:one_param\(completion\) must take the completion\(s\) and the truth\(s\)"),
+    ("odd_names", r"my_rewards.py:odd_names\(a, b\): name its first parameter `completion` \(per-sample\) or "
+                  r"`completions` \(batched\)"),
+])
+def test_missing_function_and_wrong_signature_are_refused_at_start_up(user_file, name, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(RunConfig(reward=RewardConfig(functions=[f"{user_file}:{name}"])))
+
+
+def test_a_file_that_fails_to_import_is_named(tmp_path):
+    bad = tmp_path / "broken.py"
+    bad.write_text("import definitely_not_a_module_xyz\n")
+    with pytest.raises(ConfigError, match=r"importing .*broken.py failed: ModuleNotFoundError"):
+        validate(RunConfig(reward=RewardConfig(functions=[f"{bad}:score"])))
+
+
+def test_unknown_registered_name_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"unknown reward function 'math_verfy'.*'math_verify'.*path/to/file.py"):
+        validate(RunConfig(reward=RewardConfig(functions=["math_verfy"])))
+
+
+def test_weights_need_one_value_per_source(user_file):
+    with pytest.raises(ConfigError, match=r"reward.weights has 1 value\(s\) for 3 reward source\(s\) "
+                                          r"\['math_verify', '.*:length', 'reward.model.path'\]"):
+        validate(RunConfig(reward=RewardConfig(functions=["math_verify", f"{user_file}:length"], weights=[1.0],
+                                               model=RewardModelConfig(path="/some/rm"))))
+
+
+# ---------------------------------------------------------------- per-sample / batched, weights, fields
+def test_per_sample_and_batched_are_told_apart_by_signature(user_file):
+    texts, truths = ["a", "bb", "ccc"], ["a", "x", "ccc"]
+    s = scorer(f"{user_file}:length", f"{user_file}:batch_size", f"{user_file}:annotated",
+               f"{user_file}:annotated_one")
+    assert [src.batched for src in s.sources] == [False, True, True, False]
+    res = s.score(texts, truths)
+    assert res.per_source == {"my_rewards:length": [1.0, 2.0, 3.0], "my_rewards:batch_size": [3.0, 3.0, 3.0],
+                              "my_rewards:annotated": [1.0, 0.0, 1.0], "my_rewards:annotated_one": [1.0, 0.0, 1.0]}
+    assert res.rewards == [1 + 3 + 1 + 1, 2 + 3 + 0 + 0, 3 + 3 + 1 + 1]
+
+
+def test_weights_scale_each_source(user_file):
+    s = RewardScorer(RewardConfig(functions=["math_verify", f"{user_file}:length"], weights=[2.0, 0.5],
+                                  format_weight=0.1))
+    res = s.score(["The answer is 7.", "nope"], ["7", "7"])
+    assert res.rewards == pytest.approx([2.0 * 1 + 0.5 * 16 + 0.1, 0.5 * 4])
+
+
+def test_record_fields_reach_the_function(user_file, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i), "difficulty": i}) for i in range(4)))
+    train, _ = load_problems(DataConfig(path=str(data), eval_size=1, train_size=0))
+    problems = sorted(train, key=lambda p: p.answer)
+    fields = [p.fields for p in problems]
+    assert fields[0] == {"question": fields[0]["question"], "answer": problems[0].answer,
+                         "difficulty": int(problems[0].answer)}
+    texts = [f"about {p.question}" if i % 2 else "other" for i, p in enumerate(problems)]
+    d = [float(p.fields["difficulty"]) for p in problems]
+    s = scorer(f"{user_file}:with_fields", f"{user_file}:named_field", f"{user_file}:batched_fields")
+    res = s.score(texts, [p.answer for p in problems], fields)
+    assert res.per_source["my_rewards:with_fields"] == [x + (0.5 if i % 2 else 0.0) for i, x in enumerate(d)]
+    assert res.per_source["my_rewards:named_field"] == d
+    assert res.per_source["my_rewards:batched_fields"] == [10 * x for x in d]
+
+
+def test_the_embedded_task_passes_its_question(user_file):
+    train, _ = load_problems(DataConfig(train_size=3, eval_size=2))
+    assert train[0].fields == {"question": train[0].question, "answer": train[0].answer}
+
+
+def test_a_field_the_function_requires_but_the_records_lack_is_named(user_file):
+    with pytest.raises(RewardError, match=r"my_rewards.py:needs_missing requires the record field 'topic', but the "
+                                          r"records have \['question'\]"):
+        scorer(f"{user_file}:needs_missing").score(["x"], ["1"], [{"question": "q"}])
+
+
+# ---------------------------------------------------------------- wrong returns, failures
+@pytest.mark.parametrize("name,message", [
+    ("returns_text", r"my_rewards.py:returns_text returned str '1.0'; a per-sample reward function returns a float"),
+    ("returns_scalar", r"my_rewards.py:returns_scalar returned float 1.0; a batched reward function returns a list "
+                       r"of 2 floats"),
+    ("returns_short", r"my_rewards.py:returns_short returned 1 values for 2 completions"),
+])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_wrong_return_stops_on_the_first_batch_naming_the_function(user_file, name, message, workers):
+    with pytest.raises(RewardError, match=message):
+        scorer(f"{user_file}:{name}", workers=workers).score(["a", "b"], ["1", "1"])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exceptions_and_nan_are_counted_failures(user_file, workers):
+    s = scorer(f"{user_file}:flaky", max_failure_rate=0.5, workers=workers)
+    res = s.score(["ok", "boom", "nan", "ok"], ["1"] * 4)
+    assert res.rewards == [1.0, 0.0, 0.0, 1.0]
+    assert res.failures == 2
+    assert any("my_rewards.py:flaky: RuntimeError: verifier crashed" in m for m in res.failure_messages)
+    assert any("returned nan" in m for m in res.failure_messages)
+    strict = scorer(f"{user_file}:flaky", max_failure_rate=0.25, workers=workers)
+    with pytest.raises(RewardError, match=r"2/4 reward calls failed in this batch \(> reward.max_failure_rate=0.25\)"):
+        strict.score(["boom", "nan", "ok", "ok"], ["1"] * 4)
+
+
+def test_a_call_past_the_timeout_is_a_failure_and_the_pool_goes_on(user_file):
+    s = scorer(f"{user_file}:hangs", f"{user_file}:length", workers=2, timeout_s=1.0, max_failure_rate=0.5)
+    s.score(["warm"], ["1"])  # workers started
+    t0 = time.perf_counter()
+    res = s.score(["a", "hang", "bb", "c"], ["1"] * 4)
+    took = time.perf_counter() - t0
+    assert took < 10, took  # one timeout (1 s) and a replacement worker, not the 600 s sleep
+    assert res.per_source["my_rewards:hangs"] == [2.0, 0.0, 2.0, 2.0]
+    assert res.per_source["my_rewards:length"] == [1.0, 4.0, 2.0, 1.0]
+    assert res.failures == 1 and "timed out after 1s (reward.timeout_s)" in res.failure_messages[0]
+    assert s.score(["x", "yy"], ["1", "1"]).rewards == [3.0, 4.0]  # the killed worker was replaced
+    with pytest.raises(RewardError, match="reward.max_failure_rate"):
+        scorer(f"{user_file}:hangs", workers=1, timeout_s=0.5, max_failure_rate=0.2).score(["hang", "ok"], ["1"] * 2)
+    s.close()
+
+
+def test_pool_and_in_process_scores_agree(user_file):
+    texts, truths = ["a", "bb", "ccc", "dddd", "e"], ["a", "x", "ccc", "y", "e"]
+    fns = [f"{user_file}:length", f"{user_file}:batch_size", f"{user_file}:annotated", "math_verify"]
+    here, pooled = scorer(*fns).score(texts, truths), scorer(*fns, workers=2).score(texts, truths)
+    assert pooled.per_source["my_rewards:batch_size"] == [3.0, 3.0, 3.0, 2.0, 2.0]  # split over the 2 workers
+    here.per_source.pop("my_rewards:batch_size"), pooled.per_source.pop("my_rewards:batch_size")
+    assert pooled.per_source == here.per_source
+    assert all(math.isfinite(r) for r in pooled.rewards)
+
+
+def test_reward_model_seconds_count_as_training_in_the_bottleneck_report():
+    from colo_rl.bottleneck import phase_means
+
+    rows = [{"step": 1, "time/step": 10.0, "time/generation": 4.0, "time/logprobs": 1.0, "time/update": 2.0,
+             "time/reward_model": 1.5, "time/reward": 0.5}]
+    means = phase_means(rows, skip=0)
+    assert means["train"] == 4.5 and means["generation"] == 4.0 and means["other"] == 0.5
+
+
+def test_a_callable_object_is_named_by_its_entry(tmp_path):
+    path = tmp_path / "objects.py"
+    path.write_text("class Scorer:\n    def __call__(self, completion, truth):\n        return 'high'\n\nscore = Scorer()\n")
+    s = scorer(f"{path}:score")
+    assert s.sources[0].batched is False
+    with pytest.raises(RewardError, match=r"objects.py:score returned str 'high'"):
+        s.score(["a"], ["1"])
