@@ -51,7 +51,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
                               "GRPO + DAPO dynamic sampling (all-equal groups dropped, refilled)"),
 }
 DEFAULT_SEED = 7  # conf/trainer/grpo_cpu.yaml
-SHARED = ["trainer.mini_batches_per_step=2", "trainer.eval_every=7", "tensorboard=false", "plots=false"]
+SHARED = ["trainer.mini_batches_per_step=2", "trainer.eval_every=7", "logger=[jsonl]", "plots=false"]
 SMOKE = ["model=tiny", "trainer.total_steps=2", "trainer.eval_every=1", "rollout.max_new_tokens=8",
          "rollout.eval_max_new_tokens=8", "data.eval_size=8"]
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from colo_rl.errors import ConfigError
+from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import REWARD_FUNCTIONS
 
 
@@ -179,7 +180,9 @@ class RunConfig:
     run_dir: Optional[str] = None  # exact directory (overrides output_root/run_name)
     resume: Optional[str] = None  # auto | <checkpoint dir> | null
     debug: bool = False  # every rank logs, not only rank 0
-    tensorboard: bool = True
+    # Where metrics go (colo_rl/loggers.py): jsonl (metrics.jsonl, required: the run reads it back),
+    # tensorboard, wandb (extra `.[wandb]`; offline without an API key). Each gets the resolved config.
+    logger: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     plots: bool = True
 
     def __post_init__(self) -> None:
@@ -335,10 +338,24 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
                           f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
     if spec["group_based"]:
         check_grpo_rules(obj)
+    check_loggers(obj.logger)
     unknown = [n for n in obj.reward.functions if n not in REWARD_FUNCTIONS]
     if unknown:
         raise ConfigError(f"reward.functions: unknown reward function {unknown[0]!r}; available: "
                           f"{sorted(REWARD_FUNCTIONS)}")
+
+
+def check_loggers(names: list[str]) -> None:
+    """logger=[...]: registered writers, metrics.jsonl among them, their packages installed."""
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"logger: {unknown[0]!r} is not one of {LOGGERS.names()}")
+    if REQUIRED_LOGGER not in names:
+        raise ConfigError(f"logger={list(names)} must include {REQUIRED_LOGGER} (metrics.jsonl: the run reads it back "
+                          f"for its summary, plots and resume), e.g. logger=[{REQUIRED_LOGGER},{','.join(names)}]")
+    missing = logger_unavailable(list(names))
+    if missing:
+        raise ConfigError(missing)
 
 
 def check_grpo_rules(cfg: "RunConfig") -> None:

@@ -22,6 +22,7 @@ from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
 from colo_rl.data.files import DataError, resolve_data_path
+from colo_rl.metrics import MetricsLogger
 from colo_rl.models import resolve_dtype, resolve_model_path
 from colo_rl.rewards import RewardError
 
@@ -100,6 +101,12 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
     return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt)
+
+
+def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
+    """The run's metrics writers (logger=[...]), each given the resolved config."""
+    return MetricsLogger(ctx.run_dir, ctx.cfg.logger, console_keys,
+                         config=OmegaConf.to_container(OmegaConf.structured(ctx.cfg), resolve=True))
 
 
 def check_input_paths(cfg: RunConfig) -> None:

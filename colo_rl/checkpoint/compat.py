@@ -39,7 +39,7 @@ HARMLESS: tuple[str, ...] = (
     "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
     "rollout.mem_fraction_static", "rollout.memory_margin_gib", "rollout.handoff_bucket_mb",
     "rollout.handoff_check_max_mean_abs", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
-    "resume", "debug", "tensorboard", "plots",
+    "resume", "debug", "logger", "tensorboard", "plots",  # tensorboard: logger's old form
 )
 
 
