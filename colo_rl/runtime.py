@@ -58,6 +58,17 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     return Path(dist.broadcast_object(str(path) if path else None))
 
 
+def check_run_dir_shared(run_dir: Path) -> None:
+    """Every rank sees the directory rank 0 chose (its config.yaml): every rank writes its checkpoint
+    shards there and rank 0 renames the checkpoint, so on several nodes it must be on a filesystem
+    every node mounts at the same path. Collective."""
+    unseen = [node for node, seen in dist.all_gather_objects((dist.node_rank(), (run_dir / "config.yaml").exists()))
+              if not seen]
+    if unseen:
+        raise ConfigError(f"run dir {run_dir} (chosen by rank 0) is not visible on node(s) {sorted(set(unseen))}: with "
+                          f"several nodes, put output_root / run_dir on a filesystem every node mounts at the same path")
+
+
 SWEEP_HINT = ("Hydra multirun (-m) is not supported: each run is its own torchrun process group. Sweep with "
               "one command per value, e.g. `for lr in 1e-5 2e-5; do torchrun --standalone --nproc_per_node=2 "
               "recipes/grpo.py trainer.lr=$lr run_name=lr$lr; done`")
@@ -96,6 +107,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
         if ckpt.checkpoint is None:
             set_aside_stale_metrics(run_dir)
     dist.barrier()
+    check_run_dir_shared(run_dir)
     seed_everything(cfg.trainer.seed + dist.rank())
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
