@@ -25,7 +25,7 @@ import torch
 import torch.distributed as tdist
 
 from colo_rl import dist
-from colo_rl.errors import HandoffError
+from colo_rl.errors import ConfigError, HandoffError
 from colo_rl.phase import Phase
 from colo_rl.rollout.base import ALL_TAGS, Completion, SamplingParams
 
@@ -41,10 +41,10 @@ def engine_rank_layout(world_size: int, tp_size: int, local_world_size: Optional
     """
     local = world_size if local_world_size is None else local_world_size
     if local < 1 or world_size % local:
-        raise ValueError(f"{world_size} ranks cannot be {local} per node: start every node with the same "
+        raise ConfigError(f"{world_size} ranks cannot be {local} per node: start every node with the same "
                          f"--nproc_per_node")
     if tp_size < 1 or local % tp_size:
-        raise ValueError(f"rollout.tp_size={tp_size} must divide the ranks per node ({local}): an engine's "
+        raise ConfigError(f"rollout.tp_size={tp_size} must divide the ranks per node ({local}): an engine's "
                          f"tensor-parallel ranks share one node's GPUs")
     out = []
     for r in range(world_size):
@@ -71,7 +71,7 @@ def new_tp_group(tp_size: int):
     nodes = dist.all_gather_objects(dist.node_rank())
     for g in range(world // tp_size):
         if len({nodes[r] for r in layouts[g * tp_size]["group_ranks"]}) > 1:
-            raise ValueError(f"engine TP group {g} (ranks {layouts[g * tp_size]['group_ranks']}) spans nodes "
+            raise ConfigError(f"engine TP group {g} (ranks {layouts[g * tp_size]['group_ranks']}) spans nodes "
                              f"{sorted({nodes[r] for r in layouts[g * tp_size]['group_ranks']})}: start every "
                              f"node with the same --nproc_per_node, a multiple of rollout.tp_size")
     mine = None
