@@ -18,7 +18,7 @@ from colo_rl.data import load_problems
 from conftest import ROOT, child_env
 
 register_configs()
-NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo"}
+NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo", "eval": "eval"}
 
 
 def _cfg(overrides, recipe="grpo"):
