@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from colo_rl import runtime
+from colo_rl.config import ConfigError
 from colo_rl.rollout.tp_group import engine_rank_layout
 from conftest import ROOT, WORKERS, child_env, run_torchrun
 
@@ -34,6 +36,15 @@ def test_tp_groups_stay_inside_a_node():
         engine_rank_layout(world_size=4, tp_size=4, local_world_size=2)  # it would span both nodes
     with pytest.raises(ValueError, match="same --nproc_per_node"):
         engine_rank_layout(world_size=6, tp_size=1, local_world_size=4)
+
+
+def test_a_run_dir_some_node_cannot_see_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "config.yaml").write_text("recipe: grpo\n")
+    runtime.check_run_dir_shared(tmp_path)  # one process: it sees what it wrote
+    # what every rank reports on two nodes whose second node has no shared filesystem
+    monkeypatch.setattr(runtime.dist, "all_gather_objects", lambda mine: [(0, True), (0, True), (1, False), (1, False)])
+    with pytest.raises(ConfigError, match=r"not visible on node\(s\) \[1\]: .*filesystem every node mounts"):
+        runtime.check_run_dir_shared(tmp_path)
 
 
 def free_port() -> int:
