@@ -9,7 +9,7 @@ NPROC ?= 2
 TORCHRUN := $(PY) -m colo_rl.launch --standalone --nproc_per_node=$(NPROC)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo sft dpo bench bench-gpu gpu-check clean-venv sglang-cpu
+.PHONY: install test test-fast demo sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,6 +75,10 @@ sft: $(STAMP)
 
 dpo: $(STAMP)
 	$(TORCHRUN) recipes/dpo.py $(ARGS)
+
+# greedy accuracy and pass@k of a model (default: the embedded one; ARGS="model.path=outputs/<run>")
+eval: $(STAMP)
+	$(TORCHRUN) recipes/eval.py $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

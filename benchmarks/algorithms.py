@@ -53,7 +53,7 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
 # What the suite runs (each ~8 min on an idle 2-core machine): grpo_dual_clip on request only.
 DEFAULT_VARIANTS = [n for n in VARIANTS if n != "grpo_dual_clip"]
 DEFAULT_SEED = 7  # conf/trainer/grpo_cpu.yaml
-SHARED = ["trainer.mini_batches_per_step=2", "tensorboard=false", "plots=false"]
+SHARED = ["trainer.mini_batches_per_step=2", "logger=[jsonl]", "plots=false"]
 SMOKE = ["model=tiny", "trainer.total_steps=2", "trainer.eval_every=1", "rollout.max_new_tokens=8",
          "rollout.eval_max_new_tokens=8", "data.eval_size=8"]
 

@@ -75,7 +75,7 @@ def colo_overrides(args, run_dir: Path) -> list[str]:
         "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.seed={SEED}",
         f"trainer.micro_batch_size={args.colo_micro_batch}",
         "data.train_size=512", "data.eval_size=8", "rollout.eval_max_new_tokens=16",
-        "tensorboard=false", "plots=false", f"run_dir={run_dir}", *args.colo_override]
+        "logger=[jsonl]", "plots=false", f"run_dir={run_dir}", *args.colo_override]
 
 
 def run_colo(args, work: Path) -> dict:

@@ -50,7 +50,7 @@ COLOCATION = ("handoff", "phase_switch")
 # (the recipe evaluates at step 0 and at the end; evaluation is outside the step timer), no
 # TensorBoard or plots, a train split no bigger than needed (tokenising 20k prompts takes a while).
 DEFAULT_OVERRIDES = ["trainer.total_steps=4", "data.train_size=512", "data.eval_size=8",
-                     "rollout.eval_max_new_tokens=16", "tensorboard=false", "plots=false"]
+                     "rollout.eval_max_new_tokens=16", "logger=[jsonl]", "plots=false"]
 
 
 # ----------------------------------------------------------------------------- pure logic (tested)

@@ -8,7 +8,7 @@ in the defaults list, so the composed config is typed and in struct mode: a miss
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
 from colo_rl.errors import ConfigError
+from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import check_reward_config
 
 
@@ -192,6 +193,17 @@ class TrainerConfig:
 
 
 @dataclass
+class EvalConfig:
+    """recipes/eval.py (greedy accuracy is always measured, with rollout.eval_max_new_tokens)."""
+    # Completions sampled per problem (rollout.temperature / top_p) for pass@k; 0 = greedy only.
+    samples: int = 8
+    pass_k: list[int] = field(default_factory=lambda: [1, 4, 8])  # each k <= samples (unbiased estimator)
+    # With data.path: every record of the file (a test set); false = the held-out split training
+    # evaluates on (data.eval_size records by data.split_seed). The embedded task: always its held-out split.
+    all_records: bool = True
+
+
+@dataclass
 class RunConfig:
     recipe: str = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -201,12 +213,15 @@ class RunConfig:
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     output_root: str = "outputs"
     run_name: Optional[str] = None  # default: <recipe>-<timestamp>, chosen by rank 0
     run_dir: Optional[str] = None  # exact directory (overrides output_root/run_name)
     resume: Optional[str] = None  # auto | <checkpoint dir> | null
     debug: bool = False  # every rank logs, not only rank 0
-    tensorboard: bool = True
+    # Where metrics go (colo_rl/loggers.py): jsonl (metrics.jsonl, required: the run reads it back),
+    # tensorboard, wandb (extra `.[wandb]`; offline without an API key). Each gets the resolved config.
+    logger: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     plots: bool = True
 
     def __post_init__(self) -> None:
@@ -260,16 +275,28 @@ _GRPO_ONLY = {
 }
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
+_EVAL_ONLY = {f"eval.{f.name}": "recipes/eval.py only" for f in fields(EvalConfig)}
+# recipes/eval.py trains nothing: its actor only holds the weights the engine gets through the handoff.
+_EVAL_READS = ("trainer.seed", "trainer.zero_stage", "colocate.offload_pin_memory")
+_NOT_EVAL = {**{f"algo.{f.name}": "recipes/eval.py trains nothing" for f in fields(AlgoConfig) if f.name != "name"},
+             **{f"trainer.{f.name}": "recipes/eval.py trains nothing" for f in fields(TrainerConfig)
+                if f"trainer.{f.name}" not in _EVAL_READS},
+             "rollout.prompts_per_step": "set eval.samples", "rollout.group_size": "set eval.samples",
+             "rollout.max_new_tokens": "set rollout.eval_max_new_tokens (greedy and sampled)",
+             "colocate.handoff_check_max_mean_abs": "GRPO only", "resume": "an evaluation is not resumed",
+             "data.train_size": "recipes/eval.py reads held-out problems only", "data.seed": "no training order",
+             "data.shuffle": "no training order", "data.max_seq_len": "set data.max_prompt_tokens"}
 RECIPES: dict[str, dict[str, Any]] = {
+    "eval": {"algo": None, "group_based": False, "ignores": _NOT_EVAL},
     "grpo": {"algo": "grpo", "group_based": True, "ignores": {
-        **_DPO_ONLY,
+        **_DPO_ONLY, **_EVAL_ONLY,
         "trainer.max_steps": "set trainer.total_steps", "trainer.epochs": "set trainer.total_steps",
         "trainer.batch_size": "set rollout.prompts_per_step (x rollout.group_size completions)",
         "trainer.eval_generate": "GRPO always evaluates with generation (trainer.eval_every)",
         "data.max_seq_len": "set data.max_prompt_tokens and "
                                                                         "rollout.max_new_tokens"}},
-    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY}},
-    "dpo": {"algo": "dpo", "group_based": False, "ignores": dict(_GRPO_ONLY)},
+    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY, **_EVAL_ONLY}},
+    "dpo": {"algo": "dpo", "group_based": False, "ignores": {**_GRPO_ONLY, **_EVAL_ONLY}},
 }
 
 # Value ranges types cannot express: key -> (accepts the value, what it must be).
@@ -318,6 +345,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
+    "eval.samples": (lambda v: v >= 0, "must be >= 0 (0 = greedy accuracy only)"),
 }
 
 # Optional keys whose null is a setting (off), not a missing value.
@@ -348,7 +376,7 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
         if key in ignored:
             raise ConfigError(f"{key} is not read by recipes/{recipe}.py ({ignored[key]}): remove it from the "
                               f"command line")
-    if obj.algo.name != spec["algo"]:
+    if spec["algo"] is not None and obj.algo.name != spec["algo"]:
         raise ConfigError(f"algo={obj.algo.name} is not {recipe}'s algo group: recipes/{recipe}.py runs "
                           f"algo={spec['algo']}" + (f" (for {obj.algo.name.upper()} run recipes/{obj.algo.name}.py)"
                                                     if obj.algo.name in RECIPES else ""))
@@ -366,7 +394,30 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
                           f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
     if spec["group_based"]:
         check_grpo_rules(obj)
+    check_loggers(obj.logger)
+    if recipe == "eval":
+        check_eval_rules(obj)
     check_reward_config(obj.reward)
+
+
+def check_loggers(names: list[str]) -> None:
+    """logger=[...]: registered writers, metrics.jsonl among them, their packages installed."""
+    unknown = [n for n in names if n not in LOGGERS]
+    if unknown:
+        raise ConfigError(f"logger: {unknown[0]!r} is not one of {LOGGERS.names()}")
+    if REQUIRED_LOGGER not in names:
+        raise ConfigError(f"logger={list(names)} must include {REQUIRED_LOGGER} (metrics.jsonl: the run reads it back "
+                          f"for its summary, plots and resume), e.g. logger=[{REQUIRED_LOGGER},{','.join(names)}]")
+    missing = logger_unavailable(list(names))
+    if missing:
+        raise ConfigError(missing)
+
+
+def check_eval_rules(cfg: "RunConfig") -> None:
+    """pass@k needs k <= the samples drawn per problem."""
+    if cfg.eval.samples and not all(0 < k <= cfg.eval.samples for k in cfg.eval.pass_k):
+        raise ConfigError(f"eval.pass_k={list(cfg.eval.pass_k)}: every k must be in [1, eval.samples="
+                          f"{cfg.eval.samples}] (pass@k is estimated from eval.samples completions per problem)")
 
 
 def check_grpo_rules(cfg: "RunConfig") -> None:

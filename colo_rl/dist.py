@@ -28,6 +28,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0))
 
 
+def local_world_size() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; one node when unset)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+
+
+def node_rank() -> int:
+    """This node's index (torchrun's GROUP_RANK: one agent per node); 0 when unset."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
 def is_rank0() -> bool:
     return rank() == 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from colo_rl import dist
 from colo_rl.rollout.base import SamplingParams
@@ -54,3 +55,39 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
              step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
              int(res["eval/count"]), samples[0]["completion"][:120] if samples else "")
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# pass@k (recipes/eval.py)
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, "Evaluating Large
+    Language Models Trained on Code"): 1 - C(n-c, k) / C(n, k), the chance that k samples drawn
+    without replacement from the n include a correct one. Exact integer binomials."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@{k} from {c} correct of {n} samples: need 0 < k <= n and 0 <= c <= n")
+    if n - c < k:  # every draw of k includes a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sample_counts(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
+                  params: SamplingParams) -> list[tuple[int, int, int]]:
+    """(samples, correct, response tokens) per problem, in the order given, on every rank: each rank
+    samples params.n completions of its share and scores them with the verifiers (strict accuracy)."""
+    local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
+    n = params.n
+    completions = engine.generate(local_ids, params)[:len(local_ids) * n]  # every rank calls it (TP groups)
+    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True) if completions else []
+    correct = scorer.score(texts, [a for a in local_answers for _ in range(n)]).correct
+    mine = [(n, sum(correct[i * n:(i + 1) * n]), sum(len(c.token_ids) for c in completions[i * n:(i + 1) * n]))
+            for i in range(len(local_ids))]
+    return [row for part in dist.all_gather_objects(mine) for row in part]  # shards are contiguous, in rank order
+
+
+def pass_at_k_metrics(counts: list[tuple[int, int, int]], ks: list[int]) -> dict[str, float]:
+    """pass@k per problem, averaged over problems; the sampled accuracy and mean response length."""
+    samples = sum(n for n, _, _ in counts)
+    out = {f"eval/pass@{k}": sum(pass_at_k(n, c, k) for n, c, _ in counts) / len(counts) for k in ks}
+    out.update({"eval/sampled_accuracy": sum(c for _, c, _ in counts) / samples,
+                "eval/sampled_response_len": sum(t for _, _, t in counts) / samples})
+    return out

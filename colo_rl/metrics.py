@@ -1,4 +1,4 @@
-"""Per-step metrics (jsonl + TensorBoard), timers, the rank-0 progress bar and run plots."""
+"""Per-step metrics (to the writers of colo_rl/loggers.py), timers, the rank-0 progress bar and run plots."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from colo_rl import dist
+from colo_rl.loggers import LOGGERS
 
 log = logging.getLogger("colo_rl")
 
@@ -36,38 +37,32 @@ class Timer:
 
 
 class MetricsLogger:
-    """Rank 0 writes metrics.jsonl and TensorBoard events; every rank may call `log` (no-op elsewhere)."""
+    """Rank 0 writes each step's row to every writer `loggers` names (colo_rl/loggers.py: metrics.jsonl,
+    TensorBoard, wandb), each given the resolved `config` once; every rank may call `log` (no-op elsewhere)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, console_keys: Iterable[str] = ()):
+    def __init__(self, run_dir: Path, loggers: Iterable[str] = ("jsonl", "tensorboard"),
+                 console_keys: Iterable[str] = (), config: Optional[dict] = None):
         self.run_dir = Path(run_dir)
         self.enabled = dist.is_rank0()
         self.console_keys = list(console_keys)
-        self.writer = None
         self.path = self.run_dir / "metrics.jsonl"
-        if self.enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.writers = [LOGGERS.get(name)(self.run_dir, config or {}) for name in loggers] if self.enabled else []
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if self.writer is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None:
-                    self.writer.add_scalar(k, v, step)
-            self.writer.flush()
+        for writer in self.writers:
+            writer.write(step, row)
         if console:
             keys = [k for k in self.console_keys if k in row] or [k for k in row if k != "step"][:8]
             names = console_names(keys)
             log.info("step %d | %s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers:
+            writer.close()
+        self.writers = []
 
 
 def console_names(keys: list[str]) -> dict[str, str]:

@@ -22,6 +22,7 @@ from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
 from colo_rl.data.files import DataError, resolve_data_path
+from colo_rl.metrics import MetricsLogger
 from colo_rl.models import resolve_dtype, resolve_model_path
 from colo_rl.rewards import RewardError
 
@@ -55,6 +56,17 @@ def choose_run_dir(cfg: RunConfig) -> Path:
     else:
         path = None
     return Path(dist.broadcast_object(str(path) if path else None))
+
+
+def check_run_dir_shared(run_dir: Path) -> None:
+    """Every rank sees the directory rank 0 chose (its config.yaml): every rank writes its checkpoint
+    shards there and rank 0 renames the checkpoint, so on several nodes it must be on a filesystem
+    every node mounts at the same path. Collective."""
+    unseen = [node for node, seen in dist.all_gather_objects((dist.node_rank(), (run_dir / "config.yaml").exists()))
+              if not seen]
+    if unseen:
+        raise ConfigError(f"run dir {run_dir} (chosen by rank 0) is not visible on node(s) {sorted(set(unseen))}: with "
+                          f"several nodes, put output_root / run_dir on a filesystem every node mounts at the same path")
 
 
 SWEEP_HINT = ("Hydra multirun (-m) is not supported: each run is its own torchrun process group. Sweep with "
@@ -95,11 +107,18 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
         if ckpt.checkpoint is None:
             set_aside_stale_metrics(run_dir)
     dist.barrier()
+    check_run_dir_shared(run_dir)
     seed_everything(cfg.trainer.seed + dist.rank())
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
     return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt)
+
+
+def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
+    """The run's metrics writers (logger=[...]), each given the resolved config."""
+    return MetricsLogger(ctx.run_dir, ctx.cfg.logger, console_keys,
+                         config=OmegaConf.to_container(OmegaConf.structured(ctx.cfg), resolve=True))
 
 
 def check_input_paths(cfg: RunConfig) -> None:

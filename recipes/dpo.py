@@ -34,7 +34,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
+from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.actor import DeepSpeedActor
@@ -81,7 +81,7 @@ class DPORecipe:
         if not algo.precompute_ref_logprobs:
             self.ref = DeepSpeedActor(cfg, ctx.dtype, total_steps=self.plan.total_steps, with_optimizer=False,
                                       guard=self.colo.guard if self.colo is not None else None)
-        self.metrics = MetricsLogger(self.run_dir, cfg.tensorboard, CONSOLE)
+        self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         # ---- reference log-probs, precomputed: the starting weights are the reference (also on a
         # resume: the actor holds model.path's weights until the loop loads the checkpoint)
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -30,7 +30,7 @@ from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
+from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, model_weight
 from colo_rl.rollout.base import SamplingParams
@@ -81,7 +81,7 @@ class GRPORecipe:
         self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
                                     grad_accum=self.n_micro // cfg.trainer.mini_batches_per_step)
         self.scorer = RewardScorer(cfg.reward)
-        self.metrics = MetricsLogger(self.run_dir, cfg.tensorboard, CONSOLE)
+        self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                        n=cfg.rollout.group_size)

@@ -31,7 +31,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.data.sft import load_sft_data
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import MetricsLogger, plot_curves, read_jsonl
+from colo_rl.metrics import plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import equalise, masked_token_count, plan_steps, sft_micro_batches
@@ -69,7 +69,7 @@ class SFTRecipe:
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,
                                             self.plan.grad_accum, with_engine=self.gen_eval)
         self.scorer = RewardScorer(cfg.reward) if self.gen_eval else None
-        self.metrics = MetricsLogger(self.run_dir, cfg.tensorboard, CONSOLE)
+        self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         self.start_metrics: dict = {}
 
     def update_phase(self):

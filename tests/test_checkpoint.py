@@ -136,7 +136,7 @@ def test_config_change_that_breaks_the_state_is_refused_naming_the_key(tmp_path)
 def test_harmless_changes_resume_silently_and_others_with_a_warning(tmp_path, caplog):
     save_steps(tmp_path, [2])
     cfg = make_cfg(tmp_path, total_steps=50, save_every=5, keep_last=4, eval_every=3)
-    cfg.resume, cfg.debug, cfg.tensorboard = "auto", True, False
+    cfg.resume, cfg.debug, cfg.logger = "auto", True, ["jsonl"]
     assert CheckpointManager(tmp_path, cfg).checkpoint.name == "step-000002"
     assert "changed config" not in caplog.text
     cfg.algo.kl_coef = 0.05

@@ -31,7 +31,7 @@ STEPS, KILL_AFTER = 4, 2
 OVERRIDES = ["model=tiny", f"trainer.total_steps={STEPS}", "trainer.eval_every=2", "trainer.lr=1e-3",
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
              "rollout.eval_max_new_tokens=4", "data.train_size=64", "data.eval_size=4", "algo.kl_coef=0.01",
-             "reward.functions=[letter_share]", "reward.format_weight=0", "tensorboard=false", "plots=false"]
+             "reward.functions=[letter_share]", "reward.format_weight=0", "logger=[jsonl]", "plots=false"]
 COMPARED = ["reward/mean", "reward/std", "response/len_mean", "response/stop_rate", "train/loss", "train/kl",
             "train/entropy", "train/clip_frac", "train/grad_norm", "train/lr", "handoff/logprob_diff_mean",
             "eval/accuracy", "eval/format_rate"]

@@ -80,7 +80,7 @@ def defaults_files(name: str) -> list[tuple[Path, str]]:
     return files
 
 
-@pytest.mark.parametrize("name,recipe", [("config", "grpo"), ("sft", "sft"), ("dpo", "dpo")])
+@pytest.mark.parametrize("name,recipe", [("config", "grpo"), ("sft", "sft"), ("dpo", "dpo"), ("eval", "eval")])
 def test_every_difference_from_the_schema_is_set_in_a_yaml_with_a_reason(name, recipe):
     schema = flatten(OmegaConf.to_container(OmegaConf.structured(RunConfig)))
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

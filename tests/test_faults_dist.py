@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 OVERRIDES = ["model=tiny", "trainer.total_steps=200", "rollout.prompts_per_step=4", "rollout.group_size=4",
              "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=4", "data.train_size=64", "data.eval_size=4",
-             "data.max_prompt_tokens=56", "tensorboard=false", "plots=false"]
+             "data.max_prompt_tokens=56", "logger=[jsonl]", "plots=false"]
 
 
 class Run:

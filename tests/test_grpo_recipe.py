@@ -108,7 +108,7 @@ def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
                   "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
                   "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[odd_length]",
                   "reward.format_weight=0", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2",
-                  "tensorboard=false", "plots=false", f"run_dir={d}"], timeout=600)
+                  "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     r = rows(d)[1:]
     assert len(r) == 2
     for row in r:
@@ -128,7 +128,7 @@ def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
                   "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
                   "trainer.micro_batch_size=2", "trainer.lr=1e-2", "trainer.mini_batches_per_step=2",
                   "algo.clip_ratio_c=1.5", "reward.functions=[letter_share]", "reward.format_weight=0",
-                  "tensorboard=false", "plots=false", f"run_dir={d}"], timeout=600)
+                  "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     row = rows(d)[1]
     for key in ("train/clip_frac", "train/dual_clip_frac", "train/ratio_mean", "train/approx_kl_old"):
         assert key in row, key

@@ -60,7 +60,7 @@ def cfg(eval_every: int):
 
 def test_fresh_run_evaluates_first_then_steps_with_cadences(tmp_path):
     recipe = Script(total_steps=5)
-    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    metrics = MetricsLogger(tmp_path, loggers=["jsonl"])
     result = loop.run(recipe, cfg(eval_every=2), Ckpt(tmp_path, save_every=3), metrics, {"time/setup": 1.5})
     assert recipe.calls == [("resume",), ("evaluate", 0), ("train_step", 0), ("train_step", 1), ("evaluate", 2),
                             ("train_step", 2), ("save", 3), ("train_step", 3), ("evaluate", 4), ("train_step", 4),
@@ -75,7 +75,7 @@ def test_fresh_run_evaluates_first_then_steps_with_cadences(tmp_path):
 
 
 def test_resumed_run_skips_step_zero_and_reads_its_evaluations_back(tmp_path):
-    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    metrics = MetricsLogger(tmp_path, loggers=["jsonl"])
     metrics.log(0, {"eval/score": 0.0}, console=False)  # what the interrupted run had logged
     metrics.log(2, {"train/loss": 0.3, "eval/score": 2.0}, console=False)
     recipe = Script(total_steps=4, resume_at=2)
@@ -88,7 +88,7 @@ def test_resumed_run_skips_step_zero_and_reads_its_evaluations_back(tmp_path):
 def test_a_stop_signal_saves_after_the_step_and_skips_finish(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     recipe = Script(total_steps=6, signal_at=1)
-    result = loop.run(recipe, cfg(eval_every=0), Ckpt(tmp_path, save_every=0), MetricsLogger(tmp_path, False))
+    result = loop.run(recipe, cfg(eval_every=0), Ckpt(tmp_path, save_every=0), MetricsLogger(tmp_path, ["jsonl"]))
     assert recipe.calls[-2:] == [("train_step", 1), ("save", 2)]
     assert result.stopped_by == "SIGINT" and result.exit_code == 130
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
@@ -102,5 +102,5 @@ def test_an_error_in_a_step_restores_the_signal_handlers(tmp_path):
             raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        loop.run(Broken(3), cfg(0), Ckpt(tmp_path, 0), MetricsLogger(tmp_path, False))
+        loop.run(Broken(3), cfg(0), Ckpt(tmp_path, 0), MetricsLogger(tmp_path, ["jsonl"]))
     assert signal.getsignal(signal.SIGTERM) is before

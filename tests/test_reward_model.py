@@ -98,7 +98,7 @@ def test_grpo_with_a_user_reward_file_and_a_reward_model(tmp_path):
                   "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.format_weight=0",
                   f"reward.functions=[{user}:length_share,{user}:batched_one,math_verify]",
                   "reward.weights=[0.5,0.25,1.0,2.0]", f"reward.model.path={rm}", "reward.workers=1",
-                  "tensorboard=false", "plots=false", f"run_dir={d}"], timeout=600)
+                  "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(rows) == 2
     for row in rows:

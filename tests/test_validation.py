@@ -18,7 +18,7 @@ from colo_rl.data import load_problems
 from conftest import ROOT, child_env
 
 register_configs()
-NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo"}
+NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo", "eval": "eval"}
 
 
 def _cfg(overrides, recipe="grpo"):
@@ -233,7 +233,7 @@ def test_console_line_names_are_unique_and_step_is_not_seconds(tmp_path, caplog)
     from colo_rl.metrics import MetricsLogger
 
     keys = ["reward/mean", "reward/accuracy", "time/step", "eval/accuracy"]
-    m = MetricsLogger(tmp_path, tensorboard=False, console_keys=keys)
+    m = MetricsLogger(tmp_path, loggers=["jsonl"], console_keys=keys)
     with caplog.at_level(logging.INFO, logger="colo_rl"):
         m.log(3, {"reward/mean": 0.5, "reward/accuracy": 0.25, "time/step": 12.0, "eval/accuracy": 0.75})
     line = caplog.records[-1].getMessage()

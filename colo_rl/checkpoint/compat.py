@@ -38,7 +38,7 @@ HARMLESS: tuple[str, ...] = (
     "trainer.max_nonfinite_steps", "trainer.max_steps", "trainer.epochs",
     "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
     "colocate.", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
-    "resume", "debug", "tensorboard", "plots",
+    "resume", "debug", "logger", "tensorboard", "plots",  # tensorboard: logger's old form
 )
 
 

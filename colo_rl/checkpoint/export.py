@@ -96,6 +96,28 @@ def checkpoint_to_export(path: Path) -> Path:
                           f"every trainer.save_every steps and at the end")
 
 
+FINAL_EXPORT = "checkpoint-final"  # the HF model directory a finished run leaves in its run directory
+
+
+def hf_model_dir(path: str) -> str:
+    """The HF model directory `model.path` names for evaluation: `embedded`, an HF model directory,
+    or a run directory (its checkpoint-final/). A run directory without one (the run stopped early)
+    is refused with the command that exports its newest checkpoint; anything else is returned as
+    it is, for the usual model.path check to name."""
+    p = Path(path).expanduser()
+    if path == "embedded" or (p / "config.json").exists() or not p.is_dir():
+        return path
+    if (p / FINAL_EXPORT / "config.json").exists():
+        return str(p / FINAL_EXPORT)
+    try:
+        checkpoint = checkpoint_to_export(p)
+    except CheckpointError:
+        return path
+    raise CheckpointError(f"model.path={path!r} is a run directory without {FINAL_EXPORT}/ (the run stopped before "
+                          f"its end): export its newest checkpoint ({checkpoint.name}) first with "
+                          f"`python -m colo_rl.checkpoint {p} {p / FINAL_EXPORT}`, then evaluate")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     import argparse
 

@@ -70,11 +70,14 @@ def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
 
 
 def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,
-                    grad_accum: int) -> Colocated:
+                    grad_accum: int, with_optimizer: bool = True) -> Colocated:
+    """with_optimizer=False: a frozen ZeRO-3 actor whose only job is to hand its weights to the
+    engine (recipes/eval.py)."""
     guard = PhaseGuard()
     tp_size = cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1
     layout = current_layout(tp_size)
-    actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, guard=guard)
+    actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, with_optimizer=with_optimizer,
+                           guard=guard)
     ref = None
     if cfg.algo.kl_coef > 0:
         ref = DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)

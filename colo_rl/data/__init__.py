@@ -2,12 +2,13 @@
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
 from colo_rl.data.files import DataError, read_records
-from colo_rl.data.prompts import Problem, PromptBuilder, load_problems
+from colo_rl.data.prompts import Problem, PromptBuilder, file_problems, load_problems
 
 __all__ = [
     "ArithmeticTask",
     "DataError",
     "Problem",
+    "file_problems",
     "PromptBuilder",
     "load_problems",
     "make_arithmetic_splits",

@@ -112,6 +112,11 @@ def _problem_from_record(rec: Record, index: int) -> Problem:
                    fields=dict(d))
 
 
+def file_problems(path) -> list[Problem]:
+    """Every record of a user file as a problem (file:line errors for a bad record)."""
+    return [_problem_from_record(r, i) for i, r in enumerate(read_records(path))]
+
+
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out problems: the arithmetic task, or a user file split by seed."""
     if data_cfg.path is None:
@@ -121,8 +126,7 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
                                                 fields={"question": f"What is {e}?", "answer": str(v)})
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
-    records = read_records(data_cfg.path)
-    problems = [_problem_from_record(r, i) for i, r in enumerate(records)]
+    problems = file_problems(data_cfg.path)
     if len(problems) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
                         f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")

@@ -1,6 +1,6 @@
-"""Engines with tensor parallelism on one node: one engine per TP group, driven by its first rank.
+"""Engines with tensor parallelism inside a node: one engine per TP group, driven by its first rank.
 
-Ranks [g*tp, (g+1)*tp) form group g (`engine_rank_layout`). Every rank
+Ranks [g*tp, (g+1)*tp) form group g, local ranks of one node (`engine_rank_layout`). Every rank
 holds a TPGroupEngine with the protocol's methods; only the owner (the group's first rank) holds
 the real engine. Traffic goes over a per-group gloo process group (objects are small pickles:
 prompt ids, completions, IPC handles):
@@ -25,29 +25,37 @@ import torch
 import torch.distributed as tdist
 
 from colo_rl import dist
-from colo_rl.errors import HandoffError
+from colo_rl.errors import ConfigError, HandoffError
 from colo_rl.phase import Phase
 from colo_rl.rollout.base import ALL_TAGS, Completion, SamplingParams
 
 
-def engine_rank_layout(world_size: int, tp_size: int) -> list[dict]:
-    """Trainer rank -> engine TP group on one node.
+def engine_rank_layout(world_size: int, tp_size: int, local_world_size: Optional[int] = None) -> list[dict]:
+    """Trainer rank -> engine TP group, laid out by local rank so that a group never spans nodes.
 
-    Ranks [g*tp, (g+1)*tp) form TP group g; its first rank owns the engine (the others only feed
-    their prompts to it and take back their completions). Returns one dict per rank.
+    torchrun numbers the ranks of a node consecutively (rank = node * local_world_size + local
+    rank), so with tp_size dividing the ranks per node, ranks [g*tp, (g+1)*tp) are local ranks
+    [l, l+tp) of one node: they share its GPUs, as an engine's TP ranks must. The group's first rank
+    owns the engine (the others only feed their prompts to it and take back their completions).
+    `local_world_size` defaults to one node. Returns one dict per rank.
     """
-    if tp_size < 1 or world_size % tp_size:
-        raise ValueError(f"rollout.tp_size={tp_size} must divide the number of ranks ({world_size})")
+    local = world_size if local_world_size is None else local_world_size
+    if local < 1 or world_size % local:
+        raise ConfigError(f"{world_size} ranks cannot be {local} per node: start every node with the same "
+                         f"--nproc_per_node")
+    if tp_size < 1 or local % tp_size:
+        raise ConfigError(f"rollout.tp_size={tp_size} must divide the ranks per node ({local}): an engine's "
+                         f"tensor-parallel ranks share one node's GPUs")
     out = []
     for r in range(world_size):
-        g = r // tp_size
-        out.append({"rank": r, "group": g, "group_ranks": list(range(g * tp_size, (g + 1) * tp_size)),
-                    "owner": g * tp_size, "owns_engine": r % tp_size == 0})
+        owner = r - (r % local) % tp_size  # the first rank of this rank's tp_size-block within its node
+        out.append({"rank": r, "node": r // local, "local_rank": r % local, "group": r // tp_size,
+                    "group_ranks": list(range(owner, owner + tp_size)), "owner": owner, "owns_engine": r == owner})
     return out
 
 
 def current_layout(tp_size: int) -> dict:
-    return engine_rank_layout(dist.world_size(), tp_size)[dist.rank()]
+    return engine_rank_layout(dist.world_size(), tp_size, dist.local_world_size())[dist.rank()]
 
 
 class TPGroupError(RuntimeError):
@@ -56,9 +64,16 @@ class TPGroupError(RuntimeError):
 
 def new_tp_group(tp_size: int):
     """(this rank's layout dict, its group's gloo process group). Collective: every rank of the
-    world must call it, with the same tp_size (torch creates every group on every rank)."""
+    world must call it, with the same tp_size (torch creates every group on every rank). Checks
+    that each group's ranks are on one node (torchrun's GROUP_RANK), as the layout assumes."""
     world, rank = dist.world_size(), dist.rank()
-    layouts = engine_rank_layout(world, tp_size)
+    layouts = engine_rank_layout(world, tp_size, dist.local_world_size())
+    nodes = dist.all_gather_objects(dist.node_rank())
+    for g in range(world // tp_size):
+        if len({nodes[r] for r in layouts[g * tp_size]["group_ranks"]}) > 1:
+            raise ConfigError(f"engine TP group {g} (ranks {layouts[g * tp_size]['group_ranks']}) spans nodes "
+                             f"{sorted({nodes[r] for r in layouts[g * tp_size]['group_ranks']})}: start every "
+                             f"node with the same --nproc_per_node, a multiple of rollout.tp_size")
     mine = None
     for g in range(world // tp_size):
         ranks = list(range(g * tp_size, (g + 1) * tp_size))

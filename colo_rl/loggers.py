@@ -1,0 +1,130 @@
+"""Where a run's metrics go: one writer per name in `logger=[...]`, behind a registry.
+
+    jsonl        <run_dir>/metrics.jsonl, one row per step (always on: the run reads it back for its
+                 summary, plots and resume); the resolved config is <run_dir>/config.yaml beside it
+    tensorboard  <run_dir>/tensorboard/ event files; the resolved config as a text entry
+    wandb        Weights & Biases (optional extra `pip install -e '.[wandb]'`); the resolved config as
+                 the run's config; offline (files under <run_dir>/wandb/, `wandb sync` later) unless
+                 an API key is set or WANDB_MODE says otherwise
+
+A writer is built with (run_dir, resolved config as a plain dict) and has `write(step, row)` and
+`close()`; `MetricsLogger` (colo_rl/metrics.py) builds them on rank 0 only. A registered writer
+becomes a valid `logger` value with no other change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from colo_rl.registry import Registry
+
+log = logging.getLogger("colo_rl")
+
+
+class MetricsWriter(Protocol):
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        """One step's row (`step` included; non-finite values already None)."""
+
+    def close(self) -> None: ...
+
+
+LOGGERS: Registry = Registry("logger")
+# Writers that need a package colo_rl does not depend on: name -> (module, the extra to install).
+OPTIONAL_PACKAGES = {"wandb": ("wandb", "wandb")}
+REQUIRED = "jsonl"  # the run reads metrics.jsonl back (summary, plots, resume): always listed
+
+
+def unavailable(names: list[str]) -> Optional[str]:
+    """Why `logger=names` cannot run (a missing optional package), or None."""
+    for name in names:
+        module, extra = OPTIONAL_PACKAGES.get(name, (None, None))
+        if module and importlib.util.find_spec(module) is None:
+            return (f"logger=[..., {name}] needs the `{module}` package, which is not installed: "
+                    f"pip install -e '.[{extra}]' (or remove {name} from logger)")
+    return None
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The row's numbers (what a metrics tracker plots): strings, lists and None are left out."""
+    return {k: float(v) for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None}
+
+
+class JsonlWriter:
+    def __init__(self, run_dir: Path, config: dict):
+        self.path = Path(run_dir) / "metrics.jsonl"
+
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardWriter:
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when listed
+
+        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        if config:  # indented: TensorBoard's text tab renders Markdown, and this keeps it a code block
+            text = "\n".join("    " + line for line in json.dumps(config, indent=2).splitlines())
+            self.writer.add_text("config", text, 0)
+
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        for k, v in scalars(row).items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def wandb_mode(environ: Optional[dict] = None, netrc_path: Optional[Path] = None) -> str:
+    """WANDB_MODE when set; else online when an API key is known (WANDB_API_KEY, or `wandb login`'s
+    entry in ~/.netrc), offline otherwise: a run never stops to ask for a key."""
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY"):
+        return "online"
+    host = env.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    path = netrc_path or Path(env.get("NETRC", Path(env.get("HOME", Path.home())) / ".netrc"))
+    try:
+        return "online" if netrc.netrc(str(path)).authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+class WandbWriter:
+    def __init__(self, run_dir: Path, config: dict):
+        import wandb  # the optional extra [wandb]: imported only when logger lists it
+
+        run_dir = Path(run_dir)
+        mode = wandb_mode()
+        # The run's id follows its directory: a resumed run (resume=auto) continues the same wandb run.
+        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "colo_rl"), name=run_dir.name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config, mode=mode,
+                              # no stdout capture (the progress bar owns the terminal), no banners
+                              settings=wandb.Settings(console="off", silent=True))
+        if mode == "offline":
+            log.info("wandb: offline (no API key); upload later with `wandb sync %s`", Path(self.run.dir).parent)
+
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        self.run.log(scalars(row), step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+LOGGERS.register("jsonl")(JsonlWriter)
+LOGGERS.register("tensorboard")(TensorBoardWriter)
+LOGGERS.register("wandb")(WandbWriter)

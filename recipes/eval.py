@@ -1,0 +1,118 @@
+"""Evaluate a model: greedy accuracy and pass@k, on the embedded task's held-out problems or a dataset file.
+
+    python -m colo_rl.launch --standalone --nproc_per_node=2 recipes/eval.py          # embedded model (make eval)
+    ... recipes/eval.py model.path=outputs/grpo-<timestamp>             # a run directory: its checkpoint-final/
+    ... recipes/eval.py model.path=/models/x data.path=test.jsonl eval.samples=16 eval.pass_k=[1,4,16]
+
+The pieces training uses: the rollout engine (rollout.engine=hf|sglang) gets its weights from a frozen
+ZeRO-3 copy of the model through the weight handoff, prompts are built by the data pipeline, answers
+are checked by the verifiers (strict: the stated final answer is right). Every rank takes its share
+of the problems. Greedy: one completion per problem (rollout.eval_max_new_tokens). Sampled:
+eval.samples completions per problem at rollout.temperature / rollout.top_p; pass@k per problem
+by the unbiased estimator, averaged. Writes <run_dir>/eval.json and eval.md, and the figures to
+every logger (logger=[...]).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import hydra
+from omegaconf import DictConfig
+
+from colo_rl import dist, runtime
+from colo_rl.checkpoint import hf_model_dir
+from colo_rl.colocate.setup import build_colocated
+from colo_rl.config import ConfigError, register_configs
+from colo_rl.data import PromptBuilder, file_problems, load_problems
+from colo_rl.evaluation import evaluate, pass_at_k_metrics, sample_counts
+from colo_rl.models import load_tokenizer
+from colo_rl.rewards import RewardScorer
+from colo_rl.rollout.base import SamplingParams
+
+log = logging.getLogger("colo_rl")
+
+CONSOLE = ["eval/accuracy", "eval/pass@1", "eval/response_len", "time/total"]
+
+
+def run_eval(ctx) -> dict:
+    """The evaluation (every rank); returns the report (rank 0 writes it)."""
+    cfg, t0 = ctx.cfg, time.perf_counter()
+    tokenizer = load_tokenizer(cfg.model.path)
+    from_file = cfg.data.path is not None and cfg.eval.all_records
+    problems = file_problems(cfg.data.path) if from_file else load_problems(cfg.data)[1]
+    builder = PromptBuilder(tokenizer, cfg.data)
+    kept = [(p, ids) for p in problems if (ids := builder.encode(p)) is not None]
+    if not kept:
+        raise ConfigError("no problems to evaluate: raise data.eval_size (the embedded task), or pass data.path "
+                          "with records (over-length prompts are dropped: data.max_prompt_tokens)")
+    prompt_ids, answers = [ids for _, ids in kept], [p.answer for p, _ in kept]
+    colo = build_colocated(cfg, tokenizer, ctx.dtype, ctx.run_dir, total_steps=1, grad_accum=1, with_optimizer=False)
+    scorer = RewardScorer(cfg.reward)
+    seconds = {"setup": time.perf_counter() - t0}
+    with colo.switch.generation():  # the handoff gives the engine the model's weights
+        t1 = time.perf_counter()
+        greedy = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, cfg.rollout.eval_max_new_tokens)
+        seconds["greedy"] = time.perf_counter() - t1
+        figures = {k: v for k, v in greedy.items() if k != "eval/samples"}
+        if cfg.eval.samples:
+            t2 = time.perf_counter()
+            params = SamplingParams(max_new_tokens=cfg.rollout.eval_max_new_tokens, temperature=cfg.rollout.temperature,
+                                    top_p=cfg.rollout.top_p, n=cfg.eval.samples)
+            counts = sample_counts(colo.engine, tokenizer, prompt_ids, answers, scorer, params)
+            figures.update(pass_at_k_metrics(counts, list(cfg.eval.pass_k)))
+            seconds["sampled"] = time.perf_counter() - t2
+    seconds["total"] = time.perf_counter() - t0
+    report = {"model": cfg.model.path, "data": cfg.data.path or "embedded arithmetic (held-out split)",
+              "problems": len(kept), "over_length_dropped": builder.stats.dropped, "ranks": dist.world_size(),
+              "engine": cfg.rollout.engine, "max_new_tokens": cfg.rollout.eval_max_new_tokens,
+              "samples": cfg.eval.samples, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+              "verifiers": list(cfg.reward.functions), "figures": figures, "seconds": seconds,
+              "examples": greedy["eval/samples"]}
+    if cfg.eval.samples:
+        report["per_problem"] = [{"id": p.id, "answer": p.answer, "correct": c, "samples": n}
+                                 for (p, _), (n, c, _) in zip(kept, counts)]
+    return report
+
+
+def markdown(report: dict) -> str:
+    f = report["figures"]
+    lines = [f"# Evaluation of {report['model']}", "",
+             f"{report['problems']} problems ({report['data']}), {report['ranks']} rank(s), "
+             f"engine {report['engine']}, up to {report['max_new_tokens']} new tokens, verifiers "
+             f"{', '.join(report['verifiers'])}.", "", "| metric | value |", "|---|---|",
+             f"| greedy accuracy (stated answer right) | {f['eval/accuracy']:.4f} |",
+             f"| greedy accuracy, lenient (last number right) | {f['eval/accuracy_lenient']:.4f} |",
+             f"| greedy answers in the required format | {f['eval/format_rate']:.4f} |",
+             f"| greedy mean response length (tokens) | {f['eval/response_len']:.1f} |"]
+    if report["samples"]:
+        lines += [f"| pass@{k.split('@')[1]} ({report['samples']} samples, T={report['temperature']}, "
+                  f"top_p={report['top_p']}) | {v:.4f} |" for k, v in f.items() if k.startswith("eval/pass@")]
+        lines += [f"| sampled accuracy | {f['eval/sampled_accuracy']:.4f} |",
+                  f"| sampled mean response length (tokens) | {f['eval/sampled_response_len']:.1f} |"]
+    lines += ["", "Seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in report["seconds"].items()), ""]
+    return "\n".join(lines)
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+@runtime.clean_errors
+def main(hydra_cfg: DictConfig) -> None:
+    hydra_cfg.model.path = hf_model_dir(hydra_cfg.model.path)  # a run directory -> its checkpoint-final/
+    ctx = runtime.start(hydra_cfg, recipe="eval")
+    report = run_eval(ctx)
+    metrics = runtime.metrics_logger(ctx, CONSOLE)
+    metrics.log(0, {**report["figures"], **{f"time/{k}": v for k, v in report["seconds"].items()}})
+    metrics.close()
+    if dist.is_rank0():
+        (ctx.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
+        (ctx.run_dir / "eval.md").write_text(markdown(report))
+        log.info("%s", markdown(report))
+        log.info("report: %s/eval.json, eval.md", ctx.run_dir)
+    runtime.finish()
+
+
+if __name__ == "__main__":
+    register_configs()
+    main()

@@ -1,0 +1,128 @@
+"""logger=[jsonl,tensorboard,wandb]: each writer gets every step's numbers and the resolved config
+(real TensorBoard event files, real wandb offline files read back record by record)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from colo_rl.config import ConfigError, RunConfig, validate
+from colo_rl.loggers import LOGGERS, wandb_mode
+from colo_rl.metrics import MetricsLogger, read_jsonl
+
+CONFIG = {"trainer": {"lr": 0.001, "seed": 7}, "logger": ["jsonl", "tensorboard", "wandb"]}
+ROWS = [(0, {"eval/accuracy": 0.25, "note": "text is kept in jsonl only"}),
+        (1, {"reward/mean": 1.5, "eval/accuracy": 0.5, "train/grad_norm": float("nan")})]
+
+
+def wandb_records(run_file: Path) -> list:
+    """The protobuf records of a wandb offline `.wandb` file: a 7-byte file header, then LevelDB
+    log blocks of 32 KiB whose chunks (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)
+    carry one serialized wandb Record each (wandb 0.31 no longer ships a Python reader)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block, pos, buf, out = run_file.read_bytes(), 32768, 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:
+            break
+        buf += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            out.append(record)
+            buf = b""
+    return out
+
+
+@pytest.fixture(scope="module")
+def logged(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WANDB_MODE", "offline")
+    mp.setenv("WANDB_SILENT", "true")
+    try:
+        metrics = MetricsLogger(run_dir, ["jsonl", "tensorboard", "wandb"], config=CONFIG)
+        for step, row in ROWS:
+            metrics.log(step, row, console=False)
+        metrics.close()
+    finally:
+        mp.undo()
+    return run_dir
+
+
+def test_jsonl_has_every_row_with_non_finite_values_as_null(logged):
+    assert read_jsonl(logged / "metrics.jsonl") == [
+        {"step": 0, "eval/accuracy": 0.25, "note": "text is kept in jsonl only"},
+        {"step": 1, "reward/mean": 1.5, "eval/accuracy": 0.5, "train/grad_norm": None}]
+
+
+def test_tensorboard_has_the_scalars_and_the_config(logged):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logged / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("eval/accuracy")] == [(0, 0.25), (1, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("reward/mean")] == [(1, 1.5)]
+    assert "train/grad_norm" not in acc.Tags()["scalars"] and "note" not in acc.Tags()["scalars"]
+    (text,) = acc.Tensors("config/text_summary")
+    shown = text.tensor_proto.string_val[0].decode()
+    assert json.loads("\n".join(line[4:] for line in shown.splitlines())) == CONFIG
+
+
+def test_wandb_offline_run_holds_the_config_and_every_step(logged):
+    (run_file,) = (logged / "wandb").glob("offline-run-*/run-*.wandb")
+    records = wandb_records(run_file)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+    assert config == CONFIG
+    history = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            history.append({k: v for k, v in items.items() if not k.startswith("_") or k == "_step"})
+    assert history == [{"_step": 0, "eval/accuracy": 0.25},
+                       {"_step": 1, "reward/mean": 1.5, "eval/accuracy": 0.5}]
+
+
+def test_wandb_is_offline_without_an_api_key(tmp_path):
+    netrc = tmp_path / "netrc"
+    assert wandb_mode({}, netrc) == "offline"  # no key, no netrc
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password abc123\n")
+    netrc.chmod(0o600)
+    assert wandb_mode({}, netrc) == "online"  # `wandb login` wrote it
+    assert wandb_mode({"WANDB_API_KEY": "k"}, tmp_path / "none") == "online"
+    assert wandb_mode({"WANDB_MODE": "disabled", "WANDB_API_KEY": "k"}, netrc) == "disabled"  # the user's word wins
+
+
+def checked(**logger) -> None:
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.logger = logger["names"]
+    validate(cfg, "grpo")
+
+
+def test_logger_values_are_checked_at_start_up():
+    checked(names=["jsonl", "wandb"])
+    with pytest.raises(ConfigError, match=r"logger: 'mlflow' is not one of \['jsonl', 'tensorboard', 'wandb'\]"):
+        checked(names=["jsonl", "mlflow"])
+    with pytest.raises(ConfigError, match="must include jsonl"):
+        checked(names=["tensorboard"])
+    assert LOGGERS.names() == ["jsonl", "tensorboard", "wandb"]
+
+
+def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the `wandb` package.*pip install -e '\.\[wandb\]'"):
+        checked(names=["jsonl", "wandb"])
