@@ -264,7 +264,7 @@ class RecordingActor:
         self.calls.append("offload")
         return True
 
-    def handoff_h2d_bytes(self):
+    def handoff_h2d_bytes(self, names=None):
         return 42
 
 
@@ -279,13 +279,15 @@ class RecordingEngine:
 
 class RecordingHandoff:
     feeds_engine = True
+    keeps_engine_weights = False
+    gathered_names: list = []
 
     def __init__(self, calls):
         self.calls = calls
 
     def push(self):
         self.calls.append("push")
-        return SimpleNamespace(bytes=10, buckets=1)
+        return SimpleNamespace(bytes=10, buckets=1, content="full")
 
 
 def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):

@@ -22,6 +22,9 @@ REFUSED: dict[str, str] = {
     "model.hidden_size": "the weights and optimizer state belong to another model",
     "model.num_layers": "the weights and optimizer state belong to another model",
     "model.dtype": "DeepSpeed's optimizer state differs between bf16 and fp32 training",
+    "model.lora.rank": "the checkpoint holds adapters of another shape (or none)",
+    "model.lora.target_modules": "the checkpoint holds adapters on other modules",
+    "model.lora.alpha": "the saved adapters were trained under another scaling",
     "data.": "the saved data position indexes a different dataset / order",
     "trainer.zero_stage": "DeepSpeed's shards are laid out per ZeRO stage",
     "trainer.seed": "the saved per-rank RNG states were derived from the old seed",
@@ -38,7 +41,8 @@ HARMLESS: tuple[str, ...] = (
     "trainer.max_nonfinite_steps", "trainer.offload_pin_memory", "trainer.max_steps", "trainer.epochs",
     "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
     "rollout.mem_fraction_static", "rollout.memory_margin_gib", "rollout.handoff_bucket_mb",
-    "rollout.handoff_check_max_mean_abs", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
+    "rollout.handoff_check_max_mean_abs", "model.lora.handoff", "reward.max_failure_rate", "output_root",
+    "run_name", "run_dir",
     "resume", "debug", "tensorboard", "plots",
 )
 

@@ -19,20 +19,31 @@ from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complet
 from colo_rl.config import RunConfig
 from colo_rl.errors import CheckpointError
 from colo_rl.models import load_tokenizer, model_config
+from colo_rl.train.adapters import adapter_state_dict_on_rank0, merged_state_dict_on_rank0
 
 log = logging.getLogger("colo_rl")
+
+
+ADAPTER_DIR = "adapter"  # a LoRA run's PEFT adapter, inside the exported (merged) model directory
 
 
 def export_hf(actor, tokenizer, out_dir: Path) -> Path:
     """Write an HF model directory (config, safetensors, tokenizer) that
     `AutoModelForCausalLM.from_pretrained` and SGLang load. Every rank must call it (ZeRO-3
-    gathers are collectives); rank 0 writes, atomically via a temporary directory."""
+    gathers are collectives); rank 0 writes, atomically via a temporary directory.
+    LoRA: the model is the merged one, and `<out_dir>/adapter/` holds the PEFT adapter
+    (`PeftModel.from_pretrained(base, <out_dir>/adapter)`)."""
     out_dir = Path(out_dir)
-    state = actor.full_state_dict_on_rank0()
+    lora = getattr(actor, "lora", False)
+    state = merged_state_dict_on_rank0(actor) if lora else actor.full_state_dict_on_rank0()
+    adapter = adapter_state_dict_on_rank0(actor) if lora else None
     if dist.is_rank0():
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        actor.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        model = actor.module.get_base_model() if lora else actor.module  # the HF model (LoRA: its config, names)
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if lora:
+            actor.module.save_pretrained(tmp / ADAPTER_DIR, state_dict=adapter, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
