@@ -146,3 +146,15 @@ def test_a_target_module_the_model_lacks_is_named():
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no module"):
         apply_lora(load_model(TINY, torch.float32, seed=1), LoraConfig(rank=2, target_modules=["q_proj", "qkv_proj"]),
                    seed=1)
+
+
+def test_a_checkpoint_from_before_lora_resumes_with_lora_off_and_is_refused_with_it_on():
+    from colo_rl.checkpoint import compare_configs, config_container
+
+    saved = config_container(RunConfig())
+    del saved["model"]["lora"]  # written before model.lora existed
+    assert compare_configs(saved, config_container(RunConfig())) == ([], [])
+    with_lora = RunConfig()
+    with_lora.model.lora.rank = 8
+    refusals, _ = compare_configs(saved, config_container(with_lora))
+    assert [r.split(":")[0] for r in refusals] == ["model.lora.rank"]

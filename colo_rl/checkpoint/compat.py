@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from colo_rl.config import RunConfig
+
 # ---------------------------------------------------------------------------------------------
 # Which config keys may differ between a checkpoint and the run resuming from it.
 # REFUSED: the saved state means something else (or is silently overridden) under a new value.
@@ -70,11 +72,14 @@ def config_container(cfg) -> dict:
 def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(refusals, warnings): one line per differing key, naming it with both values."""
     old, new = _flatten(saved), _flatten(current)
+    defaults = _flatten(config_container(RunConfig()))
     refusals, warnings = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a == b or any(_matches(key, p) for p in HARMLESS):
             continue
+        if a == "<absent>" and key in defaults and b == defaults[key]:
+            continue  # a key added since the checkpoint was written (model.lora.*), at its default: unchanged
         reason = next((why for p, why in REFUSED.items() if _matches(key, p)), None)
         line = f"{key}: checkpoint {a!r}, now {b!r}"
         if reason is not None:
