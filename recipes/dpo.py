@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 
 from colo_rl import algos, dist, loop, runtime
 from colo_rl.checkpoint import export_hf
-from colo_rl.colocate.setup import build_actor
+from colo_rl.colocate.setup import build_actor, reference_model
 from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
@@ -37,7 +37,6 @@ from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
-from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.offline import empty_batch, equalise, pair_logps, pair_micro_batches, plan_steps, split_pair_logps
 
 log = logging.getLogger("colo_rl")
@@ -79,8 +78,8 @@ class DPORecipe:
         self.scorer = RewardScorer(cfg.reward) if self.gen_eval else None
         self.ref = None
         if not algo.precompute_ref_logprobs:
-            self.ref = DeepSpeedActor(cfg, ctx.dtype, total_steps=self.plan.total_steps, with_optimizer=False,
-                                      guard=self.colo.guard if self.colo is not None else None)
+            self.ref = reference_model(cfg, self.actor, ctx.dtype, self.plan.total_steps,
+                                       self.colo.guard if self.colo is not None else None)
         self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         # ---- reference log-probs, precomputed: the starting weights are the reference (also on a
         # resume: the actor holds model.path's weights until the loop loads the checkpoint)

@@ -27,7 +27,7 @@ from conftest import ROOT
 from hydra import compose, initialize_config_dir
 
 from colo_rl.colocate import memory
-from colo_rl.config import ConfigError, register_configs, to_object
+from colo_rl.config import ConfigError, LoraConfig, register_configs, to_object
 from colo_rl.rollout import sglang as sg
 from colo_rl.rollout.sglang import engine as sg_engine
 from colo_rl.rollout.sglang import env as sg_env
@@ -222,7 +222,7 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     rollout = SimpleNamespace(tp_size=1, seed=3,
                               sglang_kwargs={"attention_backend": "triton", "disable_cuda_graph": True})
     colocate = SimpleNamespace(memory_margin_gib=2.0, mem_fraction_static=None)
-    cfg = SimpleNamespace(rollout=rollout, colocate=colocate, model=SimpleNamespace())
+    cfg = SimpleNamespace(rollout=rollout, colocate=colocate, model=SimpleNamespace(lora=LoraConfig()))
     method = multiprocessing.get_start_method(allow_none=True)
     FakeEngine.instances.clear()
     try:
@@ -265,7 +265,7 @@ class RecordingActor:
         self.calls.append("offload")
         return True
 
-    def handoff_h2d_bytes(self):
+    def handoff_h2d_bytes(self, names=None):
         return 42
 
 
@@ -280,13 +280,15 @@ class RecordingEngine:
 
 class RecordingHandoff:
     feeds_engine = True
+    keeps_engine_weights = False
+    gathered_names: list = []
 
     def __init__(self, calls):
         self.calls = calls
 
     def push(self):
         self.calls.append("push")
-        return SimpleNamespace(bytes=10, buckets=1)
+        return SimpleNamespace(bytes=10, buckets=1, content="full")
 
 
 def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):
@@ -396,8 +398,10 @@ def _param(numel, dtype=torch.bfloat16, persist=False):
 def test_actor_state_bytes_and_handoff_h2d_bytes():
     params = [_param(100), _param(50), _param(10, persist=True)]
     actor = SimpleNamespace(with_optimizer=True, zero_stage=3, dtype=torch.bfloat16,
-                            module=SimpleNamespace(parameters=lambda: iter(params)),
+                            module=SimpleNamespace(parameters=lambda: iter(params),
+                                                   named_parameters=lambda: iter(zip("abc", params))),
                             engine=SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.bfloat16)))
     actor.grad_dtype = types.MethodType(DeepSpeedActor.grad_dtype, actor)
     assert DeepSpeedActor.state_bytes(actor) == 160 * 16  # not 18 B/param: gradients are bf16
     assert DeepSpeedActor.handoff_h2d_bytes(actor) == (100 + 50) * 2  # persistent params are not gathered
+    assert DeepSpeedActor.handoff_h2d_bytes(actor, ["b", "c"]) == 50 * 2  # a LoRA handoff gathers some only

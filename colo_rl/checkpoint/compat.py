@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from colo_rl.config import RunConfig
+
 # ---------------------------------------------------------------------------------------------
 # Which config keys may differ between a checkpoint and the run resuming from it.
 # REFUSED: the saved state means something else (or is silently overridden) under a new value.
@@ -22,6 +24,9 @@ REFUSED: dict[str, str] = {
     "model.hidden_size": "the weights and optimizer state belong to another model",
     "model.num_layers": "the weights and optimizer state belong to another model",
     "model.dtype": "DeepSpeed's optimizer state differs between bf16 and fp32 training",
+    "model.lora.rank": "the checkpoint holds adapters of another shape (or none)",
+    "model.lora.target_modules": "the checkpoint holds adapters on other modules",
+    "model.lora.alpha": "the saved adapters were trained under another scaling",
     "data.": "the saved data position indexes a different dataset / order",
     "trainer.zero_stage": "DeepSpeed's shards are laid out per ZeRO stage",
     "trainer.seed": "the saved per-rank RNG states were derived from the old seed",
@@ -37,7 +42,7 @@ HARMLESS: tuple[str, ...] = (
     "trainer.total_steps", "trainer.save_every", "trainer.keep_last", "trainer.eval_every",
     "trainer.max_nonfinite_steps", "trainer.max_steps", "trainer.epochs",
     "trainer.eval_generate", "rollout.eval_max_new_tokens", "rollout.eval_batch_size",
-    "colocate.", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
+    "colocate.", "model.lora.handoff", "reward.max_failure_rate", "output_root", "run_name", "run_dir",
     "resume", "debug", "logger", "tensorboard", "plots",  # tensorboard: logger's old form
 )
 
@@ -65,11 +70,14 @@ def config_container(cfg) -> dict:
 def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(refusals, warnings): one line per differing key, naming it with both values."""
     old, new = _flatten(saved), _flatten(current)
+    defaults = _flatten(config_container(RunConfig()))
     refusals, warnings = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")
         if a == b or any(_matches(key, p) for p in HARMLESS):
             continue
+        if a == "<absent>" and key in defaults and b == defaults[key]:
+            continue  # a key added since the checkpoint was written (model.lora.*), at its default: unchanged
         reason = next((why for p, why in REFUSED.items() if _matches(key, p)), None)
         line = f"{key}: checkpoint {a!r}, now {b!r}"
         if reason is not None:

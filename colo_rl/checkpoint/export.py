@@ -18,21 +18,33 @@ from colo_rl import dist
 from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complete, newest_checkpoint
 from colo_rl.config import RunConfig
 from colo_rl.errors import CheckpointError
-from colo_rl.models import load_tokenizer, model_config
+from colo_rl.lora import apply_lora, is_adapter, lora_enabled
+from colo_rl.models import load_model, load_tokenizer, model_config
+from colo_rl.train.adapters import adapter_state_dict_on_rank0, merged_state_dict_on_rank0
 
 log = logging.getLogger("colo_rl")
+
+
+ADAPTER_DIR = "adapter"  # a LoRA run's PEFT adapter, inside the exported (merged) model directory
 
 
 def export_hf(actor, tokenizer, out_dir: Path) -> Path:
     """Write an HF model directory (config, safetensors, tokenizer) that
     `AutoModelForCausalLM.from_pretrained` and SGLang load. Every rank must call it (ZeRO-3
-    gathers are collectives); rank 0 writes, atomically via a temporary directory."""
+    gathers are collectives); rank 0 writes, atomically via a temporary directory.
+    LoRA: the model is the merged one, and `<out_dir>/adapter/` holds the PEFT adapter
+    (`PeftModel.from_pretrained(base, <out_dir>/adapter)`)."""
     out_dir = Path(out_dir)
-    state = actor.full_state_dict_on_rank0()
+    lora = getattr(actor, "lora", False)
+    state = merged_state_dict_on_rank0(actor) if lora else actor.full_state_dict_on_rank0()
+    adapter = adapter_state_dict_on_rank0(actor) if lora else None
     if dist.is_rank0():
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        actor.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        model = actor.module.get_base_model() if lora else actor.module  # the HF model (LoRA: its config, names)
+        model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if lora:
+            actor.module.save_pretrained(tmp / ADAPTER_DIR, state_dict=adapter, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -57,6 +69,8 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
     state = json.loads((checkpoint / "state.json").read_text())
     dtype = getattr(torch, state.get("dtype", "float32"))
     weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
+    if lora_enabled(cfg.model):
+        return _export_lora_checkpoint(checkpoint, cfg, weights, dtype, out_dir)
     model = AutoModelForCausalLM.from_config(model_config(cfg.model), dtype=torch.float32)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or ())  # a dict {tied: source} or a list
@@ -74,6 +88,31 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
     log.info("HF model from %s written to %s", checkpoint, out_dir)
+    return out_dir
+
+
+def _export_lora_checkpoint(checkpoint: Path, cfg, weights: dict, dtype: torch.dtype, out_dir: Path) -> Path:
+    """A LoRA checkpoint holds the adapters (its base is frozen: model.path's weights, or the seeded
+    random ones): the base is rebuilt as the run built it, the adapters loaded, and both the PEFT
+    adapter (<out_dir>/adapter/) and the merged model written."""
+    model = apply_lora(load_model(cfg.model, torch.float32, seed=cfg.trainer.seed), cfg.model.lora,
+                       seed=cfg.trainer.seed)
+    adapters = {k: v for k, v in weights.items() if is_adapter(k)}
+    missing = [k for k, _ in model.named_parameters() if is_adapter(k) and k not in adapters]
+    if not adapters or missing:
+        raise CheckpointError(f"{checkpoint}: its config has model.lora.rank={cfg.model.lora.rank} but the "
+                              f"checkpoint lacks adapter weights {missing[:3]}")
+    model.load_state_dict(adapters, strict=False)
+    model = model.to(dtype)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp / ADAPTER_DIR, safe_serialization=True)
+    model.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+    load_tokenizer(cfg.model.path).save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    log.info("HF model (merged LoRA) and PEFT adapter from %s written to %s", checkpoint, out_dir)
     return out_dir
 
 

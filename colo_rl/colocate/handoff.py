@@ -5,17 +5,54 @@ takes each bucket in place:
 - CPU / HF engine: the engine copies into its own preallocated buffers (one memcpy per tensor).
 - GPU / SGLang: the bucket is flattened and passed as CUDA IPC handles; the engine maps the
   trainer's memory and copies device-to-device (see colo_rl/rollout/sglang/weights.py).
+
+With LoRA (model.lora.rank > 0) there are two more modes, chosen once by `choose_lora_handoff`:
+- "adapter": the engine holds the base and LoRA adapters it applies unmerged. The base travels
+  once (the first handoff); afterwards only the adapter tensors, and the engine keeps its base
+  weights resident between phases (MemoryManager: `keeps_engine_weights`).
+- "merged": the engine has no adapters (SGLang without load_lora_adapter_from_tensors, TP > 1,
+  or model.lora.handoff=merged): the trainer merges W + scaling * B @ A bucket by bucket and
+  hands off the whole model, as a full fine-tune does.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
 from colo_rl import dist
 from colo_rl.errors import HandoffError
+from colo_rl.lora import lora_enabled
 from colo_rl.rollout.base import HandoffStats
 from colo_rl.train.actor import plan_buckets
+from colo_rl.train.adapters import (adapter_names, base_names, gathered_external, gathered_merged, merge_buckets,
+                                    sized_buckets)
+
+log = logging.getLogger("colo_rl")
+
+HANDOFF_MODES = ("full", "adapter", "merged")
+
+
+def engine_takes_adapters(engine) -> bool:
+    """Feature detection: does this engine apply LoRA adapters it is given as tensors?"""
+    supports = getattr(engine, "supports_adapters", None)
+    return callable(supports) and callable(getattr(engine, "load_adapter", None)) and bool(supports())
+
+
+def choose_lora_handoff(model_cfg, engine) -> tuple[str, str]:
+    """(mode, why) for this run; the same on every rank (the gathers are collectives): adapters
+    only when every rank's engine takes them (ranks without an engine count as taking them)."""
+    if not lora_enabled(model_cfg):
+        return "full", "full fine-tune"
+    if model_cfg.lora.handoff == "merged":
+        return "merged", "model.lora.handoff=merged"
+    own = engine is None or engine_takes_adapters(engine)
+    (lacking,) = dist.all_reduce_max([0.0 if own else 1.0])
+    if lacking:
+        return "merged", (f"the rollout engine ({type(engine).__name__}) cannot take LoRA adapters as tensors "
+                          "(SGLang needs Engine.load_lora_adapter_from_tensors and tp_size 1)")
+    return "adapter", "the engine applies the adapters unmerged"
 
 
 class WeightHandoff:
@@ -25,26 +62,71 @@ class WeightHandoff:
     (with SGLang tensor parallelism only the first rank of each TP group drives the engine).
     """
 
-    def __init__(self, actor, engine, bucket_mb: int, feeds_engine: bool = True):
+    def __init__(self, actor, engine, bucket_mb: int, feeds_engine: bool = True, mode: str = "full"):
+        if mode not in HANDOFF_MODES:
+            raise ValueError(f"handoff mode {mode!r} is not one of {HANDOFF_MODES}")
         self.actor = actor
         self.engine = engine
         self.bucket_bytes = int(bucket_mb) << 20
         self.feeds_engine = feeds_engine
-        self.buckets = plan_buckets(actor.named_parameter_sizes(), self.bucket_bytes)
+        self.mode = mode
+        if mode == "full":
+            self.buckets = plan_buckets(actor.named_parameter_sizes(), self.bucket_bytes)
+        elif mode == "merged":
+            self.buckets = merge_buckets(actor, self.bucket_bytes)
+        else:
+            self.buckets = sized_buckets(actor, base_names(actor), self.bucket_bytes)  # the base, sent once
+            self.adapter_buckets = sized_buckets(actor, adapter_names(actor), self.bucket_bytes)
+        self.base_sent = False
+        self.gathered_names: list[str] = []  # what the last push gathered (the ledger's h2d bytes)
+
+    @property
+    def keeps_engine_weights(self) -> bool:
+        """The engine keeps its weights between phases (adapter mode: the base is never re-sent)."""
+        return self.mode == "adapter"
 
     def push(self) -> HandoffStats:
         t0 = time.perf_counter()
-        stats = HandoffStats()
-        for names in self.buckets:
-            with self.actor.gathered(names) as tensors:
-                if self.feeds_engine:
-                    self.engine.load_weights(tensors)
-                stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-                stats.buckets += 1
+        stats = HandoffStats(content="merged" if self.mode == "merged" else "full")
+        self.gathered_names = []
+        if self.mode == "adapter":
+            self._push_adapters(stats)
+        else:
+            gather = gathered_merged if self.mode == "merged" else lambda actor, names: actor.gathered(names)
+            for names in self.buckets:
+                with gather(self.actor, names) as tensors:
+                    if self.feeds_engine:
+                        self.engine.load_weights(tensors)
+                    stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                    stats.buckets += 1
+                self.gathered_names += names
         if self.feeds_engine:
             self.engine.finish_weight_update()
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _push_adapters(self, stats: HandoffStats) -> None:
+        """The base once (as it is: never merged), then every adapter tensor in one engine call."""
+        stats.content = "adapters"
+        if not self.base_sent:
+            stats.content = "base+adapters"
+            for names in self.buckets:
+                with gathered_external(self.actor, names) as tensors:
+                    if self.feeds_engine:
+                        self.engine.load_weights(tensors)
+                    stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                    stats.buckets += 1
+                self.gathered_names += names
+            self.base_sent = True
+        adapters = []
+        for names in self.adapter_buckets:
+            with gathered_external(self.actor, names) as tensors:  # copied: the gathers end with the context
+                adapters += [(n, t.detach().clone()) for n, t in tensors] if self.feeds_engine else []
+                stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+                stats.buckets += 1
+            self.gathered_names += names
+        if self.feeds_engine:
+            self.engine.load_adapter(adapters)
 
 
 class LogprobAgreement:

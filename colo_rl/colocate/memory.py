@@ -118,9 +118,11 @@ class MemoryManager:
                 m["bytes"] = stats.bytes
                 m["buckets"] = stats.buckets
                 m["moved"] = self.handoff.feeds_engine
+                if stats.content != "full":  # LoRA: what travelled (the default's records stay as they were)
+                    m["content"] = stats.content
                 # The gathers copy this rank's paged-out bf16 partitions back to the device
                 # (lp_params are paged with the rest: see NOTES.md, "Paging lp_params").
-                m["h2d_bytes"] = self.actor.handoff_h2d_bytes() if paged else 0
+                m["h2d_bytes"] = self.actor.handoff_h2d_bytes(self.handoff.gathered_names) if paged else 0
                 # The buckets and their flattened copies stay reserved in the trainer's caching
                 # allocator (up to 2 x handoff_bucket_mb) unless returned before the engine's
                 # KV cache, sized to leave only colocate.memory_margin_gib, comes back.
@@ -134,7 +136,11 @@ class MemoryManager:
 
     def to_train(self, step: int) -> dict:
         def body(t: _Transition) -> None:
-            if self.owns_engine:
+            if self.owns_engine and self.handoff.keeps_engine_weights:
+                # LoRA adapter handoff: the engine's base stays (never re-sent), only its KV cache goes.
+                with t.move("engine KV cache (release; weights kept)", "device", "none") as m:
+                    m["bytes"] = self.engine.sleep([KV_CACHE, CUDA_GRAPH])
+            elif self.owns_engine:
                 with t.move("engine KV cache + weights (release)", "device", "none") as m:
                     m["bytes"] = self.engine.sleep(ALL_TAGS)
             with t.move("trainer states", "host", "device", self.actor.state_bytes()) as m:

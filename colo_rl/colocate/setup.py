@@ -11,9 +11,10 @@ from typing import Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.colocate.handoff import WeightHandoff
+from colo_rl.colocate.handoff import WeightHandoff, choose_lora_handoff
 from colo_rl.colocate.memory import Ledger, MemoryManager
 from colo_rl.colocate.switch import PhaseSwitcher
+from colo_rl.lora import apply_lora, lora_enabled
 from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import PhaseGuard
 from colo_rl.rollout.base import ALL_TAGS
@@ -22,6 +23,7 @@ from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.reward_model import RewardModel
+from colo_rl.train.adapters import BaseReference
 
 log = logging.getLogger("colo_rl")
 
@@ -29,7 +31,7 @@ log = logging.getLogger("colo_rl")
 @dataclass
 class Colocated:
     actor: DeepSpeedActor
-    ref: Optional[DeepSpeedActor]
+    ref: Optional[DeepSpeedActor | BaseReference]
     engine: object
     switch: PhaseSwitcher
     guard: PhaseGuard
@@ -63,7 +65,10 @@ def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     if cfg.rollout.engine == "sglang":
         return SGLangEngine.create(cfg, tokenizer, dtype, guard)
-    model = load_model(cfg.model, dtype, seed=cfg.trainer.seed).to(dist.device())
+    model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
+    if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
+        model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
+    model = model.to(dist.device())
     return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
                     tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
                     seed=cfg.rollout.seed + 7919 * dist.rank())
@@ -78,9 +83,7 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     layout = current_layout(tp_size)
     actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, with_optimizer=with_optimizer,
                            guard=guard)
-    ref = None
-    if cfg.algo.kl_coef > 0:
-        ref = DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
+    ref = reference_model(cfg, actor, dtype, total_steps, guard) if cfg.algo.kl_coef > 0 else None
     reward_model = RewardModel(cfg, dtype, guard=guard) if cfg.reward.model.path else None
     frozen = (reward_model,) if reward_model is not None else ()
     # SGLang sizes its memory from what is free when it starts: start it with the trainer paged out.
@@ -90,12 +93,25 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
             engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
     if tp_size > 1:  # every rank of a TP group reaches its group's engine through the group's first rank
         engine = TPGroupEngine.build(engine, tp_size, guard=guard, prepare_payload=prepare_rank_payload)
-    handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None)
+    mode, why = choose_lora_handoff(cfg.model, engine)
+    if mode != "full":
+        log.info("LoRA handoff: %s (%s)", "adapters only, the base once" if mode == "adapter" else
+                 "merged into the base, the whole model each step", why)
+    handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None, mode=mode)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
     manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.colocate.offload_pin_memory,
                             owns_engine=engine is not None, frozen=frozen)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger, reward_model=reward_model)
+
+
+def reference_model(cfg, actor: DeepSpeedActor, dtype: torch.dtype, total_steps: int,
+                    guard: Optional[PhaseGuard]) -> DeepSpeedActor | BaseReference:
+    """The frozen reference (GRPO's KL, DPO): with LoRA the actor's own base, adapters disabled (no
+    second copy); otherwise a frozen ZeRO-3 copy of the starting model."""
+    if actor.lora:
+        return BaseReference(actor)
+    return DeepSpeedActor(cfg, dtype, total_steps=total_steps, with_optimizer=False, guard=guard)
 
 
 def build_actor(cfg, dtype: torch.dtype, tokenizer, run_dir: Optional[Path], total_steps: int, grad_accum: int,

@@ -37,6 +37,9 @@ class HandoffStats:
     bytes: int = 0
     buckets: int = 0
     seconds: float = 0.0
+    # What travelled: "full" (every weight), "merged" (LoRA merged into the base), "base+adapters"
+    # (a LoRA engine's first handoff), "adapters" (a LoRA engine's later ones).
+    content: str = "full"
 
 
 class RolloutEngine(Protocol):
@@ -53,5 +56,9 @@ class RolloutEngine(Protocol):
 
     def finish_weight_update(self) -> None:
         """Called after the last bucket (flush caches, close an update session)."""
+
+    # Optional (LoRA, found by feature: colo_rl.colocate.handoff.choose_lora_handoff):
+    # supports_adapters() -> bool: the engine holds LoRA adapters it applies unmerged;
+    # load_adapter(named_tensors) takes every adapter tensor (adapter-file names) at once.
 
     def shutdown(self) -> None: ...

@@ -4,6 +4,11 @@ Its weights are plain buffers that the trainer fills during the handoff (`load_w
 each gathered tensor into the engine's own storage: no files, no pickling). `sleep("weights")`
 frees those buffers and `wake("weights")` allocates fresh, uninitialised ones, so after a wake the
 engine produces garbage until the handoff has run: the handoff is its only source of weights.
+
+With LoRA the engine's model is PEFT-wrapped like the trainer's: it takes the base once and then
+only the adapter tensors (`load_adapter`), applying them unmerged (base + scaling * B A x), so its
+log-probs are the trainer's. Tensors arrive under the names they travel by (colo_rl/lora.py:
+HF names for base weights, adapter-file names for adapters) and are mapped to the model's own.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from colo_rl.lora import external_name, is_adapter
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
 
@@ -31,7 +37,8 @@ class HFEngine:
         self.max_batch = max_batch
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self.params = dict(model.named_parameters())  # tied weights appear once
+        # under the names the handoff sends (identity for a plain model); tied weights appear once
+        self.params = {external_name(n): p for n, p in model.named_parameters()}
         self.shapes = {n: (p.shape, p.dtype) for n, p in self.params.items()}
         self.weights_resident = True
 
@@ -72,6 +79,17 @@ class HFEngine:
             if dst.shape != tensor.shape:
                 raise ValueError(f"handoff tensor {name!r} has shape {tuple(tensor.shape)}, engine expects {tuple(dst.shape)}")
             dst.data.copy_(tensor, non_blocking=True)
+
+    def supports_adapters(self) -> bool:
+        """The model holds LoRA adapters (built PEFT-wrapped): the handoff can send only them."""
+        return any(is_adapter(n) for n in self.params)
+
+    def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Every adapter tensor at once; they are copied into the adapter layers, never merged."""
+        base = [n for n, _ in named_tensors if not is_adapter(n)]
+        if base:
+            raise ValueError(f"load_adapter got base weights {base[:3]}: send them with load_weights")
+        self.load_weights(named_tensors)
 
     def finish_weight_update(self) -> None:
         if self.device.type == "cuda":

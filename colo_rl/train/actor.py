@@ -14,6 +14,7 @@ import torch
 from colo_rl import dist
 from colo_rl.config import ConfigError
 from colo_rl.errors import NonFiniteError
+from colo_rl.lora import apply_lora, lora_enabled
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, response_logprobs
@@ -158,7 +159,9 @@ def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dt
 
 class DeepSpeedActor:
     """A causal LM under DeepSpeed. With `with_optimizer=False` it is a frozen reference model
-    (ZeRO-3 inference engine, no optimizer states)."""
+    (ZeRO-3 inference engine, no optimizer states). With model.lora.rank > 0 the model is wrapped
+    with PEFT LoRA adapters: the base is frozen (sharded, no optimizer state) and only the adapters
+    train (colo_rl/train/adapters.py: the base as reference, merged / adapter-only gathers)."""
 
     def __init__(self, cfg, dtype: torch.dtype, total_steps: int, grad_accum: int = 1,
                  with_optimizer: bool = True, guard: Optional[PhaseGuard] = None):
@@ -178,6 +181,9 @@ class DeepSpeedActor:
         self.nonfinite_in_a_row = 0
         self._loss_nonfinite = False
         model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
+        self.lora = with_optimizer and lora_enabled(cfg.model)
+        if self.lora:
+            model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
         if cfg.model.gradient_checkpointing and with_optimizer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not with_optimizer:
@@ -351,14 +357,16 @@ class DeepSpeedActor:
                 numel //= max(1, dist.world_size())
         return paged_state_bytes(numel, self.dtype, self.grad_dtype(), include_lp_params=True)
 
-    def handoff_h2d_bytes(self) -> int:
-        """Host-to-device bytes the handoff's ZeRO-3 gathers copy while lp_params are paged out:
-        each gathered parameter's local partition (`ds_tensor.to(device)`, partition_parameters.py).
-        Persistent parameters stay on the device and are not gathered."""
+    def handoff_h2d_bytes(self, names: Optional[list[str]] = None) -> int:
+        """Host-to-device bytes the handoff's ZeRO-3 gathers of `names` (default: every parameter)
+        copy while lp_params are paged out: each gathered parameter's local partition
+        (`ds_tensor.to(device)`, partition_parameters.py). Persistent parameters stay on the device
+        and are not gathered."""
         if self.zero_stage != 3:
             return 0
-        return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in self.module.parameters()
-                   if hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False))
+        chosen = set(names) if names is not None else None
+        return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in self.module.named_parameters()
+                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False))
 
     # ------------------------------------------------------------------ gathering (handoff, export)
     def named_parameter_sizes(self) -> list[tuple[str, int]]:

@@ -41,6 +41,8 @@ from colo_rl.rollout.sglang.failure import (
     watch_child_failures,
 )
 from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, sglang_sampling_params
+from colo_rl.rollout.sglang.lora import (ADAPTER_NAME, adapter_request, lora_engine_support, lora_server_kwargs,
+                                         request_lora_paths)
 from colo_rl.rollout.sglang.weights import payload_calls, prepare_rank_payload, update_result, weight_session_api
 
 log = logging.getLogger("colo_rl")
@@ -156,6 +158,8 @@ class SGLangEngine:
         self.child_failure = child_failure
         self.state = EngineMemoryState(supported_tags)
         self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
+        self.model_cfg = None  # set when the engine was started with room for colo_rl's LoRA adapter
+        self.adapter_loaded = False
 
     @classmethod
     def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None):
@@ -188,6 +192,11 @@ class SGLangEngine:
             custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
         kwargs.update(extra)
+        takes_adapters, why = lora_engine_support(cfg.model, sglang.Engine, rollout.tp_size)
+        if takes_adapters:
+            kwargs.update(lora_server_kwargs(cfg.model))
+        if cfg.model.lora.rank > 0:
+            log.info("SGLang LoRA adapters from tensors: %s (%s)", "yes" if takes_adapters else "no, merged handoff", why)
         log.info("starting SGLang %s (tp=%d, %s %d, mem_fraction_static=%.3f of %.1f GiB free%s)",
                  getattr(sglang, "__version__", "?"), rollout.tp_size, device, dist.local_rank(), fraction,
                  free_bytes / GIB,
@@ -201,9 +210,11 @@ class SGLangEngine:
             child_failure.restore()
             raise
         log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
-        return cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
-                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure,
-                   device=device)
+        out = cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
+                  supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure,
+                  device=device)
+        out.model_cfg = cfg.model if takes_adapters else None
+        return out
 
     def _alive(self) -> None:
         if self.child_failure is not None:
@@ -294,6 +305,22 @@ class SGLangEngine:
                                 load_format=call.load_format, flush_cache=False)
             update_result(result, "update_weights_from_tensor")
 
+    def supports_adapters(self) -> bool:
+        return self.model_cfg is not None
+
+    def load_adapter(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """The policy's adapters, replacing the previous ones (SGLang keeps a loaded adapter
+        immutable: unload, then load under the same name)."""
+        self._alive()
+        if self.adapter_loaded:
+            update_result(self._call(self.engine.unload_lora_adapter, ADAPTER_NAME), "unload_lora_adapter")
+            self.adapter_loaded = False
+        request = adapter_request(named_tensors, self.model_cfg)
+        update_result(self._call(self.engine.load_lora_adapter_from_tensors, **request),
+                      "load_lora_adapter_from_tensors")
+        self.adapter_loaded = True
+        self.state.flush_pending = True  # cached prefixes were computed with the old adapter
+
     def finish_weight_update(self) -> None:
         if self.state.session_open:
             self.state.session_open = False  # closed or failed: never end a session twice
@@ -314,8 +341,12 @@ class SGLangEngine:
             return []
         outputs = self._call(self.engine.generate, input_ids=expanded,
                              sampling_params=sglang_sampling_params(params, self.eos), return_logprob=True,
-                             logprob_start_len=-1)
+                             logprob_start_len=-1, **self._lora_kwargs(len(expanded)))
         return parse_outputs(expanded, outputs)
+
+    def _lora_kwargs(self, n: int) -> dict:
+        paths = request_lora_paths(self.adapter_loaded, n)
+        return {"lora_path": paths} if paths is not None else {}
 
     def shutdown(self) -> None:
         # SGLang's shutdown kills every child process of this process, not only its own.

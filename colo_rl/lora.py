@@ -1,0 +1,117 @@
+"""LoRA adapters (PEFT) on a causal LM: wrapping, the names they travel under, merging.
+
+Three namings meet here:
+- PEFT's module names (what the trainer's and the HF engine's wrapped models hold):
+  `base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`, `....q_proj.lora_A.default.weight`;
+- HF names of the base model (what SGLang and an HF model directory hold): `model.layers.0.self_attn.q_proj.weight`;
+- PEFT's adapter-file names (adapter_model.safetensors, SGLang's load_lora_adapter_from_tensors):
+  `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+The handoff sends base weights under HF names and adapters under adapter-file names; each engine
+maps them to its own (`external_name`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from colo_rl.errors import ConfigError
+
+PEFT_PREFIX = "base_model.model."
+ADAPTER = "default"  # PEFT's adapter name when none is given
+_BASE_LAYER = ".base_layer."
+_LORA_PARTS = (".lora_A.", ".lora_B.")
+
+
+def lora_enabled(model_cfg) -> bool:
+    return model_cfg.lora.rank > 0
+
+
+def peft_config(lora_cfg):
+    """PEFT's LoraConfig for model.lora (plain LoRA: no bias, no rsLoRA, no DoRA)."""
+    from peft import LoraConfig  # PEFT is only needed with model.lora.rank > 0
+
+    return LoraConfig(r=lora_cfg.rank, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                      target_modules=list(lora_cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+
+
+def adapter_config_dict(lora_cfg, base_model: str = "") -> dict:
+    """adapter_config.json's content (what SGLang's load_lora_adapter_from_tensors takes)."""
+    cfg = peft_config(lora_cfg)
+    cfg.base_model_name_or_path = base_model
+    out = cfg.to_dict()
+    out["target_modules"] = sorted(out["target_modules"])  # a set in PEFT: JSON needs a list
+    out["peft_type"] = "LORA"
+    out["task_type"] = "CAUSAL_LM"
+    return out
+
+
+def apply_lora(model, lora_cfg, seed: int):
+    """Wrap `model` with LoRA adapters (base frozen, adapters trainable). lora_A's random init is
+    drawn from `seed` without touching the global RNG, so every rank and every rerun start alike;
+    lora_B starts at zero (the wrapped model equals the base)."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        wrapped = get_peft_model(model, peft_config(lora_cfg))
+    missing = [m for m in lora_cfg.target_modules if not any(f".{m}." in n for n, _ in wrapped.named_parameters())]
+    if missing:  # PEFT raises when none matches; one that matches nothing is a typo too
+        raise ConfigError(f"model.lora.target_modules: {missing} match no module of this model; its linear "
+                          f"layers are {sorted(linear_module_names(model))}")
+    return wrapped
+
+
+def linear_module_names(model) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def is_adapter(name: str) -> bool:
+    return any(part in name for part in _LORA_PARTS)
+
+
+def external_name(peft_name: str) -> str:
+    """The name a wrapped model's parameter travels under: adapter-file name for adapters, HF name
+    for base weights."""
+    if is_adapter(peft_name):
+        return peft_name.replace(f".{ADAPTER}.", ".")
+    name = peft_name[len(PEFT_PREFIX):] if peft_name.startswith(PEFT_PREFIX) else peft_name
+    return name.replace(_BASE_LAYER, ".")
+
+
+def module_of(peft_name: str) -> str:
+    """`...q_proj.base_layer.weight` / `...q_proj.lora_A.default.weight` -> `...q_proj` (the wrapped
+    Linear a merge combines); other names are their own unit."""
+    for part in (_BASE_LAYER, *_LORA_PARTS):
+        if part in peft_name:
+            return peft_name.split(part)[0]
+    return peft_name
+
+
+def merge_units(names: list[str]) -> list[list[str]]:
+    """Parameter names grouped by what one merge needs (a wrapped Linear's base weight, bias and
+    both adapter matrices together), in order."""
+    units: dict[str, list[str]] = {}
+    for name in names:
+        units.setdefault(module_of(name), []).append(name)
+    return list(units.values())
+
+
+def merged_tensors(named: list[tuple[str, torch.Tensor]], scaling: float) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors of the merged model for whole merge units: W + scaling * B @ A (in fp32,
+    then the base weight's dtype); unadapted tensors pass through (not copied)."""
+    by_name = dict(named)
+    out = []
+    for name, tensor in named:
+        if is_adapter(name):
+            continue
+        if name.endswith(f"{_BASE_LAYER}weight"):
+            module = module_of(name)
+            a = by_name[f"{module}.lora_A.{ADAPTER}.weight"].float()
+            b = by_name[f"{module}.lora_B.{ADAPTER}.weight"].float()
+            tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
+        out.append((external_name(name), tensor))
+    return out
+
+
+def lora_scaling(lora_cfg) -> float:
+    return float(lora_cfg.alpha) / float(lora_cfg.rank)

@@ -1,0 +1,160 @@
+"""LoRA pieces in one process (tiny random model, no DeepSpeed): merging, names, the HF engine
+taking adapters unmerged, the handoff-mode choice by feature detection, SGLang's LoRA arguments,
+config checks. The distributed paths: tests/test_lora_dist.py, tests/test_lora_recipe.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo_rl.colocate.handoff import choose_lora_handoff, engine_takes_adapters
+from colo_rl.config import ConfigError, LoraConfig, ModelConfig, RunConfig, validate
+from colo_rl.lora import adapter_config_dict, apply_lora, external_name, is_adapter, lora_scaling, merged_tensors
+from colo_rl.models import load_model
+from colo_rl.phase import Phase, PhaseGuard
+from colo_rl.rollout.hf import HFEngine
+from colo_rl.rollout.sglang.lora import ADAPTER_NAME, adapter_request, lora_engine_support, request_lora_paths
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32", lora=LORA)
+IDS = torch.tensor([[5, 17, 300, 42, 9, 1000, 77]])
+
+
+def trained_lora_model(seed: int = 3):
+    """The tiny model with adapters whose lora_B is no longer zero (as after training)."""
+    model = apply_lora(load_model(TINY, torch.float32, seed=1), LORA, seed=1)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def test_lora_forward_equals_the_merged_models_forward():
+    model = trained_lora_model()
+    plain = load_model(TINY, torch.float32, seed=99).eval()  # other weights: everything must come from the merge
+    merged = dict(merged_tensors(list(model.named_parameters()), lora_scaling(LORA)))
+    assert set(merged) == set(dict(plain.named_parameters()))
+    plain.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        base = load_model(TINY, torch.float32, seed=1).eval()(IDS).logits
+        lora_logits, merged_logits = model(IDS).logits, plain(IDS).logits
+    assert (lora_logits - base).abs().max() > 1e-3  # the adapters do something
+    torch.testing.assert_close(merged_logits, lora_logits, rtol=0, atol=2e-5)
+
+
+def test_names_travel_as_hf_base_names_and_adapter_file_names():
+    assert external_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert external_name("base_model.model.model.norm.weight") == "model.norm.weight"
+    assert external_name("base_model.model.model.layers.1.mlp.up_proj.lora_B.default.weight") == \
+        "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    assert external_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"  # plain model
+    assert is_adapter("x.q_proj.lora_A.default.weight") and not is_adapter("x.q_proj.base_layer.weight")
+
+
+def engine_for(model):
+    guard = PhaseGuard()
+    guard.phase = Phase.GENERATION
+    return HFEngine(model, [0], 0, guard=guard, max_batch=4, seed=0)
+
+
+def test_hf_engine_takes_the_base_once_then_adapters_unmerged():
+    trainer = trained_lora_model()
+    engine = engine_for(apply_lora(load_model(TINY, torch.float32, seed=7), LORA, seed=5))
+    assert engine.supports_adapters() and engine_takes_adapters(engine)
+    engine.sleep()
+    engine.wake()  # garbage until the handoff
+    named = [(external_name(n), p.detach()) for n, p in trainer.named_parameters()]
+    engine.load_weights([(n, t) for n, t in named if not is_adapter(n)])
+    engine.load_adapter([(n, t) for n, t in named if is_adapter(n)])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(IDS).logits, trainer(IDS).logits, rtol=0, atol=0)
+    # unmerged: the engine's base weights are the plain base, not base + B A
+    base = dict(load_model(TINY, torch.float32, seed=1).named_parameters())
+    assert torch.equal(engine.params["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    # a new adapter alone changes what the engine computes
+    with torch.no_grad():
+        for name, p in trainer.named_parameters():
+            if ".lora_B." in name:
+                p.mul_(2)
+    engine.load_adapter([(external_name(n), p.detach()) for n, p in trainer.named_parameters() if is_adapter(n)])
+    with torch.no_grad():
+        torch.testing.assert_close(engine.model(IDS).logits, trainer(IDS).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="base weights"):
+        engine.load_adapter(named[:1])
+
+
+def test_handoff_mode_is_chosen_by_what_the_engine_can_do():
+    lora_engine = engine_for(apply_lora(load_model(TINY, torch.float32, seed=1), LORA, seed=1))
+    plain_engine = engine_for(load_model(TINY, torch.float32, seed=1))
+    assert choose_lora_handoff(TINY, lora_engine)[0] == "adapter"
+    mode, why = choose_lora_handoff(TINY, plain_engine)
+    assert mode == "merged" and "HFEngine" in why
+    assert choose_lora_handoff(TINY, None)[0] == "adapter"  # a rank that only joins the gathers
+    merged_cfg = ModelConfig(random_init=True, lora=LoraConfig(rank=4, handoff="merged"))
+    assert choose_lora_handoff(merged_cfg, lora_engine) == ("merged", "model.lora.handoff=merged")
+    assert choose_lora_handoff(ModelConfig(), plain_engine)[0] == "full"
+
+
+class SGLangWithTensorLoRA:  # the two methods SGLang 0.5.17 / 0.5.21's Engine has
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict, load_format=None): ...
+
+    def unload_lora_adapter(self, lora_name): ...
+
+
+class OlderSGLang:
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False): ...
+
+
+def test_sglang_takes_adapters_only_with_the_tensor_api_and_one_tp_rank():
+    assert lora_engine_support(TINY, SGLangWithTensorLoRA, 1) == (True, "Engine.load_lora_adapter_from_tensors")
+    ok, why = lora_engine_support(TINY, OlderSGLang, 1)
+    assert not ok and "load_lora_adapter_from_tensors" in why
+    ok, why = lora_engine_support(TINY, SGLangWithTensorLoRA, 2)
+    assert not ok and "tp_size=2" in why
+    assert not lora_engine_support(ModelConfig(), SGLangWithTensorLoRA, 1)[0]
+    named = [("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", torch.zeros(4, 64))]
+    req = adapter_request(named, TINY)
+    assert req["lora_name"] == ADAPTER_NAME and list(req["tensors"]) == [named[0][0]]
+    cfg = req["config_dict"]
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and cfg["peft_type"] == "LORA"
+    assert cfg["target_modules"] == sorted(LORA.target_modules)
+    assert request_lora_paths(False, 3) is None and request_lora_paths(True, 2) == [ADAPTER_NAME] * 2
+
+
+def test_adapter_config_round_trips_through_peft():
+    from peft import LoraConfig as PeftLoraConfig
+
+    cfg = PeftLoraConfig.from_peft_type(**adapter_config_dict(LORA))
+    assert cfg.r == 4 and cfg.lora_alpha == 8.0 and set(cfg.target_modules) == set(LORA.target_modules)
+
+
+@pytest.mark.parametrize("key,value,match", [("rank", -1, "model.lora.rank"), ("alpha", 0.0, "model.lora.alpha"),
+                                             ("dropout", 1.0, "model.lora.dropout"),
+                                             ("target_modules", [], "model.lora.target_modules"),
+                                             ("handoff", "adapters", "model.lora.handoff")])
+def test_bad_lora_settings_are_refused_at_start_up(key, value, match):
+    cfg = RunConfig()
+    setattr(cfg.model.lora, key, value)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg)
+
+
+def test_a_target_module_the_model_lacks_is_named():
+    with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no module"):
+        apply_lora(load_model(TINY, torch.float32, seed=1), LoraConfig(rank=2, target_modules=["q_proj", "qkv_proj"]),
+                   seed=1)
+
+
+def test_a_checkpoint_from_before_lora_resumes_with_lora_off_and_is_refused_with_it_on():
+    from colo_rl.checkpoint import compare_configs, config_container
+
+    saved = config_container(RunConfig())
+    del saved["model"]["lora"]  # written before model.lora existed
+    assert compare_configs(saved, config_container(RunConfig())) == ([], [])
+    with_lora = RunConfig()
+    with_lora.model.lora.rank = 8
+    refusals, _ = compare_configs(saved, config_container(with_lora))
+    assert [r.split(":")[0] for r in refusals] == ["model.lora.rank"]
