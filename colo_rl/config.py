@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.envs import ENVIRONMENTS
 from colo_rl.errors import ConfigError
 from colo_rl.rewards import REWARD_FUNCTIONS
 
@@ -97,6 +98,23 @@ class RolloutConfig:
 
 
 @dataclass
+class EnvConfig:
+    # Multi-turn rollouts (colo_rl/envs): none = one completion per prompt; calculator | python |
+    # calculator_python = the policy may call those tools, reads each result and goes on.
+    name: str = "none"
+    max_turns: int = 4  # policy turns per episode (a call in the last turn is not run)
+    # Response tokens per episode, policy turns and observations together (each turn is also
+    # capped at rollout.max_new_tokens).
+    max_total_tokens: int = 256
+    # Tool-call format: auto = JSON in <tool_call> tags where the chat template declares tools,
+    # plain tags (<calculator>...</calculator>) otherwise; json | tags force one.
+    format: str = "auto"
+    tool_timeout_s: float = 5.0  # wall-clock limit per call (python: also its CPU-time limit)
+    tool_memory_mb: int = 512  # python tool: address-space limit of its subprocess
+    max_output_chars: int = 256  # a tool's output is cut to this before the policy reads it
+
+
+@dataclass
 class AlgoConfig:
     name: str = "grpo"
     scale_by_std: bool = True  # GRPO; False = Dr. GRPO (mean-centred only)
@@ -173,6 +191,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     output_root: str = "outputs"
     run_name: Optional[str] = None  # default: <recipe>-<timestamp>, chosen by rank 0
@@ -198,6 +217,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
+    "env.name": ("none", *ENVIRONMENTS.names()),
+    "env.format": ("auto", "json", "tags"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
     "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
     "algo.policy_loss": tuple(POLICY_LOSSES.names()),
@@ -228,6 +249,9 @@ _GRPO_ONLY = {
     "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
     "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
+    **{f"env.{k}": "multi-turn rollouts are GRPO only" for k in ("name", "max_turns", "max_total_tokens", "format",
+                                                                 "tool_timeout_s", "tool_memory_mb",
+                                                                 "max_output_chars")},
 }
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
@@ -287,6 +311,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
+    "env.max_turns": (lambda v: v > 0, "must be a positive integer"),
+    "env.max_total_tokens": (lambda v: v > 0, "must be a positive integer"),
+    "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "env.tool_memory_mb": (lambda v: v >= 64, "must be >= 64 (a Python interpreter needs that much to start)"),
+    "env.max_output_chars": (lambda v: v > 0, "must be a positive integer"),
 }
 
 # Optional keys whose null is a setting (off), not a missing value.

@@ -31,11 +31,13 @@ class PromptStats:
 
 
 class PromptBuilder:
-    """Tokenised prompts with the configured over-length policy; counts what it drops or cuts."""
+    """Tokenised prompts with the configured over-length policy; counts what it drops or cuts.
+    With an environment (colo_rl/envs) its first messages are used: e.g. the tools it offers."""
 
-    def __init__(self, tokenizer, data_cfg):
+    def __init__(self, tokenizer, data_cfg, env=None):
         self.tokenizer = tokenizer
         self.cfg = data_cfg
+        self.env = env
         self.stats = PromptStats()
         if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
@@ -46,19 +48,20 @@ class PromptBuilder:
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         if problem.messages is not None:
-            return problem.messages
+            return problem.messages if self.env is None else self.env.first_messages(problem.messages)
         content = problem.question
         if self.cfg.instruction:
             content = f"{content}\n{self.cfg.instruction}"
         msgs = [{"role": "user", "content": content}]
         if self.cfg.system_prompt:
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
-        return msgs
+        return msgs if self.env is None else self.env.first_messages(msgs)
 
     def text(self, problem: Problem) -> str:
         if self.cfg.use_chat_template:
+            extra = self.env.chat_template_kwargs() if self.env is not None else {}
             return self.tokenizer.apply_chat_template(
-                self.messages(problem), add_generation_prompt=True, tokenize=False
+                self.messages(problem), add_generation_prompt=True, tokenize=False, **extra
             )
         msgs = self.messages(problem)
         return "\n".join(m["content"] for m in msgs) + "\n"
