@@ -51,6 +51,10 @@ class DataConfig:
     min_operand: int = 1
     max_operand: int = 30
     three_operand_fraction: float = 0.2
+    # Harder arithmetic (e.g. for env=calculator): the share above has 2 .. max_operations
+    # operations; multiplication operands go up to max_factor.
+    max_operations: int = 2
+    max_factor: int = 12
     max_prompt_tokens: int = 256
     overlong_policy: str = "drop"  # drop | truncate | error
     # Chat prompt: the instruction appended to each question tells the model the answer format
@@ -311,6 +315,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
+    "data.max_operations": (lambda v: v >= 2, "must be >= 2 (a multi-operand problem has at least 2 operations)"),
+    "data.max_factor": (lambda v: v >= 2, "must be >= 2"),
     "env.max_turns": (lambda v: v > 0, "must be a positive integer"),
     "env.max_total_tokens": (lambda v: v > 0, "must be a positive integer"),
     "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),

@@ -141,9 +141,14 @@ def test_a_tool_that_raises_or_hangs_becomes_an_observation():
 
 def test_environment_adds_the_tool_instructions_to_the_prompt():
     env = ENVIRONMENTS.get("calculator")(CFG, None)
-    msgs = env.first_messages([{"role": "user", "content": "What is 2+2?"}])
-    assert msgs[0]["content"].startswith("What is 2+2?\nYou can use a tool: write <calculator>123 * (45 + 6)"
-                                         "</calculator>")
+    msgs = env.first_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "What is 2+2?"}])
+    # tags: a worked exchange first (a small model copies it), then the problem with the instructions
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert msgs[2]["content"] == "<calculator>12 * 34</calculator><result>408</result> The answer is 408."
+    assert msgs[1]["content"].startswith("What is 12 * 34?\nTo use a tool")
+    assert msgs[3]["content"] == ("What is 2+2?\nTo use a tool, write <calculator>EXPRESSION</calculator>; its result "
+                                  "follows in <result></result>. Example: <calculator>12 * 34</calculator>"
+                                  "<result>408</result>")
     json_env = ENVIRONMENTS.get("calculator")(CFG, QWEN_LIKE)  # the template renders the tools itself
     assert json_env.first_messages([{"role": "user", "content": "q"}]) == [{"role": "user", "content": "q"}]
     assert json_env.chat_template_kwargs()["tools"][0]["function"]["name"] == "calculator"

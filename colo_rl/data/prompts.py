@@ -112,7 +112,8 @@ def _problem_from_record(rec: Record, index: int) -> Problem:
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out problems: the arithmetic task, or a user file split by seed."""
     if data_cfg.path is None:
-        task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
+        task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction,
+                              data_cfg.max_operations, data_cfg.max_factor)
         train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
         as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v))  # noqa: E731
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],

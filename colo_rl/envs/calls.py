@@ -98,9 +98,10 @@ class TagCallFormat(JsonCallFormat):
     _OPEN = re.compile(r"<([A-Za-z_][\w-]*)>")
 
     def instructions(self) -> str:
-        lines = [f"<{t.name}>{t.parameters['properties'][t.main_arg]['description'].removeprefix('e.g. ')}"
-                 f"</{t.name}> ({t.description[:1].lower()}{t.description[1:].rstrip('.')})" for t in self.tools.values()]
-        return "You can use a tool: write " + " or ".join(lines) + " and its result follows in <result></result>."
+        uses = " or ".join(f"<{t.name}>{t.main_arg.upper()}</{t.name}>" for t in self.tools.values())
+        examples = " ".join(f"<{t.name}>{t.example[0]}</{t.name}><result>{t.example[1]}</result>"
+                            for t in self.tools.values())
+        return f"To use a tool, write {uses}; its result follows in <result></result>. Example: {examples}"
 
     def parse(self, text: str) -> ParsedTurn:
         for m in self._OPEN.finditer(text):
@@ -117,6 +118,15 @@ class TagCallFormat(JsonCallFormat):
             arg = text[m.end():stop]
             return self._known(ToolCall(name, {self.tools[name].main_arg: arg}), stop + len(close))
         return ParsedTurn()
+
+    def demonstration(self) -> list[dict[str, str]]:
+        """One worked exchange that uses the first tool, put before the problem: a small model
+        without tool training copies a shown answer far more often than it follows a description."""
+        t = next(iter(self.tools.values()))
+        question = "What is 12 * 34?" if t.name == "calculator" else f"Use the {t.name} tool: what is 12 * 34?"
+        return [{"role": "user", "content": f"{question}\n{self.instructions()}"},
+                {"role": "assistant", "content": f"<{t.name}>{t.example[0]}</{t.name}><result>{t.example[1]}</result> "
+                                                 f"The answer is {t.example[1]}."}]
 
     def observation(self, result: str, turn_closed: bool) -> str:
         if turn_closed:  # the message ended with EOS after the call: the result opens a new exchange

@@ -71,6 +71,9 @@ class ToolEnvironment:
         users = [i for i, m in enumerate(out) if m["role"] == "user"]
         at = users[-1] if users else len(out) - 1
         out[at]["content"] = f"{out[at]['content']}\n{self.format.instructions()}"
+        if self.format.name == "tags":  # after any system message, before the problem
+            first = 1 if out and out[0]["role"] == "system" else 0
+            out[first:first] = self.format.demonstration()
         return out
 
     def chat_template_kwargs(self) -> dict[str, Any]:

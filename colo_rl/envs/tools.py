@@ -32,6 +32,8 @@ class Tool:
     parameters: dict[str, Any]
     main_arg: str
     run: Callable[[dict[str, Any]], str] = field(repr=False)
+    # A worked use, (argument, result), shown in the prompt's instructions: small models copy it.
+    example: tuple[str, str] = ("", "")
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -105,7 +107,7 @@ def calculator(cfg) -> Tool:
     return Tool("calculator", "Evaluates an arithmetic expression (numbers, + - * / // % ** and parentheses).",
                 {"type": "object", "properties": {"expression": {"type": "string",
                                                                  "description": "e.g. 123 * (45 + 6)"}},
-                 "required": ["expression"]}, "expression", run)
+                 "required": ["expression"]}, "expression", run, example=("12 * 34", "408"))
 
 
 # ------------------------------------------------------------------------- python
@@ -177,4 +179,4 @@ def python(cfg) -> Tool:
     return Tool("python", "Runs a short Python program and returns what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string",
                                                            "description": "e.g. print(123 * 456)"}},
-                 "required": ["code"]}, "code", run)
+                 "required": ["code"]}, "code", run, example=("print(12 * 34)", "408"))
