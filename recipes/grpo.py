@@ -41,8 +41,8 @@ from colo_rl.train.packing import pack_groups
 
 log = logging.getLogger("colo_rl")
 
-CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "train/clip_frac", "train/grad_norm",
-           "handoff/logprob_diff_mean", "time/step", "eval/accuracy"]
+CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "env/tool_calls", "train/clip_frac",
+           "train/grad_norm", "handoff/logprob_diff_mean", "time/step", "eval/accuracy"]
 
 
 class GRPORecipe:
