@@ -153,7 +153,8 @@ def test_engine_logprobs_equal_trainer_logprobs_over_policy_tokens(tok):
         engine, prompts, SamplingParams(max_new_tokens=8, temperature=0.8, n=2))
     assert all(e.turns == 3 for e in eps) and all(0 in e.policy_mask for e in eps)
     batch = build_batch([e.prompt_ids for e in eps], [e.token_ids for e in eps], tok.pad_token_id,
-                        response_masks=[e.policy_mask for e in eps], per_token={"rollout_logp": [e.logprobs for e in eps]})
+                        response_masks=[e.policy_mask for e in eps],
+                        per_token={"rollout_logp": [e.logprobs for e in eps]})
     mask = batch.response_mask.bool()
     with torch.no_grad():
         padded, _ = response_logprobs(model, batch, temperature=0.8)
