@@ -99,6 +99,21 @@ def test_limits_end_episodes(tok):
     assert sum(c.policy_mask) == 2 * len(encode(tok, call))  # the last call is not run: no observation after it
 
 
+def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):
+    """A tensor-parallel group's generate is a collective: a rank whose episodes all ended still
+    calls it every turn (with nothing to generate), with the params the other ranks use."""
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    engine = ScriptedEngine(tok, [["The answer is 1.<|im_end|>"], [], []])
+    engine.lockstep_generate = True
+    params = []
+    generate = engine.generate
+    engine.generate = lambda prompts, p: params.append(p) or generate(prompts, p)
+    (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=100).generate(
+        engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
+    assert ep.turns == 1 and [len(c) for c in engine.calls] == [1, 0, 0]
+    assert [p.max_new_tokens for p in params] == [40, 40, 40]
+
+
 def test_the_policy_mask_flows_through_batch_packing_loss_and_logprob_check(tok):
     eps = [Episode([5, 6, 7], [1, 2, 3, 4, 5, 6], [-1.0, -1.0, 0.0, 0.0, -1.0, -1.0], "stop", [1, 1, 0, 0, 1, 1]),
            Episode([5, 6, 7], [8, 9, 10], [-2.0, 0.0, -2.0], "stop", [1, 0, 1])]

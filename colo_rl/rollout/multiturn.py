@@ -3,7 +3,9 @@ observation's tokens, generate the next turn, from token ids throughout.
 
 Every turn of the whole batch is one `engine.generate` call (the first one shares each prompt
 across its group, as single-turn rollouts do), so the engine stays batched; episodes that are done
-drop out of the next call. An episode's response is its policy turns and the observations between
+drop out of the next call (an engine whose generate is a collective, `lockstep_generate`, as a
+tensor-parallel group's is, gets every turn on every rank with the same parameters, empty or not).
+An episode's response is its policy turns and the observations between
 them, in order; `policy_mask` is 1 on the policy's tokens (trained, log-prob checked) and 0 on the
 observations' (no loss, no log-prob: their `logprobs` are 0). The policy's token ids are never
 re-tokenised: the trainer scores exactly what the engine sampled.
@@ -62,11 +64,14 @@ class MultiTurnRollout:
         episodes = [Episode(list(p), [], [], "stop") for p in prompts for _ in range(n)]
         contexts = [list(p) for p in prompts for _ in range(n)]
         active = list(range(len(episodes)))
+        lockstep = getattr(engine, "lockstep_generate", False)
         with ThreadPoolExecutor(self.tool_workers, thread_name_prefix="colo_rl-tool") as pool:
             for turn in range(self.max_turns):
-                if not active:
+                if not active and not lockstep:
                     break
-                room = max(self.max_total_tokens - len(episodes[i].token_ids) for i in active)
+                # the longest turn any live episode has room for (lockstep: the same on every rank)
+                room = self.max_total_tokens if lockstep or not active else max(
+                    self.max_total_tokens - len(episodes[i].token_ids) for i in active)
                 turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room),
                                                   n=n if turn == 0 else 1)
                 outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
