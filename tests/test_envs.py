@@ -161,3 +161,16 @@ def test_python_tool_has_no_network_where_user_namespaces_allow():
     code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2); print('connected')\n" \
            "except OSError as e:\n    print('blocked', e.errno)"
     assert run_python(code, 5.0, 256, 100).startswith("blocked")
+
+
+# ------------------------------------------------------------------ config
+def test_env_options_are_checked_at_start_up():
+    from colo_rl.config import ConfigError, EnvConfig, RunConfig, validate
+
+    validate(RunConfig(env=EnvConfig(name="calculator")))
+    with pytest.raises(ConfigError, match=r"env.name='search' is not one of \['none', 'calculator', 'python'"):
+        validate(RunConfig(env=EnvConfig(name="search")))
+    with pytest.raises(ConfigError, match="env.max_turns=0 must be a positive integer"):
+        validate(RunConfig(env=EnvConfig(max_turns=0)))
+    with pytest.raises(ConfigError, match=r"env.name is not read by recipes/sft.py \(multi-turn rollouts are GRPO"):
+        validate(RunConfig(recipe="sft", algo=RunConfig().algo.__class__(name="sft")), overrides=["env.name=python"])
