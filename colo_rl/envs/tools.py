@@ -131,32 +131,36 @@ def network_isolated() -> bool:
     return _NO_NETWORK[0]
 
 
+# Set in the child interpreter before the tool's code runs (not in a preexec_fn: that is unsafe in a
+# process with threads, and the rollout runs tools from a thread pool next to torch's threads).
+_PRELUDE = """import resource, sys
+mem, cpu = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+code = sys.argv[3]
+del sys.argv[1:], mem, cpu, resource
+exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> str:
-    """Run `code` in a fresh, isolated interpreter (`python -I`, empty environment, its own temporary
-    working directory) with CPU-time, address-space and file-size limits and a wall-clock timeout;
-    no network where user namespaces allow (`unshare -rn`; otherwise sockets still work: a
-    documented limitation). Returns stdout (+ stderr), cut to `max_output_chars`."""
-    import resource  # POSIX only; the python tool is refused elsewhere by this import
+    """Run `code` in a fresh, isolated interpreter (`python -I -S`, empty environment, its own
+    temporary working directory and session) under address-space, CPU-time and file-size limits and
+    a wall-clock timeout; no network where user namespaces allow (`unshare -rn`; otherwise sockets
+    still work: a documented limitation). Returns stdout (+ stderr), cut to `max_output_chars`."""
     import tempfile
 
-    def limits() -> None:  # runs in the child between fork and exec
-        mem = memory_mb << 20
-        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-        cpu = max(1, int(timeout_s + 1))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        os.setsid()  # its own process group: a timeout kills whatever it spawned
-
-    cmd = [sys.executable, "-I", "-S", "-c", code]
+    cmd = [sys.executable, "-I", "-S", "-c", _PRELUDE, str(memory_mb << 20), str(max(1, int(timeout_s + 1))), code]
     if network_isolated():
         cmd = ["unshare", "-rn", *cmd]
     with tempfile.TemporaryDirectory(prefix="colo_rl_py_") as cwd:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": cwd}, preexec_fn=limits)
+                                cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": cwd}, start_new_session=True)
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, 9)  # its own session: whatever it spawned goes too
             proc.communicate()
             raise ToolError(f"timed out after {timeout_s:g} s") from None
     text = out.decode("utf-8", errors="replace").strip()
