@@ -9,7 +9,7 @@ NPROC ?= 2
 TORCHRUN := $(PY) -m colo_rl.launch --standalone --nproc_per_node=$(NPROC)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: install test test-fast demo sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu
+.PHONY: install test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -69,6 +69,10 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py $(ARGS)
+
+# Multi-turn GRPO with a calculator tool on harder arithmetic (README "Multi-turn rollouts with tools").
+demo-tools: $(STAMP)
+	$(TORCHRUN) recipes/grpo.py env=calculator data=arithmetic_hard $(ARGS)
 
 sft: $(STAMP)
 	$(TORCHRUN) recipes/sft.py $(ARGS)

@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.envs import ENVIRONMENTS
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import check_reward_config
@@ -73,6 +74,10 @@ class DataConfig:
     min_operand: int = 1
     max_operand: int = 30
     three_operand_fraction: float = 0.2
+    # Harder arithmetic (e.g. for env=calculator): the share above has 2 .. max_operations
+    # operations; multiplication operands go up to max_factor.
+    max_operations: int = 2
+    max_factor: int = 12
     max_prompt_tokens: int = 256
     overlong_policy: str = "drop"  # drop | truncate | error
     # Chat prompt: the instruction appended to each question tells the model the answer format
@@ -144,6 +149,23 @@ class ColocateConfig:
     handoff_check_max_mean_abs: float = 0.2
     # Page the trainer's states out into pinned host memory (faster copies; costs locked RAM).
     offload_pin_memory: bool = True
+
+
+@dataclass
+class EnvConfig:
+    # Multi-turn rollouts (colo_rl/envs): none = one completion per prompt; calculator | python |
+    # calculator_python = the policy may call those tools, reads each result and goes on.
+    name: str = "none"
+    max_turns: int = 4  # policy turns per episode (a call in the last turn is not run)
+    # Response tokens per episode, policy turns and observations together (each turn is also
+    # capped at rollout.max_new_tokens).
+    max_total_tokens: int = 256
+    # Tool-call format: auto = JSON in <tool_call> tags where the chat template declares tools,
+    # plain tags (<calculator>...</calculator>) otherwise; json | tags force one.
+    format: str = "auto"
+    tool_timeout_s: float = 5.0  # wall-clock limit per call (python: also its CPU-time limit)
+    tool_memory_mb: int = 512  # python tool: address-space limit of its subprocess
+    max_output_chars: int = 256  # a tool's output is cut to this before the policy reads it
 
 
 @dataclass
@@ -234,6 +256,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output_root: str = "outputs"
@@ -263,6 +286,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.lora.handoff": ("auto", "merged"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
+    "env.name": ("none", *ENVIRONMENTS.names()),
+    "env.format": ("auto", "json", "tags"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
     "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
     "algo.policy_loss": tuple(POLICY_LOSSES.names()),
@@ -295,6 +320,9 @@ _GRPO_ONLY = {
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
     "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
     "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
+    **{f"env.{k}": "multi-turn rollouts are GRPO only" for k in ("name", "max_turns", "max_total_tokens", "format",
+                                                                 "tool_timeout_s", "tool_memory_mb",
+                                                                 "max_output_chars")},
 }
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
@@ -373,6 +401,13 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
     "eval.samples": (lambda v: v >= 0, "must be >= 0 (0 = greedy accuracy only)"),
+    "data.max_operations": (lambda v: v >= 2, "must be >= 2 (a multi-operand problem has at least 2 operations)"),
+    "data.max_factor": (lambda v: v >= 2, "must be >= 2"),
+    "env.max_turns": (lambda v: v > 0, "must be a positive integer"),
+    "env.max_total_tokens": (lambda v: v > 0, "must be a positive integer"),
+    "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),
+    "env.tool_memory_mb": (lambda v: v >= 64, "must be >= 64 (a Python interpreter needs that much to start)"),
+    "env.max_output_chars": (lambda v: v > 0, "must be a positive integer"),
 }
 
 # Optional keys whose null is a setting (off), not a missing value.

@@ -7,19 +7,23 @@ import math
 
 from colo_rl import dist
 from colo_rl.rollout.base import SamplingParams
+from colo_rl.rollout.multiturn import policy_texts
 
 log = logging.getLogger("colo_rl")
 
 
 def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
-             max_new_tokens: int) -> dict[str, float]:
+             max_new_tokens: int, multiturn=None) -> dict[str, float]:
     """Strict accuracy (the stated final answer is right), lenient accuracy (the last number is
-    right), the share of answers stated in the required format, and mean response length."""
+    right), the share of answers stated in the required format, and mean response length.
+    `multiturn` (a MultiTurnRollout): episodes with the environment, scored on the policy's text."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
-    completions = engine.generate(local_ids, SamplingParams(max_new_tokens=max_new_tokens, greedy=True))
+    params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
+    completions = engine.generate(local_ids, params) if multiturn is None else multiturn.generate(engine, local_ids,
+                                                                                                  params)
     # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
     completions = completions[:len(local_ids)]
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True) if completions else []
+    texts = policy_texts(tokenizer, completions) if completions else []
     res = scorer.verify(texts, local_answers)  # correctness only: no reward function is called
     n, correct, lenient, formatted, length = dist.all_reduce_sum([
         len(texts), sum(res.correct), sum(res.correct_lenient), sum(res.formatted),
@@ -43,18 +47,19 @@ def check_held_out_size(n: int, world: int) -> bool:
 
 
 def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer, max_new_tokens: int,
-                      step: int) -> dict[str, float]:
+                      step: int, multiturn=None, prefix: str = "eval/") -> dict[str, float]:
     """`evaluate` in the generation phase (the engine gets the trainer's current weights through
-    the handoff first), with its log line: every recipe's greedy held-out accuracy."""
+    the handoff first), with its log line: every recipe's greedy held-out accuracy. Its metrics
+    are named `prefix` + name (eval/accuracy ...)."""
     if not prompt_ids:  # data.eval_size=0: no held-out problems, nothing to report
         return {}
     with colo.switch.generation():
-        res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens)
+        res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn)
     samples = res.pop("eval/samples")
-    log.info("eval @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
-             step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
+    log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
+             prefix.rstrip("/"), step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
              int(res["eval/count"]), samples[0]["completion"][:120] if samples else "")
-    return res
+    return {prefix + k.removeprefix("eval/"): v for k, v in res.items()}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,18 +29,20 @@ from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
+from colo_rl.envs import build_environment
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, model_weight
 from colo_rl.rollout.base import SamplingParams
+from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, policy_texts
 from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
 from colo_rl.train.packing import pack_groups
 
 log = logging.getLogger("colo_rl")
 
-CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "train/clip_frac", "train/grad_norm",
-           "handoff/logprob_diff_mean", "time/step", "eval/accuracy"]
+CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "env/tool_calls", "train/clip_frac",
+           "train/grad_norm", "handoff/logprob_diff_mean", "time/step", "eval/accuracy"]
 
 
 class GRPORecipe:
@@ -54,9 +56,16 @@ class GRPORecipe:
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_problems, eval_problems = load_problems(cfg.data)
-        self.builder = builder = PromptBuilder(self.tokenizer, cfg.data)
+        # env.name != none: multi-turn episodes (the prompts tell the policy about its tools)
+        self.env = build_environment(cfg.env, getattr(self.tokenizer, "chat_template", None))
+        self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,
+                                                                        cfg.env.max_total_tokens)
+        self.builder = builder = PromptBuilder(self.tokenizer, cfg.data, env=self.env)
         self.train = [(p, ids) for p in train_problems if (ids := builder.encode(p)) is not None]
         self.eval_set = [(p, ids) for p in eval_problems if (ids := builder.encode(p)) is not None]
+        plain = PromptBuilder(self.tokenizer, cfg.data)  # the same held-out set without tools, for comparison
+        self.eval_no_tools = [] if self.env is None else [(p, ids) for p in eval_problems
+                                                          if (ids := plain.encode(p)) is not None]
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
                  len(self.train), len(self.eval_set), builder.stats.dropped, builder.stats.truncated)
         check_held_out_size(len(self.eval_set), world)
@@ -96,9 +105,14 @@ class GRPORecipe:
         return step
 
     def evaluate(self, step: int) -> dict[str, float]:
-        return held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
-                                 [p.answer for p, _ in self.eval_set], self.scorer,
-                                 self.cfg.rollout.eval_max_new_tokens, step)
+        out = held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
+                                [p.answer for p, _ in self.eval_set], self.scorer,
+                                self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn)
+        if self.eval_no_tools:
+            out.update(held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_no_tools],
+                                         [p.answer for p, _ in self.eval_no_tools], self.scorer,
+                                         self.cfg.rollout.eval_max_new_tokens, step, prefix="eval_no_tools/"))
+        return out
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, colo = self.cfg, self.colo
@@ -109,8 +123,11 @@ class GRPORecipe:
         with colo.switch.generation():
             rollout = self.rollout()
         completions = rollout["completions"]
+        # Episodes: only the policy's tokens count (loss, advantages, the log-prob check); observations do not.
+        masks = None if self.env is None else [c.policy_mask for c in completions]
         batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions],
-                            self.tokenizer.pad_token_id, per_token={"rollout_logp": [c.logprobs for c in completions]})
+                            self.tokenizer.pad_token_id, response_masks=masks,
+                            per_token={"rollout_logp": [c.logprobs for c in completions]})
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
             if colo.reward_model is not None:  # its score joins the verifiers' before the advantages
                 with self.timer("reward_model"):
@@ -118,8 +135,9 @@ class GRPORecipe:
             rewards = rollout["rewards"]
             if cfg.algo.overlong_buffer_len:
                 lengths = torch.tensor([len(c.token_ids) for c in completions])
-                rewards = rewards + algos.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
-                                                           cfg.algo.overlong_buffer_len, cfg.algo.overlong_penalty)
+                limit = cfg.rollout.max_new_tokens if self.env is None else cfg.env.max_total_tokens
+                rewards = rewards + algos.overlong_penalty(lengths, limit, cfg.algo.overlong_buffer_len,
+                                                           cfg.algo.overlong_penalty)
             train_metrics = self.update(batch, completions, rewards)
         return {**train_metrics, **self.rollout_metrics(rollout, rewards), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
@@ -166,10 +184,12 @@ class GRPORecipe:
         kept, spare, rounds = [], [], 0
         while True:
             problems = [self.train[i] for i in self.sampler.next_local(cfg.rollout.prompts_per_step)]
-            with self.timer("generation"):
-                completions = self.colo.engine.generate([ids for _, ids in problems], self.sampling)
+            with self.timer("generation"):  # tool calls included: they run between an episode's turns
+                prompts = [ids for _, ids in problems]
+                completions = (self.colo.engine.generate(prompts, self.sampling) if self.multiturn is None
+                               else self.multiturn.generate(self.colo.engine, prompts, self.sampling))
             with self.timer("reward"):
-                texts = self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+                texts = policy_texts(self.tokenizer, completions)
                 scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],
                                            [p.fields for p, _ in problems for _ in range(G)])
             if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
@@ -230,6 +250,11 @@ class GRPORecipe:
             out["reward/overlong_penalty"] = (shaped - r_sum) / n
         if self.cfg.algo.dynamic_sampling:
             out.update({"sampling/rounds": float(rollout["rounds"]), "sampling/filled_groups": filled})
+        if self.env is not None:  # per episode: turns, tool calls, ...; tool_error_rate per call
+            env = episode_metrics(completions)
+            sums = dict(zip(env, dist.all_reduce_sum(list(env.values()))))
+            out.update({k: v / n for k, v in sums.items()})
+            out["env/tool_error_rate"] = sums["env/tool_errors"] / max(sums["env/tool_calls"], 1.0)
         return out
 
     # ------------------------------------------------------------------ update phase

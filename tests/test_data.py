@@ -99,3 +99,18 @@ def test_sampler_is_seeded_and_resumable():
     assert [c.next_global(4) for _ in range(2)] == first[2:]
     with pytest.raises(ValueError, match="data"):
         EpochSampler(11, seed=3).load_state_dict(b.state_dict())
+
+
+def test_harder_arithmetic_keeps_the_default_splits_and_adds_operations_and_factors():
+    from colo_rl.envs import safe_arithmetic
+    # the defaults draw exactly as before max_operations / max_factor existed (values from main)
+    train, held = make_arithmetic_splits(ArithmeticTask(), 5, 3, 1234)
+    assert train == [("15 + 1", 16), ("12 * 2 * 3", 72), ("12 + 1 + 26", 39), ("12 * 9 * 9", 972), ("6 * 3 + 17", 35)]
+    assert held == [("18 - 17", 1), ("22 - 9 + 20", 33), ("6 + 12", 18)]
+    hard = ArithmeticTask(1, 999, 1.0, 3, 99)
+    train, _ = make_arithmetic_splits(hard, 300, 10, 1234)
+    n_ops = {len(e.split()) // 2 for e, _ in train}
+    assert n_ops == {2, 3} and all(safe_arithmetic(e) == v >= 0 for e, v in train)
+    factors = [int(toks[j]) for toks in (e.split() for e, _ in train) for i, t in enumerate(toks) if t == "*"
+               for j in (i - 1, i + 1)]
+    assert max(factors) > 12 and all(2 <= f <= 99 for f in factors)

@@ -13,21 +13,25 @@ class ArithmeticTask:
     min_operand: int = 1
     max_operand: int = 30
     three_operand_fraction: float = 0.2
+    max_operations: int = 2  # a multi-operand problem has 2 .. max_operations operations
+    max_factor: int = 12  # multiplication operands are kept to 2 .. max_factor
 
     def sample(self, rng: random.Random) -> tuple[str, int]:
         """One problem: the expression text and its integer value.
 
-        Multiplication operands are kept to 2..12 so products stay in the range a small model can
-        learn; subtraction never goes below zero.
+        Multiplication operands are kept to 2..max_factor so products stay in the range a small model
+        can learn (12 by default); subtraction never goes below zero.
         """
-        n_ops = 2 if rng.random() < self.three_operand_fraction else 1
+        n_ops = 1
+        if rng.random() < self.three_operand_fraction:  # no extra draw at the default: splits stay as they were
+            n_ops = 2 if self.max_operations == 2 else rng.randint(2, self.max_operations)
         terms = [rng.randint(self.min_operand, self.max_operand)]
         ops = []
         for _ in range(n_ops):
             op = rng.choice(OPS)
             if op == "*":
-                terms[-1] = min(max(terms[-1], 2), 12)
-                nxt = rng.randint(2, 12)
+                terms[-1] = min(max(terms[-1], 2), self.max_factor)
+                nxt = rng.randint(2, self.max_factor)
             else:
                 nxt = rng.randint(self.min_operand, self.max_operand)
             ops.append(op)

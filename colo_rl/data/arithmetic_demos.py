@@ -67,7 +67,8 @@ def question(expr: str, instruction: str) -> str:
 
 
 def _task(data_cfg) -> ArithmeticTask:
-    return ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
+    return ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction,
+                          data_cfg.max_operations, data_cfg.max_factor)
 
 
 def sft_records(data_cfg) -> tuple[list[Record], list[Record]]:

@@ -34,11 +34,13 @@ class PromptStats:
 
 
 class PromptBuilder:
-    """Tokenised prompts with the configured over-length policy; counts what it drops or cuts."""
+    """Tokenised prompts with the configured over-length policy; counts what it drops or cuts.
+    With an environment (colo_rl/envs) its first messages are used: e.g. the tools it offers."""
 
-    def __init__(self, tokenizer, data_cfg):
+    def __init__(self, tokenizer, data_cfg, env=None):
         self.tokenizer = tokenizer
         self.cfg = data_cfg
+        self.env = env
         self.stats = PromptStats()
         if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
             raise DataError(
@@ -49,19 +51,20 @@ class PromptBuilder:
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         if problem.messages is not None:
-            return problem.messages
+            return problem.messages if self.env is None else self.env.first_messages(problem.messages)
         content = problem.question
         if self.cfg.instruction:
             content = f"{content}\n{self.cfg.instruction}"
         msgs = [{"role": "user", "content": content}]
         if self.cfg.system_prompt:
             msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
-        return msgs
+        return msgs if self.env is None else self.env.first_messages(msgs)
 
     def text(self, problem: Problem) -> str:
         if self.cfg.use_chat_template:
+            extra = self.env.chat_template_kwargs() if self.env is not None else {}
             return self.tokenizer.apply_chat_template(
-                self.messages(problem), add_generation_prompt=True, tokenize=False
+                self.messages(problem), add_generation_prompt=True, tokenize=False, **extra
             )
         msgs = self.messages(problem)
         return "\n".join(m["content"] for m in msgs) + "\n"
@@ -120,7 +123,8 @@ def file_problems(path) -> list[Problem]:
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     """Train and held-out problems: the arithmetic task, or a user file split by seed."""
     if data_cfg.path is None:
-        task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction)
+        task = ArithmeticTask(data_cfg.min_operand, data_cfg.max_operand, data_cfg.three_operand_fraction,
+                              data_cfg.max_operations, data_cfg.max_factor)
         train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
         as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v),  # noqa: E731
                                                 fields={"question": f"What is {e}?", "answer": str(v)})

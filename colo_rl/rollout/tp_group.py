@@ -104,6 +104,10 @@ def _device_free_bytes() -> Optional[int]:
 class TPGroupEngine:
     """The engine protocol for every rank of a TP group; the owner forwards to `inner`."""
 
+    # generate is a collective of the group: every rank calls it equally often with the same params
+    # (colo_rl/rollout/multiturn.py then runs every turn on every rank, with nothing to generate if need be)
+    lockstep_generate = True
+
     def __init__(self, inner, layout: dict, group, guard=None,
                  prepare_payload: Optional[Callable[[list], tuple[Any, Any]]] = None):
         # prepare_payload(named_tensors) -> (payload, keepalive): this rank's share of a weight update

@@ -1,0 +1,142 @@
+"""Multi-turn rollouts on any engine: generate a turn, let the environment answer, append its
+observation's tokens, generate the next turn, from token ids throughout.
+
+Every turn of the whole batch is one `engine.generate` call (the first one shares each prompt
+across its group, as single-turn rollouts do), so the engine stays batched; episodes that are done
+drop out of the next call (an engine whose generate is a collective, `lockstep_generate`, as a
+tensor-parallel group's is, gets every turn on every rank with the same parameters, empty or not).
+An episode's response is its policy turns and the observations between
+them, in order; `policy_mask` is 1 on the policy's tokens (trained, log-prob checked) and 0 on the
+observations' (no loss, no log-prob: their `logprobs` are 0). The policy's token ids are never
+re-tokenised: the trainer scores exactly what the engine sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from colo_rl.envs import Environment, Step
+from colo_rl.rollout.base import Completion, SamplingParams
+
+
+@dataclass
+class Episode(Completion):
+    policy_mask: list[int] = field(default_factory=list)  # per response token: 1 policy, 0 observation
+    turns: int = 0  # policy turns
+    tool_calls: int = 0  # turns that asked for a tool (well-formed or not)
+    tool_errors: int = 0  # calls answered with an error (malformed, unknown tool, raised, timed out)
+    hit_limit: str = ""  # "" | "max_turns" | "max_total_tokens"
+    policy_texts: list[str] = field(default_factory=list)  # each policy turn's text (the verifier reads these)
+
+    @property
+    def policy_text(self) -> str:
+        return "\n".join(self.policy_texts)
+
+
+def policy_texts(tokenizer, completions: list[Completion]) -> list[str]:
+    """What the verifier reads: the policy's own text (an episode's turns; a completion's tokens)."""
+    if completions and isinstance(completions[0], Episode):
+        return [c.policy_text for c in completions]
+    return tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+
+
+def cut_at(tokenizer, token_ids: list[int], chars: int) -> int:
+    """The fewest leading tokens whose text reaches `chars` characters."""
+    for k in range(1, len(token_ids) + 1):
+        if len(tokenizer.decode(token_ids[:k])) >= chars:
+            return k
+    return len(token_ids)
+
+
+class MultiTurnRollout:
+    """Episodes of `env` on an engine: at most `max_turns` policy turns and `max_total_tokens`
+    response tokens (policy + observations) each."""
+
+    def __init__(self, env: Environment, tokenizer, max_turns: int, max_total_tokens: int, tool_workers: int = 4):
+        self.env, self.tokenizer = env, tokenizer
+        self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
+        self.tool_workers = tool_workers
+
+    def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[Episode]:
+        n = params.n
+        episodes = [Episode(list(p), [], [], "stop") for p in prompts for _ in range(n)]
+        contexts = [list(p) for p in prompts for _ in range(n)]
+        active = list(range(len(episodes)))
+        lockstep = getattr(engine, "lockstep_generate", False)
+        with ThreadPoolExecutor(self.tool_workers, thread_name_prefix="colo_rl-tool") as pool:
+            for turn in range(self.max_turns):
+                if not active and not lockstep:
+                    break
+                # the longest turn any live episode has room for (lockstep: the same on every rank)
+                room = self.max_total_tokens if lockstep or not active else max(
+                    self.max_total_tokens - len(episodes[i].token_ids) for i in active)
+                turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room),
+                                                  n=n if turn == 0 else 1)
+                outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
+                steps = {}
+                for i, out in zip(active, outs):
+                    wants_tool, closed = self._take_turn(episodes[i], out)
+                    if wants_tool and turn + 1 < self.max_turns:
+                        steps[i] = pool.submit(self.env.step, episodes[i].policy_texts[-1], closed)
+                    elif wants_tool:
+                        episodes[i].hit_limit = "max_turns"
+                        episodes[i].finish_reason = "length"
+                next_active = []
+                for i in active:
+                    if i in steps and self._observe(episodes[i], contexts[i], steps[i].result()):
+                        next_active.append(i)
+                active = next_active
+        return episodes
+
+    def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, bool]:
+        """Append the policy's turn, cut past its first tool call. Returns (asks for a tool, ended with EOS)."""
+        room = self.max_total_tokens - len(ep.token_ids)
+        tokens, logps, finish = out.token_ids[:room], out.logprobs[:room], out.finish_reason
+        if len(tokens) < len(out.token_ids):
+            finish = "length"
+        text = self.tokenizer.decode(tokens)
+        parsed = self.env.parse(text)
+        if parsed.end is not None and parsed.end < len(text):  # what was sampled after the call is dropped
+            k = cut_at(self.tokenizer, tokens, parsed.end)
+            tokens, logps, finish = tokens[:k], logps[:k], "tool"
+            text = self.tokenizer.decode(tokens)
+        ep.token_ids += tokens
+        ep.logprobs += logps
+        ep.policy_mask += [1] * len(tokens)
+        ep.turns += 1
+        ep.policy_texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        ep.finish_reason = "length" if finish == "length" else "stop"
+        if parsed.wants_tool:
+            ep.tool_calls += 1
+        elif finish == "length" and len(ep.token_ids) >= self.max_total_tokens:
+            ep.hit_limit = "max_total_tokens"
+        return parsed.wants_tool, finish == "stop"
+
+    def _observe(self, ep: Episode, context: list[int], step: Step) -> bool:
+        """Append the environment's observation; False when the episode ends here."""
+        if step.error is not None:
+            ep.tool_errors += 1
+        if step.done:
+            return False
+        obs = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
+        if len(ep.token_ids) + len(obs) >= self.max_total_tokens:  # no room for the observation and a reply
+            ep.hit_limit, ep.finish_reason = "max_total_tokens", "length"
+            return False
+        context[:] = ep.prompt_ids + ep.token_ids + obs
+        ep.token_ids += obs
+        ep.logprobs += [0.0] * len(obs)
+        ep.policy_mask += [0] * len(obs)
+        return True
+
+
+def episode_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Per-rank sums (the caller reduces over ranks and divides by the episode count)."""
+    eps = [c for c in completions if isinstance(c, Episode)]
+    return {"env/turns": float(sum(e.turns for e in eps)), "env/tool_calls": float(sum(e.tool_calls for e in eps)),
+            "env/tool_errors": float(sum(e.tool_errors for e in eps)),
+            "env/used_tool": float(sum(e.tool_calls > 0 for e in eps)),
+            "env/hit_max_turns": float(sum(e.hit_limit == "max_turns" for e in eps)),
+            "env/hit_max_total_tokens": float(sum(e.hit_limit == "max_total_tokens" for e in eps)),
+            "env/policy_tokens": float(sum(sum(e.policy_mask) for e in eps))}

@@ -1,0 +1,185 @@
+"""Multi-turn episodes (colo_rl/rollout/multiturn.py): interleaved policy / observation spans, the
+policy mask through the batch, packing, the loss and the log-prob check; engine log-probs equal
+the trainer's over the policy tokens of real multi-turn episodes."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from colo_rl import algos
+from colo_rl.colocate.handoff import LogprobAgreement
+from colo_rl.config import AlgoConfig, ModelConfig
+from colo_rl.envs import ENVIRONMENTS, Step
+from colo_rl.envs.calls import ParsedTurn
+from colo_rl.models import load_model, load_tokenizer
+from colo_rl.phase import Phase, PhaseGuard
+from colo_rl.rollout.base import Completion, SamplingParams
+from colo_rl.rollout.hf import HFEngine
+from colo_rl.rollout.multiturn import Episode, MultiTurnRollout, episode_metrics, policy_texts
+from colo_rl.train.batch import build_batch, response_logprobs
+from colo_rl.train.packing import pack_groups
+
+TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
+ENV_CFG = SimpleNamespace(format="tags", tool_timeout_s=2.0, tool_memory_mb=256, max_output_chars=64)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("embedded")
+
+
+class ScriptedEngine:
+    """Answers each generate call from a script: per call, per prompt, the text to 'sample' (log-prob
+    -0.5 per token). Records the prompts it was given."""
+
+    def __init__(self, tok, script: list[list[str]]):
+        self.tok, self.script, self.calls = tok, script, []
+
+    def generate(self, prompts, params):
+        self.calls.append([list(p) for p in prompts])
+        texts = self.script[len(self.calls) - 1]
+        expanded = [p for p in prompts for _ in range(params.n)]
+        assert len(texts) == len(expanded)
+        outs = []
+        for p, text in zip(expanded, texts):
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
+            finish = "stop" if ids and ids[-1] == self.tok.eos_token_id else "length"
+            outs.append(Completion(list(p), ids, [-0.5] * len(ids), finish))
+        return outs
+
+
+def encode(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_scripted_episode_has_the_right_spans_masks_and_contexts(tok):
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    engine = ScriptedEngine(tok, [
+        ["12*34 = <calculator>12*34</calculator> = 999 junk<|im_end|>",  # cut after the call
+         "No tool needed. The answer is 7.<|im_end|>",                     # done after one turn
+         "<calculator>12*</calculator>"],                                 # a bad call: an error observation
+        [". The answer is 408.<|im_end|>", "<calculator>1+1</calculator>"],
+        ["The answer is 2.<|im_end|>"]])
+    prompt = encode(tok, "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n")
+    eps = MultiTurnRollout(env, tok, max_turns=4, max_total_tokens=200).generate(
+        engine, [prompt], SamplingParams(max_new_tokens=40, n=3))
+    turn1 = encode(tok, "12*34 = <calculator>12*34</calculator>")
+    obs1 = encode(tok, "<result>408</result>")
+    turn2 = encode(tok, ". The answer is 408.<|im_end|>")
+    a, b, c = eps
+    assert a.token_ids == turn1 + obs1 + turn2
+    assert a.policy_mask == [1] * len(turn1) + [0] * len(obs1) + [1] * len(turn2)
+    assert a.logprobs == [-0.5] * len(turn1) + [0.0] * len(obs1) + [-0.5] * len(turn2)
+    assert (a.turns, a.tool_calls, a.tool_errors, a.hit_limit, a.finish_reason) == (2, 1, 0, "", "stop")
+    assert a.policy_text == "12*34 = <calculator>12*34</calculator>\n. The answer is 408."
+    assert (b.turns, b.tool_calls, b.policy_mask) == (1, 0, [1] * len(b.token_ids))
+    assert (c.turns, c.tool_calls, c.tool_errors) == (3, 2, 1)
+    err = encode(tok, "<result>error: not an arithmetic expression: '12*'</result>")
+    assert c.token_ids[len(encode(tok, "<calculator>12*</calculator>")):][:len(err)] == err
+    # the batch advances together: turn 2 is one call for the two live episodes, turn 3 for one
+    assert [len(call) for call in engine.calls] == [1, 2, 1]
+    assert engine.calls[1][0] == prompt + turn1 + obs1  # the engine continues from the exact token ids
+    m = episode_metrics(eps)
+    assert (m["env/turns"], m["env/tool_calls"], m["env/tool_errors"], m["env/used_tool"]) == (6.0, 3.0, 1.0, 2.0)
+    assert policy_texts(tok, eps)[1] == "No tool needed. The answer is 7."
+
+
+def test_limits_end_episodes(tok):
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    call = "<calculator>1+1</calculator>"
+    engine = ScriptedEngine(tok, [[call, call], [call]])
+    prompt = encode(tok, "Q:")
+    short = MultiTurnRollout(env, tok, max_turns=2, max_total_tokens=len(encode(tok, call)) + 4)
+    a, b = short.generate(engine, [prompt, prompt], SamplingParams(max_new_tokens=40))
+    assert a.hit_limit == b.hit_limit == "max_total_tokens" and a.turns == 1  # no room for the observation
+    engine = ScriptedEngine(tok, [[call], [call]])
+    (c,) = MultiTurnRollout(env, tok, max_turns=2, max_total_tokens=200).generate(engine, [prompt], SamplingParams())
+    assert (c.turns, c.hit_limit, c.finish_reason, c.tool_calls) == (2, "max_turns", "length", 2)
+    assert sum(c.policy_mask) == 2 * len(encode(tok, call))  # the last call is not run: no observation after it
+
+
+def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):
+    """A tensor-parallel group's generate is a collective: a rank whose episodes all ended still
+    calls it every turn (with nothing to generate), with the params the other ranks use."""
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    engine = ScriptedEngine(tok, [["The answer is 1.<|im_end|>"], [], []])
+    engine.lockstep_generate = True
+    params = []
+    generate = engine.generate
+    engine.generate = lambda prompts, p: params.append(p) or generate(prompts, p)
+    (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=100).generate(
+        engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
+    assert ep.turns == 1 and [len(c) for c in engine.calls] == [1, 0, 0]
+    assert [p.max_new_tokens for p in params] == [40, 40, 40]
+
+
+def test_the_policy_mask_flows_through_batch_packing_loss_and_logprob_check(tok):
+    eps = [Episode([5, 6, 7], [1, 2, 3, 4, 5, 6], [-1.0, -1.0, 0.0, 0.0, -1.0, -1.0], "stop", [1, 1, 0, 0, 1, 1]),
+           Episode([5, 6, 7], [8, 9, 10], [-2.0, 0.0, -2.0], "stop", [1, 0, 1])]
+    batch = build_batch([e.prompt_ids for e in eps], [e.token_ids for e in eps], 0,
+                        response_masks=[e.policy_mask for e in eps],
+                        per_token={"rollout_logp": [e.logprobs for e in eps]})
+    expected = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 0, 1, 0, 0, 0]], dtype=torch.float32)
+    assert torch.equal(batch.response_mask, expected)
+    packed = pack_groups([(eps[0].prompt_ids, [e.token_ids for e in eps], batch.select([0, 1]))], torch.float32)
+    assert torch.equal(packed.response_mask, expected)
+    # observation tokens carry no gradient: the loss's gradient is 0 there, whatever their log-probs
+    logp = torch.randn(2, 6, requires_grad=True)
+    adv = algos.ADV_ESTIMATORS.get("grpo")(torch.tensor([1.0, 0.0]), 2, AlgoConfig(), batch.response_mask)
+    loss, _ = algos.rl_loss(logp, logp.detach(), adv, batch.response_mask, AlgoConfig(),
+                            num_tokens=float(batch.response_mask.sum()), num_seqs=2.0)
+    loss.backward()
+    assert torch.all(logp.grad[expected == 0] == 0) and torch.all(logp.grad[expected == 1] != 0)
+    # the engine-vs-trainer check reads policy tokens only: observation log-probs are not the engine's
+    trainer = batch.extras["rollout_logp"].clone()
+    trainer[expected == 0] = -30.0
+    check = LogprobAgreement()
+    check.add(batch.extras["rollout_logp"], trainer, batch.response_mask)
+    assert check.check(0.01) == {"handoff/logprob_diff_mean": 0.0, "handoff/logprob_diff_max": 0.0}
+
+
+class KeepTalking:
+    """A test environment that answers every turn with a fixed observation, so a random model's
+    episodes have several turns (it would never call a real tool)."""
+
+    def first_messages(self, messages):
+        return messages
+
+    def chat_template_kwargs(self):
+        return {}
+
+    def parse(self, text):
+        return ParsedTurn(error="always", end=None)
+
+    def step(self, text, closed):
+        return Step(observation=f"<|im_end|>\n<|im_start|>user\nresult {len(text) % 7}<|im_end|>\n"
+                                "<|im_start|>assistant\n", error="always")
+
+
+def test_engine_logprobs_equal_trainer_logprobs_over_policy_tokens(tok):
+    model = load_model(TINY, torch.float32, seed=3)
+    guard = PhaseGuard()
+    guard.phase = Phase.GENERATION
+    engine = HFEngine(model, [tok.eos_token_id], tok.pad_token_id, guard=guard, max_batch=8, seed=11)
+    prompts = [encode(tok, "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"),
+               encode(tok, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")]
+    eps = MultiTurnRollout(KeepTalking(), tok, max_turns=3, max_total_tokens=60).generate(
+        engine, prompts, SamplingParams(max_new_tokens=8, temperature=0.8, n=2))
+    assert all(e.turns == 3 for e in eps) and all(0 in e.policy_mask for e in eps)
+    batch = build_batch([e.prompt_ids for e in eps], [e.token_ids for e in eps], tok.pad_token_id,
+                        response_masks=[e.policy_mask for e in eps],
+                        per_token={"rollout_logp": [e.logprobs for e in eps]})
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        padded, _ = response_logprobs(model, batch, temperature=0.8)
+        rows = [[0, 1], [2, 3]]
+        packed = [response_logprobs(model, pack_groups([(eps[g[0]].prompt_ids, [eps[i].token_ids for i in g],
+                                                          batch.select(g))], torch.float32), 0.8)[0] for g in rows]
+    engine_lp = batch.extras["rollout_logp"]
+    assert (padded - engine_lp)[mask].abs().max() < 1e-4
+    for g, lp in zip(rows, packed):
+        sub = batch.select(g)
+        assert (lp[:, :sub.response_len] - sub.extras["rollout_logp"])[sub.response_mask.bool()].abs().max() < 1e-4
+    # and the check is not vacuous: observation tokens' trainer log-probs are far from the 0 stored for them
+    assert padded[~mask & batch.attention_mask[:, -batch.response_len:].bool()].abs().min() > 0.1
