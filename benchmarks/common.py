@@ -145,7 +145,8 @@ def command(argv: Optional[list[str]] = None) -> str:
         if p.is_relative_to(ROOT):
             argv[0] = str(p.relative_to(ROOT))
         argv.insert(0, "python")
-    return shlex.join(argv)
+    root = f"{ROOT}/"  # committed results name paths inside the repo relative to it
+    return shlex.join(a[len(root):] if a.startswith(root) else a for a in argv)
 
 
 def meta(argv: Optional[list[str]] = None) -> dict:
