@@ -1,6 +1,6 @@
 """Named registries: a decorator registers a function under a name, `get` finds it or says which names exist.
 
-The config's choices are the registries' names (`colo_rl/config.py` reads them), so adding an
+The config's choices are the registries' names (`colo_rl/config/validation.py` reads them), so adding an
 algorithm is one decorated function: the option accepts it everywhere at once.
 """
 

@@ -1,4 +1,4 @@
-"""One home per option: defaults live in colo_rl/config.py's dataclasses; a YAML group sets only
+"""One home per option: defaults live in colo_rl/config/schema.py's dataclasses; a YAML group sets only
 what it exists to change, and says why. Fails when a composed recipe config differs from the
 schema's defaults in a key no YAML sets with a reason, or when a YAML restates a default."""
 
@@ -91,7 +91,7 @@ def test_every_difference_from_the_schema_is_set_in_a_yaml_with_a_reason(name, r
             stated[key] = stated.get(key, False) or reasoned
             if key in schema and key not in IDENTITY and composed.get(key) == schema[key]:
                 pytest.fail(f"{path.relative_to(CONF.parent)}: {key} restates the schema's default {schema[key]!r}: "
-                            f"remove it (the default's home is colo_rl/config.py)")
+                            f"remove it (the default's home is colo_rl/config/schema.py)")
     for key, value in composed.items():
         if key.startswith("hydra.") or key not in schema or value == schema[key]:
             continue
