@@ -107,6 +107,8 @@ class WandbWriter:
     def __init__(self, run_dir: Path, config: dict):
         import wandb  # the optional extra [wandb]: imported only when logger lists it
 
+        self.wandb = wandb
+
         run_dir = Path(run_dir)
         mode = wandb_mode()
         # The run's id follows its directory: a resumed run (resume=auto) continues the same wandb run.
@@ -123,6 +125,9 @@ class WandbWriter:
 
     def close(self) -> None:
         self.run.finish()
+        # Stop wandb's service process now: left to atexit, it is already gone once SGLang's exit hook
+        # has killed this process's children, and wandb's teardown prints a ConnectionResetError trace.
+        self.wandb.teardown()
 
 
 LOGGERS.register("jsonl")(JsonlWriter)
