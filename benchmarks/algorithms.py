@@ -6,7 +6,7 @@ loss, same seed; then the default (grpo) again with other seeds for the spread a
     python benchmarks/algorithms.py --smoke              # tiny random model, 2 steps: plumbing only
 
 Each run is `make demo` (recipes/grpo.py on SmolLM2-135M-Instruct, arithmetic, 14 steps of 8 prompts x 8
-completions, 2 ranks) with one change shared by every variant:
+completions, 2 ranks, in fp32) with one change shared by every variant:
   * trainer.mini_batches_per_step=2: two optimizer steps per rollout batch. With one (the demo's
     setting) the only pass is on-policy, every importance ratio is exactly 1, and PPO-clip, dual-clip
     and CISPO give the same gradient: the comparison would only compare estimators. Two
@@ -53,7 +53,9 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
 # What the suite runs (each ~8 min on an idle 2-core machine): grpo_dual_clip on request only.
 DEFAULT_VARIANTS = [n for n in VARIANTS if n != "grpo_dual_clip"]
 DEFAULT_SEED = 7  # conf/trainer/grpo_cpu.yaml
-SHARED = ["trainer.mini_batches_per_step=2", "logger=[jsonl]", "plots=false"]
+# fp32 pinned: model.dtype=auto picks bf16 on CPUs with native bf16 (AVX-512 BF16 / AMX), so the
+# table would otherwise depend on which machine ran it.
+SHARED = ["trainer.mini_batches_per_step=2", "model.dtype=fp32", "logger=[jsonl]", "plots=false"]
 SMOKE = ["model=tiny", "trainer.total_steps=2", "trainer.eval_every=1", "rollout.max_new_tokens=8",
          "rollout.eval_max_new_tokens=8", "data.eval_size=8"]
 
