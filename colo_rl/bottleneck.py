@@ -17,8 +17,11 @@ pool. Weight transfer between pools is not modelled (it is at least the colocate
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
+from pathlib import Path
 from typing import Iterable
 
 # time/reward_model: the reward model scores on the training GPUs, in the update phase.
@@ -84,3 +87,32 @@ def format_report(report: dict) -> str:
             f"pool {100 * best['generation_idle_share']:.0f} %, training pool {100 * best['training_idle_share']:.0f} %; "
             f"colocation pays {100 * report['colocated']['switch_share']:.1f} % switching and no idle pool")
     return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """`python -m colo_rl.bottleneck RUN_DIR [--gpus N]`: the report of a run directory's metrics.jsonl,
+    e.g. for a run stopped before its end, or to ask what another GPU count would change."""
+    p = argparse.ArgumentParser(prog="python -m colo_rl.bottleneck", description=main.__doc__)
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--gpus", type=int, default=None, help="devices of the node (default: the run's world size)")
+    p.add_argument("--skip", type=int, default=1, help="first steps dropped as warm-up")
+    args = p.parse_args(argv)
+    metrics = args.run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        p.error(f"{metrics}: no such file (a GRPO run directory holds metrics.jsonl)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    gpus = args.gpus
+    if gpus is None:
+        summary = args.run_dir / "summary.json"
+        gpus = json.loads(summary.read_text()).get("bottleneck", {}).get("gpus") if summary.is_file() else None
+    if not gpus:
+        p.error("the run's world size is not in summary.json: give --gpus N")
+    try:
+        print(format_report(bottleneck_report(rows, gpus, args.skip)))
+    except ValueError as e:
+        p.error(f"{metrics}: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

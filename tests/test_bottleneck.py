@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from colo_rl.bottleneck import bottleneck_report, format_report, split_layout
+from colo_rl.bottleneck import bottleneck_report, format_report, main, split_layout
 
 
 def rows(gen: float, logprobs: float, update: float, handoff: float, switch: float, reward: float, n: int = 4):
@@ -48,3 +50,20 @@ def test_one_gpu_has_no_split_and_warm_up_steps_are_dropped():
     assert report["splits"] == [] and "best_split" not in report
     assert report["seconds_per_step"]["generation"] == pytest.approx(1.0)
     assert split_layout(1.0, 1.0, 0.0, 4, 2)["step_seconds"] == pytest.approx(2.0)
+
+
+def test_the_command_reports_a_run_directory_and_names_what_is_missing(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in rows(gen=6.0, logprobs=0.5, update=1.5, handoff=0.3, switch=0.2, reward=0.5)))
+    with pytest.raises(SystemExit, match="2"):
+        main([str(tmp_path)])  # no summary.json, no --gpus
+    assert "give --gpus N" in capsys.readouterr().err
+    assert main([str(tmp_path), "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout-bound" in out and "best split 6 gen / 2 train would take 8.50 s/step" in out
+    (tmp_path / "summary.json").write_text(json.dumps({"bottleneck": {"gpus": 2}}))
+    assert main([str(tmp_path)]) == 0
+    assert "(3 steps, 2 ranks)" in capsys.readouterr().out  # world size from summary.json; step 1 dropped as warm-up
+    with pytest.raises(SystemExit, match="2"):
+        main([str(tmp_path / "nowhere")])
+    assert "metrics.jsonl: no such file" in capsys.readouterr().err
