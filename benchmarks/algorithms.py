@@ -178,10 +178,11 @@ def collect(variants: list[str], seeds: list[int], work: Path, steps: int) -> di
         if seed != DEFAULT_SEED and (work / f"grpo-seed{seed}" / "summary.json").exists():
             runs[f"grpo-seed{seed}"] = {"variant": "grpo", **summarise(work / f"grpo-seed{seed}")}
     result = {"variants": variants, "steps": steps, "shared": SHARED, "runs": runs}
-    ends = [r["heldout_end"] for r in runs.values() if r["variant"] == "grpo"]
-    deltas = [r["heldout_delta"] for r in runs.values() if r["variant"] == "grpo"]
-    if len(ends) >= 2:
-        result["seed_spread"] = {"seeds": sorted({DEFAULT_SEED, *seeds}), "mean": statistics.fmean(ends),
+    grpo = {int(k.rsplit("seed", 1)[1]): r for k, r in runs.items() if r["variant"] == "grpo"}
+    ends = [r["heldout_end"] for r in grpo.values()]
+    deltas = [r["heldout_delta"] for r in grpo.values()]
+    if len(ends) >= 2:  # the seeds that finished, not the ones asked for
+        result["seed_spread"] = {"seeds": sorted(grpo), "mean": statistics.fmean(ends),
                                  "std": statistics.stdev(ends), "min": min(ends), "max": max(ends),
                                  "delta_mean": statistics.fmean(deltas)}
     if runs:

@@ -136,3 +136,36 @@ def test_phase_memory_attributes_peaks_to_every_open_phase():
     assert s["step"]["peak_gib"] * common.GIB == 500
     assert s["step"]["entry_gib"] * common.GIB == 100
     assert mem.summary([1]) == {}
+
+
+def _fake_demo_run(work: Path, name: str, seed: int, end: float, reward: float) -> None:
+    run = work / f"{name}-seed{seed}"
+    run.mkdir(parents=True)
+    rows = [{"step": 0, "eval/accuracy": 0.015}]
+    rows += [{"step": i, "reward/mean": reward, "reward/accuracy": reward / 2, "time/step": 10.0 + i,
+              "train/clip_frac": 0.01} for i in range(1, 15)]
+    rows[-1]["eval/accuracy"] = end
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (run / "summary.json").write_text("{}")
+
+
+def test_algorithm_table_names_the_winner_against_the_seed_spread(tmp_path):
+    from benchmarks import algorithms
+
+    for name, end in [("grpo", 0.40), ("rloo", 0.45), ("gspo", 0.30)]:
+        _fake_demo_run(tmp_path, name, 7, end, reward=end)
+    _fake_demo_run(tmp_path, "grpo", 8, 0.44, reward=0.4)
+    result = algorithms.collect(["grpo", "rloo", "gspo", "cispo"], [7, 8, 9], tmp_path, steps=14)
+    assert sorted(result["runs"]) == ["grpo-seed7", "grpo-seed8", "gspo-seed7", "rloo-seed7"]  # cispo, seed 9: not run
+    spread = result["seed_spread"]
+    assert spread["seeds"] == [7, 8] and spread["mean"] == pytest.approx(0.42)
+    assert spread["std"] == pytest.approx(0.04 / 2 ** 0.5)  # sample std of 0.40, 0.44
+    assert result["runs"]["rloo-seed7"]["heldout_delta"] == pytest.approx(0.435)
+    assert result["runs"]["rloo-seed7"]["s_per_step"] == pytest.approx(17.5)  # median of 11..24 s
+    assert result["winner"]["variant"] == "rloo"
+    # 5 points over grpo seed 7, within 2 x 0.028 = 5.7: one run per variant cannot tell it from seed noise
+    assert "beats grpo by 5.0 points, within twice grpo's seed std" in result["winner"]["verdict"]
+    md = algorithms.table({**result, "shared": algorithms.SHARED})
+    assert "| rloo | 0.015 | 0.450 | +43.5 |" in md and "grpo-seed8" not in md.split("Variants:")[0]
+    runs = {**result["runs"], "rloo-seed7": {**result["runs"]["rloo-seed7"], "heldout_end": 0.50}}
+    assert algorithms.verdict(runs, spread)[1] == "It beats grpo by 10.0 points, more than twice grpo's seed std."
