@@ -1,7 +1,7 @@
 """Algorithm comparison: the embedded demo's task and budget, once per advantage estimator / policy
 loss, same seed; then the default (grpo) again with other seeds for the spread a seed alone causes.
 
-    python benchmarks/algorithms.py                      # 7 variants + 2 extra seeds of grpo (~75 min, 2 idle cores)
+    python benchmarks/algorithms.py                      # 7 variants + 2 extra seeds of grpo (~85 min, 2 idle cores: ~9.5 min a run)
     python benchmarks/algorithms.py --variants grpo,rloo --seeds 7
     python benchmarks/algorithms.py --smoke              # tiny random model, 2 steps: plumbing only
 
