@@ -310,6 +310,7 @@ class GRPORecipe:
         per_step = len(plan) // cfg.trainer.mini_batches_per_step
         sums = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
         step_stats: dict[str, float] = {}
+        handoff_stats: dict[str, float] = {}  # the engine-vs-trainer check, kept past later optimizer steps
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
         with self.timer("update"):
             for epoch in range(cfg.trainer.ppo_epochs):
@@ -342,7 +343,7 @@ class GRPORecipe:
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
-                        step_stats.update(agreement.check(cfg.colocate.handoff_check_max_mean_abs))
+                        handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
         totals = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))  # same keys, same order on every rank
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
@@ -351,7 +352,7 @@ class GRPORecipe:
                "train/entropy": ent_sum / max(tok, 1), "train/grad_norm": step_stats["grad_norm"],
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
                "train/skipped_steps_total": float(actor.nonfinite_total),
-               **{k: v for k, v in step_stats.items() if k.startswith("handoff/")}}
+               **handoff_stats}
         if ref is not None:
             out["train/kl"] = kl_sum / max(tok, 1)
             if algos.kl_goes_in_reward(algo):

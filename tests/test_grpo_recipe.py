@@ -118,20 +118,24 @@ def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     assert max(row["sampling/rounds"] for row in r) > 1  # extra rounds were sampled
 
 
-def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
-    """Two optimizer steps per rollout batch with dual-clip on: the second mini-batch sees weights the
-    samples did not come from, so its importance ratios leave 1; every statistic the policy loss
-    returns (clip fraction, dual-clip fraction, mean ratio, KL to pi_old) reaches metrics.jsonl."""
+@pytest.mark.parametrize("passes", ["trainer.mini_batches_per_step=2", "trainer.ppo_epochs=2"])
+def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path, passes):
+    """Two optimizer steps per rollout batch (two mini-batches, or two PPO epochs over one) with
+    dual-clip on: the second sees weights the samples did not come from, so its importance ratios
+    leave 1; every statistic the policy loss returns (clip fraction, dual-clip fraction, mean ratio,
+    KL to pi_old) and the engine-vs-trainer check reach metrics.jsonl."""
     d = tmp_path / "run"
     run_torchrun(WORKERS / "grpo_resume_worker.py",
                  ["model=tiny", "trainer.total_steps=1", "data.eval_size=2", "rollout.prompts_per_step=4",
                   "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
-                  "trainer.micro_batch_size=2", "trainer.lr=1e-2", "trainer.mini_batches_per_step=2",
+                  "trainer.micro_batch_size=2", "trainer.lr=1e-2", passes,
                   "algo.clip_ratio_c=1.5", "reward.functions=[letter_share]", "reward.format_weight=0",
                   "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     row = rows(d)[1]
     for key in ("train/clip_frac", "train/dual_clip_frac", "train/ratio_mean", "train/approx_kl_old"):
         assert key in row, key
+    # measured before the first optimizer step, so as exact as on-policy (fp32 tiny model)
+    assert row["handoff/logprob_diff_mean"] < 1e-4 and "handoff/logprob_diff_max" in row
     assert row["train/ratio_mean"] != pytest.approx(1.0, abs=1e-6)  # the second mini-batch is off-policy
     assert row["train/approx_kl_old"] > 0
     assert 0 <= row["train/dual_clip_frac"] <= 1
