@@ -24,6 +24,8 @@ import statistics
 from pathlib import Path
 from typing import Iterable
 
+from colo_rl.metrics import read_jsonl
+
 # time/reward_model: the reward model scores on the training GPUs, in the update phase.
 PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update", "time/reward_model"],
           "switch": ["time/handoff", "time/phase_switch"], "other": ["time/reward"]}
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
     metrics = args.run_dir / "metrics.jsonl"
     if not metrics.is_file():
         p.error(f"{metrics}: no such file (a GRPO run directory holds metrics.jsonl)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics)
     gpus = args.gpus
     if gpus is None:
         summary = args.run_dir / "summary.json"
