@@ -134,6 +134,18 @@ def sh(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
+def find_python312() -> str | None:
+    """A python3.12 that runs: PATH's may be a pyenv shim that exits 127 when 3.12 is installed but
+    not selected, so each candidate is tried."""
+    candidates = [shutil.which("python3.12"), "/usr/bin/python3.12", "/usr/local/bin/python3.12",
+                  *sorted(str(p) for p in Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))]
+    for cand in filter(None, candidates):
+        if Path(cand).exists() and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+                          capture_output=True).returncode == 0:
+            return cand
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--venv", type=Path, default=ROOT / ".whl" / "check-venv")
@@ -142,7 +154,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     py = args.venv / "bin" / "python"
     if not py.exists():
-        base = shutil.which("python3.12")
+        base = find_python312()
         if base is None:
             print("the check needs a python3.12 (the GPU image's Python): install one (e.g. pyenv) and rerun",
                   file=sys.stderr)
