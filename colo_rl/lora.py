@@ -1,4 +1,5 @@
-"""LoRA adapters (PEFT) on a causal LM: wrapping, the names they travel under, merging.
+"""LoRA adapters (PEFT) on a causal LM: wrapping, the names they travel under, merging, and the
+fingerprint of the frozen base that a LoRA checkpoint keeps instead of the base itself.
 
 Three namings meet here:
 - PEFT's module names (what the trainer's and the HF engine's wrapped models hold):
@@ -115,3 +116,49 @@ def merged_tensors(named: list[tuple[str, torch.Tensor]], scaling: float) -> lis
 
 def lora_scaling(lora_cfg) -> float:
     return float(lora_cfg.alpha) / float(lora_cfg.rank)
+
+
+FROZEN_BASE_KEY = "colo_rl_frozen_base"  # client_state key of a LoRA checkpoint's base fingerprint
+
+
+def tensor_fingerprint(t: torch.Tensor, chunk: int = 1 << 22) -> tuple[int, int]:
+    """Two int64 sums over a tensor's bit patterns: plain and position-weighted (weights 1..65521),
+    wrapping modulo 2^64, so the result does not depend on the device or the reduction order: a
+    changed element always changes it, values moved between positions almost always. Cheap on any
+    device (no host copy of the tensor)."""
+    flat = t.detach().reshape(-1)
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[flat.element_size()]
+    flat = flat.view(bits)
+    plain = weighted = 0
+    for start in range(0, flat.numel(), chunk):
+        x = flat[start:start + chunk].to(torch.int64)
+        w = torch.arange(start, start + x.numel(), device=x.device, dtype=torch.int64) % 65521 + 1
+        plain += int(x.sum())
+        weighted += int((x * w).sum())
+    wrap = lambda v: (v + 2**63) % 2**64 - 2**63  # noqa: E731  (the Python sums of chunks, back to int64)
+    return wrap(plain), wrap(weighted)
+
+
+def local_part(p: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a parameter: its ZeRO-3 shard (`ds_tensor`) without the padding
+    DeepSpeed leaves uninitialised at the end of the last rank's shard (partition_parameters.py:
+    torch.empty, then only the real elements copied), or the whole tensor without ZeRO-3."""
+    shard = getattr(p, "ds_tensor", None)
+    if shard is None:
+        return p.data
+    import torch.distributed as tdist
+
+    group = getattr(p, "ds_process_group", None)
+    start = (tdist.get_rank(group=group) if tdist.is_initialized() else 0) * shard.numel()
+    return shard.reshape(-1)[:max(0, min(shard.numel(), p.ds_numel - start))]
+
+
+def frozen_fingerprint(named_parameters) -> dict[str, tuple[int, int]]:
+    """{name: tensor_fingerprint} of this rank's part of every frozen parameter."""
+    return {n: tensor_fingerprint(local_part(p)) for n, p in named_parameters if not p.requires_grad}
+
+
+def fingerprint_differences(saved: dict, current: dict) -> list[str]:
+    """Names whose fingerprints differ, or that only one side has (sorted)."""
+    saved = {n: tuple(v) for n, v in saved.items()}
+    return sorted(n for n in set(saved) | set(current) if saved.get(n) != current.get(n))

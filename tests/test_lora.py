@@ -158,3 +158,40 @@ def test_a_checkpoint_from_before_lora_resumes_with_lora_off_and_is_refused_with
     with_lora.model.lora.rank = 8
     refusals, _ = compare_configs(saved, config_container(with_lora))
     assert [r.split(":")[0] for r in refusals] == ["model.lora.rank"]
+
+
+def test_tensor_fingerprint_sees_every_change_and_not_the_layout():
+    from colo_rl.lora import fingerprint_differences, tensor_fingerprint
+
+    t = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    fp = tensor_fingerprint(t)
+    assert tensor_fingerprint(t.clone().reshape(10, 100)) == fp
+    assert tensor_fingerprint(t, chunk=7) == fp  # chunking does not change the sums
+    flipped = t.clone()
+    flipped.view(torch.int32)[500] ^= 1  # the lowest mantissa bit of one element
+    assert tensor_fingerprint(flipped)[0] != fp[0]
+    swapped = t.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]  # same values, other places: only the weighted sum sees it
+    assert tensor_fingerprint(swapped)[0] == fp[0] and tensor_fingerprint(swapped)[1] != fp[1]
+    assert tensor_fingerprint(t.to(torch.bfloat16)) != tensor_fingerprint(t.to(torch.bfloat16) * 2)
+    # a fingerprint read back from a checkpoint may come as lists; names on one side only differ
+    saved = {"a": list(fp), "b": [1, 2]}
+    assert fingerprint_differences(saved, {"a": fp, "b": (1, 2)}) == []
+    assert fingerprint_differences(saved, {"a": fp, "c": (1, 2)}) == ["b", "c"]
+
+
+def test_local_part_leaves_out_the_last_shards_padding(monkeypatch):
+    """ZeRO-3 pads each parameter to a multiple of the world size; the last rank's padding is
+    uninitialised memory, so the fingerprint must not read it."""
+    import types
+
+    import torch.distributed as tdist
+
+    from colo_rl.lora import local_part
+
+    shard = torch.arange(4.0)  # 10 elements over 3 ranks: shards of 4, the last holds 2 + 2 padding
+    param = types.SimpleNamespace(ds_tensor=shard, ds_numel=10, ds_process_group=None)
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    for rank, numel in ((0, 4), (1, 4), (2, 2)):
+        monkeypatch.setattr(tdist, "get_rank", lambda group=None, r=rank: r)
+        assert local_part(param).numel() == numel

@@ -71,3 +71,15 @@ def test_export_loads_with_peft_and_as_a_merged_model(reports):
     rep = reports[1][0]
     assert rep["merged_vs_trainer"] < 1e-5
     assert rep["peft_vs_trainer"] < 1e-5
+
+
+def test_checkpoint_holds_adapters_not_the_base_and_refuses_another_base(reports):
+    _, reps = reports
+    for rep in reps:
+        assert not rep["ckpt_frozen_fragments"] and rep["ckpt_has_fingerprint"]
+        # adapters + their fp32 optimizer state and pickling overhead: far below the base alone
+        assert rep["ckpt_bytes"] < rep["base_bytes"] / 4, (rep["ckpt_bytes"], rep["base_bytes"])
+        assert "cannot resume" in rep["changed_base_error"] and "model.path" in rep["changed_base_error"]
+    assert reps[0]["loaded_equal"]  # a fresh actor (the base rebuilt, the adapters loaded) equals the saved one
+    assert "on another rank" in reps[0]["changed_base_error"]
+    assert "frozen tensors differ" in reps[1]["changed_base_error"]

@@ -11,7 +11,8 @@ On disk, one directory per checkpoint under <run_dir>/checkpoints/:
 
     step-000004/
       ds/                DeepSpeed's own checkpoint (engine.save_checkpoint): every rank writes its
-                         ZeRO shards: model, optimizer, scheduler, DeepSpeed's step counters
+                         ZeRO shards: model, optimizer, scheduler, DeepSpeed's step counters (with
+                         LoRA: the adapters only, and a fingerprint of the rank's frozen base shards)
       rank00000.pt ...   per rank: Python / NumPy / torch (+ CUDA) RNG states, the rollout engine's
                          sampling RNG (each rank seeds differently)
       state.json         step, data-sampler position and shuffle epoch, trainer counters, world size

@@ -13,13 +13,14 @@ import torch
 
 from colo_rl import dist
 from colo_rl.config import ConfigError
-from colo_rl.errors import NonFiniteError
-from colo_rl.lora import apply_lora, lora_enabled
+from colo_rl.errors import CheckpointError, NonFiniteError
+from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, response_logprobs
 
 log = logging.getLogger("colo_rl")
+
 
 
 def build_ds_config(trainer_cfg, dtype: torch.dtype, with_optimizer: bool, grad_accum: int = 1) -> dict:
@@ -275,16 +276,46 @@ class DeepSpeedActor:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str, tag: str) -> None:
-        """DeepSpeed's checkpoint: every rank writes its shards (model, optimizer, scheduler)."""
-        self.engine.save_checkpoint(directory, tag=tag, client_state={}, save_latest=False)
+        """DeepSpeed's checkpoint: every rank writes its shards (model, optimizer, scheduler). With
+        LoRA the frozen base is left out (it is model.path's weights, rebuilt on resume): only the
+        adapters, their optimizer state and a fingerprint of this rank's base shards are written."""
+        client = {FROZEN_BASE_KEY: self.frozen_base_fingerprint()} if self.lora else {}
+        self.engine.save_checkpoint(directory, tag=tag, client_state=client, save_latest=False,
+                                    exclude_frozen_parameters=self.lora)
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
-        """Load DeepSpeed's checkpoint into this freshly built engine (ZeRO-3 needs a pristine one)."""
-        load_path, _ = self.engine.load_checkpoint(directory, tag=tag, load_module_strict=True,
-                                                   load_optimizer_states=True, load_lr_scheduler_states=True)
+        """Load DeepSpeed's checkpoint into this freshly built engine (ZeRO-3 needs a pristine one).
+        A LoRA checkpoint lacks the base (not strict); the base this run rebuilt must be the one the
+        adapters were trained on (its fingerprint), else CheckpointError on every rank."""
+        load_path, client = self.engine.load_checkpoint(directory, tag=tag, load_module_strict=not self.lora,
+                                                        load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} under {directory}")
+        if self.lora:
+            self._check_frozen_base((client or {}).get(FROZEN_BASE_KEY), directory)
         self._replay_cpu_adam_steps()
+
+    def frozen_base_fingerprint(self) -> dict[str, tuple[int, int]]:
+        return frozen_fingerprint(self.module.named_parameters())
+
+    def _check_frozen_base(self, saved: Optional[dict], directory: str) -> None:
+        """Every rank compares its base shards with the checkpoint's fingerprint; one all-reduce
+        makes every rank raise together. A checkpoint without a fingerprint (written before LoRA
+        checkpoints left the base out) holds the base itself: nothing to check."""
+        if saved is None:
+            return
+        current = self.frozen_base_fingerprint()
+        differing = fingerprint_differences(saved, current)
+        if dist.all_reduce_max([float(bool(differing))])[0] == 0:
+            return
+        where = (f"on rank {dist.rank()}: {len(differing)} of {len(current)} frozen tensors differ, the first "
+                 f"{differing[0]}") if differing else "on another rank"
+        base = ("the seeded random base (model.random_init)" if self.cfg.model.random_init
+                else f"the base this run rebuilt from model.path={self.cfg.model.path!r}")
+        raise CheckpointError(
+            f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
+            f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
+            f"run started from (with the same model.dtype), or start a new run (resume=null).")
 
     def _replay_cpu_adam_steps(self) -> None:
         """Make the first step after a resume bit-identical on CPU.

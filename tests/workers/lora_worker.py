@@ -7,7 +7,9 @@ Writes a JSON report per rank that tests/test_lora_dist.py asserts on:
 - a ZeRO-3 step changes adapter parameters only;
 - the reference's log-probs equal a plain (unwrapped) base model's;
 - export: the merged model loads with AutoModelForCausalLM, the adapter with PEFT, and both give the
-  trainer's log-probs.
+  trainer's log-probs;
+- checkpoint: it holds the adapters and a fingerprint of the base, not the base; a fresh actor loads
+  it back to the same parameters; one whose base differs (on rank 1 only) is refused on both ranks.
 Argument 3: the handoff mode override (auto | merged).
 """
 
@@ -23,9 +25,11 @@ from colo_rl import algos, dist
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import AlgoConfig, LoraConfig, ModelConfig, RunConfig, TrainerConfig
-from colo_rl.lora import is_adapter
+from colo_rl.errors import CheckpointError
+from colo_rl.lora import FROZEN_BASE_KEY, is_adapter, local_part
 from colo_rl.models import load_model, load_tokenizer
 from colo_rl.rollout.base import SamplingParams
+from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.adapters import BaseReference
 from colo_rl.train.batch import build_batch
 
@@ -44,6 +48,34 @@ def all_params_on_rank0(actor):
     names = [n for n, _ in actor.named_parameter_sizes()]
     with actor.gathered(names) as tensors:
         return {n: t.detach().clone() for n, t in tensors} if dist.is_rank0() else None
+
+
+def checkpoint_report(cfg, actor, directory: Path, saved_params) -> dict:
+    """Save the trained actor; load it into a fresh actor and into one whose base differs on rank 1."""
+    actor.save_checkpoint(str(directory), "ds")
+    files = sorted((directory / "ds").glob(f"*rank_{dist.rank()}_*model_states.pt"))
+    state = torch.load(files[0], map_location="cpu", weights_only=False)
+    out = {"ckpt_frozen_fragments": state.get("frozen_param_fragments") is not None,
+           "ckpt_has_fingerprint": FROZEN_BASE_KEY in state,
+           "ckpt_bytes": sum(f.stat().st_size for f in (directory / "ds").iterdir() if f.is_file()),
+           "base_bytes": sum(p.ds_numel * 4 for n, p in actor.module.named_parameters() if not is_adapter(n))}
+    fresh = DeepSpeedActor(cfg, torch.float32, total_steps=4)
+    fresh.load_checkpoint(str(directory), "ds")
+    loaded = all_params_on_rank0(fresh)
+    if dist.is_rank0():
+        out["loaded_equal"] = loaded.keys() == saved_params.keys() and all(
+            torch.equal(loaded[n], saved_params[n]) for n in loaded)
+    other = DeepSpeedActor(cfg, torch.float32, total_steps=4)
+    if dist.rank() == 1:  # another base on one rank only: every rank must still refuse
+        frozen = [p for n, p in other.module.named_parameters() if not is_adapter(n) and local_part(p).numel()]
+        with torch.no_grad():
+            local_part(frozen[0])[0] += 1.0
+    try:
+        other.load_checkpoint(str(directory), "ds")
+        out["changed_base_error"] = None
+    except CheckpointError as e:
+        out["changed_base_error"] = str(e)
+    return out
 
 
 def main(out_path: str, run_dir: str, handoff: str) -> None:
@@ -110,6 +142,7 @@ def main(out_path: str, run_dir: str, handoff: str) -> None:
                                          run / "export" / "adapter")
         report["peft_vs_trainer"] = float((teacher_forced(peft, batch) - trainer_lp1).abs().max())
     report["ledger"] = colo.ledger.records
+    report.update(checkpoint_report(cfg, actor, run / "ckpt", after))
     Path(f"{out_path}.rank{dist.rank()}.json").write_text(json.dumps(report, default=str))
     dist.cleanup()
 
