@@ -36,6 +36,7 @@ PRESETS = {
         "step_breakdown": ["benchmarks/step_breakdown.py", "--skip", "2", "trainer.total_steps=8", *RACE_WORK],
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
+        "tool_turns": ["benchmarks/tool_turns.py"],  # ~2 min
         # the demo once per estimator / loss and grpo on 3 seeds: about 80 minutes of the suite's time
         "algorithms": ["benchmarks/algorithms.py"],
     },
@@ -47,6 +48,8 @@ PRESETS = {
                            "rollout.max_new_tokens=8"],
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m", "--repeats", "1", "--memcpy-mb", "64"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "2", "--max-new-tokens", "4"],
+        "tool_turns": ["benchmarks/tool_turns.py", "--override", "model=tiny", "--override", "rollout.max_new_tokens=8",
+                       "--prompts", "2", "--repeats", "1"],
         "algorithms": ["benchmarks/algorithms.py", "--smoke", "--variants", "grpo,gspo", "--seeds", "7"],
     },
     "gpu": {
@@ -68,7 +71,7 @@ def plan(preset: str, only: list[str] | None, out: Path = common.RESULTS) -> lis
         if only and name not in only:
             continue
         argv = list(argv) + ["--out", str(out)]
-        if name in ("step_breakdown", "handoff", "race_trl"):
+        if name in ("step_breakdown", "handoff", "race_trl", "tool_turns"):
             argv.append("--no-readme")  # the suite writes the README once at the end
         steps.append((name, argv))
     return steps

@@ -89,6 +89,7 @@ def test_json_format_parses_a_call_and_where_it_ends():
     parsed = choose_format("json", None, tools("calculator")).parse(text)
     assert parsed.call.name == "calculator" and parsed.call.arguments == {"expression": "2*3"}
     assert text[:parsed.end].endswith("</tool_call>")
+    assert choose_format("json", None, tools("calculator")).stop_strings() == ("</tool_call>",)
     as_string = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"1\\"}"}</tool_call>'
     assert choose_format("json", None, tools("calculator")).parse(as_string).call.arguments == {"expression": "1"}
 
@@ -108,6 +109,7 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
     assert fmt.observation("408", turn_closed=True).startswith("\n<|im_start|>user\n<result>408</result>")
     assert fmt.parse("no call here, <b>bold</b>?").error == "unknown tool <b>; available: ['calculator', 'python']"
     assert not fmt.parse("plain text 1 < 2 > 0").wants_tool
+    assert fmt.stop_strings() == ("</calculator>", "</python>")  # where a call ends: the engine may stop there
 
 
 # ------------------------------------------------------------------ environment: faults are observations

@@ -55,6 +55,29 @@ def test_greedy_is_deterministic_and_batch_independent(setup):
     assert together[1].token_ids == alone[0].token_ids
 
 
+def test_generation_ends_at_the_token_completing_a_stop_string(setup):
+    """A stop string taken from a greedy run's own text: the stopped run is that run's prefix up to
+    the token whose text completes the string (kept whole), finish_reason "stop_string"; other rows
+    go on; without the tokenizer the engine says what it needs."""
+    tok, model, engine, guard = setup
+    prompts = [tok("What is 2 + 2?")["input_ids"], tok("Hello there")["input_ids"]]
+    free = engine.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True))
+    ids = free[0].token_ids
+    stop = tok.decode(ids[3:6])[1:]  # starts inside token 3, ends with token 5
+    k = next(k for k in range(1, len(ids) + 1) if stop in tok.decode(ids[:k]))
+    engine.tokenizer = tok
+    try:
+        stopped = engine.generate(prompts, SamplingParams(max_new_tokens=12, greedy=True, stop=(stop,)))
+    finally:
+        engine.tokenizer = None
+    assert stopped[0].token_ids == ids[:k] and stopped[0].finish_reason == "stop_string"
+    assert stopped[0].logprobs == pytest.approx(free[0].logprobs[:k], abs=1e-5)
+    if stop not in tok.decode(free[1].token_ids):
+        assert stopped[1].token_ids == free[1].token_ids and stopped[1].finish_reason == free[1].finish_reason
+    with pytest.raises(ValueError, match="needs the engine's tokenizer"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=4, greedy=True, stop=("x",)))
+
+
 def test_sleep_frees_weights_and_load_weights_restores_them(setup):
     tok, model, engine, _ = setup
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -33,11 +33,13 @@ class ScriptedEngine:
     """Answers each generate call from a script: per call, per prompt, the text to 'sample' (log-prob
     -0.5 per token). Records the prompts it was given."""
 
-    def __init__(self, tok, script: list[list[str]]):
-        self.tok, self.script, self.calls = tok, script, []
+    def __init__(self, tok, script: list[list[str]], honour_stop: bool = False):
+        self.tok, self.script, self.calls, self.params = tok, script, [], []
+        self.honour_stop = honour_stop  # as the HF engine: end after the token completing a stop string
 
     def generate(self, prompts, params):
         self.calls.append([list(p) for p in prompts])
+        self.params.append(params)
         texts = self.script[len(self.calls) - 1]
         expanded = [p for p in prompts for _ in range(params.n)]
         assert len(texts) == len(expanded)
@@ -45,6 +47,11 @@ class ScriptedEngine:
         for p, text in zip(expanded, texts):
             ids = self.tok(text, add_special_tokens=False)["input_ids"][:params.max_new_tokens]
             finish = "stop" if ids and ids[-1] == self.tok.eos_token_id else "length"
+            if self.honour_stop and params.stop:
+                k = next((k for k in range(1, len(ids) + 1)
+                          if any(s in self.tok.decode(ids[:k]) for s in params.stop)), None)
+                if k is not None:
+                    ids, finish = ids[:k], "stop_string"
             outs.append(Completion(list(p), ids, [-0.5] * len(ids), finish))
         return outs
 
@@ -83,6 +90,28 @@ def test_scripted_episode_has_the_right_spans_masks_and_contexts(tok):
     m = episode_metrics(eps)
     assert (m["env/turns"], m["env/tool_calls"], m["env/tool_errors"], m["env/used_tool"]) == (6.0, 3.0, 1.0, 2.0)
     assert policy_texts(tok, eps)[1] == "No tool needed. The answer is 7."
+
+
+def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
+    """The driver asks the engine to stop at the tools' closing tags; an engine that does (the HF
+    engine) samples less, and the episodes are those of an engine that runs on to EOS and is cut."""
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    script = [["12*34 = <calculator>12*34</calculator> = 999 junk<|im_end|>", "<calculator>12*</calculator> x",
+               "The answer is 7.<|im_end|>"],
+              [". The answer is 408.<|im_end|>", "<calculator>1+1</calculator> = 2<|im_end|>"],
+              ["The answer is 2.<|im_end|>"]]
+    prompt = encode(tok, "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n")
+    runs = {}
+    for honour in (False, True):
+        engine = ScriptedEngine(tok, script, honour_stop=honour)
+        runs[honour] = MultiTurnRollout(env, tok, max_turns=4, max_total_tokens=200).generate(
+            engine, [prompt], SamplingParams(max_new_tokens=40, n=3))
+        assert all(p.stop == ("</calculator>",) for p in engine.params)
+    fields = ("token_ids", "logprobs", "policy_mask", "turns", "tool_calls", "tool_errors", "finish_reason",
+              "hit_limit", "policy_texts")
+    for cut, stopped in zip(runs[False], runs[True]):
+        assert [getattr(stopped, f) for f in fields] == [getattr(cut, f) for f in fields]
+    assert [e.tool_calls for e in runs[True]] == [1, 2, 0]
 
 
 def test_limits_end_episodes(tok):

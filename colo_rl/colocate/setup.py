@@ -71,7 +71,7 @@ def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     model = model.to(dist.device())
     return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
                     tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
-                    seed=cfg.rollout.seed + 7919 * dist.rank())
+                    seed=cfg.rollout.seed + 7919 * dist.rank(), tokenizer=tokenizer)
 
 
 def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,

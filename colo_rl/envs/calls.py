@@ -56,6 +56,9 @@ class JsonCallFormat:
         return (f"You can call these tools:\n{specs}\nTo call one, write {self.OPEN}{{\"name\": NAME, \"arguments\": "
                 f"{{...}}}}{self.CLOSE}; its result comes back in <tool_response></tool_response>.")
 
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.CLOSE,)
+
     def parse(self, text: str) -> ParsedTurn:
         start = text.find(self.OPEN)
         if start < 0:
@@ -102,6 +105,10 @@ class TagCallFormat(JsonCallFormat):
         examples = " ".join(f"<{t.name}>{t.example[0]}</{t.name}><result>{t.example[1]}</result>"
                             for t in self.tools.values())
         return f"To use a tool, write {uses}; its result follows in <result></result>. Example: {examples}"
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """The known tools' closing tags (a call of an unknown tool runs on to EOS; it is cut all the same)."""
+        return tuple(f"</{name}>" for name in self.tools)
 
     def parse(self, text: str) -> ParsedTurn:
         for m in self._OPEN.finditer(text):

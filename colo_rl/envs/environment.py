@@ -47,6 +47,10 @@ class Environment(Protocol):
     def parse(self, turn_text: str) -> ParsedTurn:
         """Cheap: does the turn call a tool (the driver cuts the turn there)? Runs nothing."""
 
+    def stop_strings(self) -> tuple[str, ...]:
+        """Strings that close a call: an engine that can stops the turn there instead of sampling
+        on to EOS (the driver cuts after the call either way)."""
+
     def step(self, turn_text: str, turn_closed: bool) -> Step:
         """Run what the turn asks for. `turn_closed`: the turn ended with EOS."""
 
@@ -81,6 +85,9 @@ class ToolEnvironment:
 
     def parse(self, turn_text: str) -> ParsedTurn:
         return self.format.parse(turn_text)
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.format.stop_strings()
 
     def step(self, turn_text: str, turn_closed: bool) -> Step:
         parsed = self.format.parse(turn_text)

@@ -21,6 +21,11 @@ class SamplingParams:
     top_p: float = 1.0
     n: int = 1  # completions per prompt, returned contiguously (a GRPO group)
     greedy: bool = False
+    # Generation may also end after the token that completes one of these strings (finish_reason
+    # "stop_string"; the token is kept whole). A saving, not a contract: the HF engine honours it,
+    # SGLang does not (it runs with skip_tokenizer_init, and its stop strings need the tokenizer in
+    # the scheduler), so a caller still cuts what follows a stop string itself (rollout/multiturn.py).
+    stop: tuple[str, ...] = ()
 
 
 @dataclass
@@ -29,7 +34,7 @@ class Completion:
     token_ids: list[int]
     # log softmax(logits / temperature)[token] over the full vocabulary, as the engine sampled it.
     logprobs: list[float]
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS), "length", or "stop_string" (SamplingParams.stop)
 
 
 @dataclass

@@ -27,8 +27,9 @@ log = logging.getLogger("colo_rl")
 
 class HFEngine:
     def __init__(self, model: torch.nn.Module, eos_token_ids: Iterable[int], pad_token_id: int,
-                 guard: Optional[PhaseGuard] = None, max_batch: int = 64, seed: int = 0):
+                 guard: Optional[PhaseGuard] = None, max_batch: int = 64, seed: int = 0, tokenizer=None):
         self.model = model.eval()
+        self.tokenizer = tokenizer  # only for SamplingParams.stop
         self.model.requires_grad_(False)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
@@ -165,6 +166,8 @@ class HFEngine:
             done = torch.isin(tok, self.eos)
             for row in alive[done].tolist():
                 finish[row] = "stop"
+            if params.stop:
+                done = self._mark_stop_strings(done, alive, tokens, finish, params.stop)
             if step == params.max_new_tokens - 1:
                 break
             keep = (~done).nonzero().squeeze(-1)
@@ -178,6 +181,24 @@ class HFEngine:
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         return [Completion(list(p), t, lp, f) for p, t, lp, f in zip(prompts, tokens, logps, finish)]
+
+    def _mark_stop_strings(self, done: torch.Tensor, alive: torch.Tensor, tokens: list[list[int]],
+                           finish: list[str], stops: tuple[str, ...]) -> torch.Tensor:
+        """Rows whose newest token completes a stop string are done ("stop_string"). Only a tail
+        is decoded: a string of c characters lies within its last c + 1 tokens (a token decodes to
+        at least one character), and an earlier occurrence would have stopped the row already."""
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.stop needs the engine's tokenizer: HFEngine(..., tokenizer=...)")
+        window = max(len(s) for s in stops) + 1
+        done = done.clone()
+        for j, row in enumerate(alive.tolist()):
+            if done[j]:
+                continue
+            tail = self.tokenizer.decode(tokens[row][-window:])
+            if any(s in tail for s in stops):
+                done[j] = True
+                finish[row] = "stop_string"
+        return done
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.float()

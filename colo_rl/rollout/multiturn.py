@@ -58,6 +58,8 @@ class MultiTurnRollout:
         self.env, self.tokenizer = env, tokenizer
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.tool_workers = tool_workers
+        stop_strings = getattr(env, "stop_strings", None)
+        self.stop = tuple(stop_strings()) if stop_strings is not None else ()
 
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[Episode]:
         n = params.n
@@ -73,7 +75,7 @@ class MultiTurnRollout:
                 room = self.max_total_tokens if lockstep or not active else max(
                     self.max_total_tokens - len(episodes[i].token_ids) for i in active)
                 turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room),
-                                                  n=n if turn == 0 else 1)
+                                                  n=n if turn == 0 else 1, stop=self.stop)
                 outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
                 steps = {}
                 for i, out in zip(active, outs):
@@ -102,6 +104,8 @@ class MultiTurnRollout:
             k = cut_at(self.tokenizer, tokens, parsed.end)
             tokens, logps, finish = tokens[:k], logps[:k], "tool"
             text = self.tokenizer.decode(tokens)
+        if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS
+            finish = "tool"
         ep.token_ids += tokens
         ep.logprobs += logps
         ep.policy_mask += [1] * len(tokens)
