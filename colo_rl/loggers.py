@@ -6,6 +6,8 @@
     wandb        Weights & Biases (optional extra `pip install -e '.[wandb]'`); the resolved config as
                  the run's config; offline (files under <run_dir>/wandb/, `wandb sync` later) unless
                  an API key is set or WANDB_MODE says otherwise
+    mlflow       MLflow (optional extra `pip install -e '.[mlflow]'`): MLFLOW_TRACKING_URI's server or
+                 store, else <run_dir>/mlflow.db (SQLite); the resolved config as the run's params
 
 A writer is built with (run_dir, resolved config as a plain dict) and has `write(step, row)` and
 `close()`; `MetricsLogger` (colo_rl/metrics.py) builds them on rank 0 only. A registered writer
@@ -20,6 +22,7 @@ import json
 import logging
 import netrc
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
@@ -37,18 +40,30 @@ class MetricsWriter(Protocol):
 
 LOGGERS: Registry = Registry("logger")
 # Writers that need a package colo_rl does not depend on: name -> (module, the extra to install).
-OPTIONAL_PACKAGES = {"wandb": ("wandb", "wandb")}
+# mlflow: the local store is SQLite (MLflow 3 refuses its file store), which needs SQLAlchemy + Alembic.
+OPTIONAL_PACKAGES = {"wandb": (("wandb",), "wandb"), "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow")}
 REQUIRED = "jsonl"  # the run reads metrics.jsonl back (summary, plots, resume): always listed
 
 
 def unavailable(names: list[str]) -> Optional[str]:
     """Why `logger=names` cannot run (a missing optional package), or None."""
     for name in names:
-        module, extra = OPTIONAL_PACKAGES.get(name, (None, None))
-        if module and importlib.util.find_spec(module) is None:
-            return (f"logger=[..., {name}] needs the `{module}` package, which is not installed: "
-                    f"pip install -e '.[{extra}]' (or remove {name} from logger)")
+        modules, extra = OPTIONAL_PACKAGES.get(name, ((), None))
+        for module in modules:
+            if importlib.util.find_spec(module) is None:
+                return (f"logger=[..., {name}] needs the `{module}` package, which is not installed: "
+                        f"pip install -e '.[{extra}]' (or remove {name} from logger)")
     return None
+
+
+def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as {"a.b.c": leaf}."""
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
 
 
 def scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -130,6 +145,50 @@ class WandbWriter:
         self.wandb.teardown()
 
 
+class MlflowWriter:
+    """One MLflow run per run directory (tagged with it, so resume=auto continues the same run); the
+    flattened config as params (on the run's first start: MLflow params cannot change later)."""
+
+    RUN_DIR_TAG = "colo_rl.run_dir"
+
+    def __init__(self, run_dir: Path, config: dict):
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no usage reports unless the user asks
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # its store set-up logs at INFO
+        from mlflow import MlflowClient  # the optional extra [mlflow]: imported only when logger lists it
+        from mlflow.entities import Param, RunStatus
+
+        run_dir = Path(run_dir).resolve()
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=self.uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "colo_rl")
+        exp = self.client.get_experiment_by_name(name)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+        found = self.client.search_runs([exp_id], filter_string=f"tags.`{self.RUN_DIR_TAG}` = '{run_dir}'",
+                                        max_results=1)
+        if found:
+            self.run_id = found[0].info.run_id
+            self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        else:
+            self.run_id = self.client.create_run(exp_id, run_name=run_dir.name,
+                                                 tags={self.RUN_DIR_TAG: str(run_dir)}).info.run_id
+            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+        log.info("mlflow: run %s in experiment %r at %s", self.run_id, name, self.uri)
+
+    def write(self, step: int, row: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in scalars(row).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
 LOGGERS.register("jsonl")(JsonlWriter)
 LOGGERS.register("tensorboard")(TensorBoardWriter)
 LOGGERS.register("wandb")(WandbWriter)
+LOGGERS.register("mlflow")(MlflowWriter)

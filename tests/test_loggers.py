@@ -1,5 +1,6 @@
-"""logger=[jsonl,tensorboard,wandb]: each writer gets every step's numbers and the resolved config
-(real TensorBoard event files, real wandb offline files read back record by record)."""
+"""logger=[jsonl,tensorboard,wandb,mlflow]: each writer gets every step's numbers and the resolved
+config (real TensorBoard event files, real wandb offline files read back record by record, a real
+MLflow SQLite store read back with MLflow's client)."""
 
 from __future__ import annotations
 
@@ -111,12 +112,61 @@ def checked(**logger) -> None:
 
 
 def test_logger_values_are_checked_at_start_up():
-    checked(names=["jsonl", "wandb"])
-    with pytest.raises(ConfigError, match=r"logger: 'mlflow' is not one of \['jsonl', 'tensorboard', 'wandb'\]"):
-        checked(names=["jsonl", "mlflow"])
+    checked(names=["jsonl", "wandb", "mlflow"])
+    with pytest.raises(ConfigError, match=r"logger: 'comet' is not one of \['jsonl', 'tensorboard', 'wandb', 'mlflow'\]"):
+        checked(names=["jsonl", "comet"])
     with pytest.raises(ConfigError, match="must include jsonl"):
         checked(names=["tensorboard"])
-    assert LOGGERS.names() == ["jsonl", "tensorboard", "wandb"]
+    assert LOGGERS.names() == ["jsonl", "tensorboard", "wandb", "mlflow"]
+
+
+def mlflow_run(uri: str):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    (exp,) = [e for e in client.search_experiments() if e.name == "colo_rl"]
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    return client, runs[0]
+
+
+def test_mlflow_run_holds_the_config_and_every_step_and_a_resume_continues_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = MetricsLogger(run_dir, ["jsonl", "mlflow"], config=CONFIG)
+    for step, row in ROWS:
+        metrics.log(step, row, console=False)
+    metrics.close()
+    uri = f"sqlite:///{run_dir / 'mlflow.db'}"
+    client, run = mlflow_run(uri)
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params == {"trainer.lr": "0.001", "trainer.seed": "7", "logger": str(CONFIG["logger"])}
+    history = lambda key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]  # noqa: E731
+    assert history("eval/accuracy") == [(0, 0.25), (1, 0.5)] and history("reward/mean") == [(1, 1.5)]
+    assert history("train/grad_norm") == [] and "note" not in run.data.metrics  # NaN and text stay out
+    # resume=auto: the same run directory continues the same MLflow run (its params kept)
+    resumed = MetricsLogger(run_dir, ["jsonl", "mlflow"], config={**CONFIG, "trainer": {"lr": 0.001, "seed": 7,
+                                                                                          "total_steps": 9}})
+    resumed.log(2, {"eval/accuracy": 0.75}, console=False)
+    resumed.close()
+    client, again = mlflow_run(uri)
+    assert again.info.run_id == run.info.run_id and "trainer.total_steps" not in again.data.params
+    assert history("eval/accuracy") == [(0, 0.25), (1, 0.5), (2, 0.75)]
+
+
+def test_mlflow_follows_the_tracking_uri_the_user_sets(tmp_path, monkeypatch):
+    elsewhere = f"sqlite:///{tmp_path / 'team.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = MetricsLogger(run_dir, ["jsonl", "mlflow"], config=CONFIG)
+    metrics.log(0, {"eval/accuracy": 0.25}, console=False)
+    metrics.close()
+    assert not (run_dir / "mlflow.db").exists()
+    _, run = mlflow_run(elsewhere)
+    assert run.data.metrics == {"eval/accuracy": 0.25}
 
 
 def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch):
@@ -126,3 +176,12 @@ def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs the `wandb` package.*pip install -e '\.\[wandb\]'"):
         checked(names=["jsonl", "wandb"])
+
+
+def test_mlflow_without_its_store_packages_is_named_with_its_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs the `sqlalchemy` package.*pip install -e '\.\[mlflow\]'"):
+        checked(names=["jsonl", "mlflow"])

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
 from colo_rl.config import RunConfig
+from colo_rl.loggers import flatten
 
 # ---------------------------------------------------------------------------------------------
 # Which config keys may differ between a checkpoint and the run resuming from it.
@@ -47,15 +47,6 @@ HARMLESS: tuple[str, ...] = (
 )
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out: dict[str, Any] = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: d}
-
-
 def _matches(key: str, pattern: str) -> bool:
     return key.startswith(pattern) if pattern.endswith(".") else key == pattern
 
@@ -69,8 +60,8 @@ def config_container(cfg) -> dict:
 
 def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
     """(refusals, warnings): one line per differing key, naming it with both values."""
-    old, new = _flatten(saved), _flatten(current)
-    defaults = _flatten(config_container(RunConfig()))
+    old, new = flatten(saved), flatten(current)
+    defaults = flatten(config_container(RunConfig()))
     refusals, warnings = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, "<absent>"), new.get(key, "<absent>")

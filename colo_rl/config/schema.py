@@ -257,7 +257,8 @@ class RunConfig:
     resume: Optional[str] = None  # auto | <checkpoint dir> | null
     debug: bool = False  # every rank logs, not only rank 0
     # Where metrics go (colo_rl/loggers.py): jsonl (metrics.jsonl, required: the run reads it back),
-    # tensorboard, wandb (extra `.[wandb]`; offline without an API key). Each gets the resolved config.
+    # tensorboard, wandb (extra `.[wandb]`; offline without an API key), mlflow (extra `.[mlflow]`; MLFLOW_TRACKING_URI
+    # or <run_dir>/mlflow.db). Each gets the resolved config.
     logger: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     plots: bool = True
 
