@@ -114,6 +114,21 @@ def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
     assert [e.tool_calls for e in runs[True]] == [1, 2, 0]
 
 
+def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
+    """SmolLM2 writes `</calculator><result>` with `><` as one token: the cut keeps that token, so the
+    policy has already written the observation's `<`; the observation goes on after it."""
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    engine = ScriptedEngine(tok, [["12*34 = <calculator>12*34</calculator><result>999</result><|im_end|>"],
+                                  [" The answer is 408.<|im_end|>"]])
+    (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=200).generate(
+        engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
+    turn1 = encode(tok, "12*34 = <calculator>12*34</calculator><")
+    assert ep.token_ids[:len(turn1)] == turn1 and tok.decode(turn1[-1:]) == "><"
+    assert tok.decode(ep.token_ids).startswith("12*34 = <calculator>12*34</calculator><result>408</result> The answer")
+    observation = ep.token_ids[len(turn1):ep.policy_mask.index(1, len(turn1))]
+    assert tok.decode(observation) == "result>408</result>"
+
+
 def test_limits_end_episodes(tok):
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
     call = "<calculator>1+1</calculator>"

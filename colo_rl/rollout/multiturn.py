@@ -124,7 +124,14 @@ class MultiTurnRollout:
             ep.tool_errors += 1
         if step.done:
             return False
-        obs = self.tokenizer(step.observation, add_special_tokens=False)["input_ids"]
+        observation = step.observation
+        overflow = ep.policy_texts[-1][step.cut:] if step.cut is not None else ""
+        if overflow and observation.startswith(overflow):
+            # The call's last token ran past its end into what the observation begins with (SmolLM2:
+            # `</calculator><` is one token too many, `><`): the policy wrote those characters, so the
+            # observation starts after them and the text reads `</calculator><result>...` as taught.
+            observation = observation[len(overflow):]
+        obs = self.tokenizer(observation, add_special_tokens=False)["input_ids"]
         if len(ep.token_ids) + len(obs) >= self.max_total_tokens:  # no room for the observation and a reply
             ep.hit_limit, ep.finish_reason = "max_total_tokens", "length"
             return False
