@@ -1,7 +1,9 @@
 """SGLang's real engine on CPU with the embedded model (SmolLM2-135M-Instruct, fp32), driven by
 colo_rl's SGLangEngine and handoff: one engine for the module. Real weights make the comparisons
-meaningful on text: greedy decoding against colo_rl's HF engine, and the engine-vs-trainer
-log-prob gap after a ZeRO-3 step for both engines on the same step.
+meaningful on text: greedy decoding against colo_rl's HF engine, stop strings, and the
+engine-vs-trainer log-prob gap after a ZeRO-3 step for both engines on the same step. The engine
+starts as in a multi-turn run: with its tokenizer, so that it can match stop strings (the tiny-model
+module, tests/test_sglang_cpu.py, covers the single-turn start without it).
 Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/."""
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def colo(tmp_path_factory):
         cfg.trainer.zero_stage = 3
         cfg.trainer.micro_batch_size = 8
         cfg.trainer.lr = 1e-5
+        cfg.env.name = "calculator"  # the engine starts with its tokenizer, as in a multi-turn run
         return cfg
 
     tokenizer = load_tokenizer("embedded")
@@ -60,6 +63,35 @@ def test_greedy_answers_equal_the_hf_engine_on_the_embedded_model(colo):
     gap = max(abs(a - b) for s, h in zip(sgl, hf_out) for a, b in zip(s.logprobs, h.logprobs))
     record("embedded_greedy_max_abs_logprob_gap_sglang_vs_hf", gap)
     assert gap < 1e-3, gap
+
+
+def test_a_stop_string_ends_the_answer_at_its_last_token_as_in_the_hf_engine(colo):
+    """A stop string taken from each greedy answer's own text, starting inside one token: SGLang ends
+    the answer at the token that completes it (kept whole, finish_reason "stop_string"), the same
+    tokens the HF engine gives with the same stop."""
+    from colo_rl.rollout.base import SamplingParams
+
+    assert colo.engine.stop_strings
+    tok, batch = colo.tokenizer, chat_prompts(colo.tokenizer)
+    with colo.switch.generation():
+        free = colo.engine.generate(batch, SamplingParams(max_new_tokens=16, greedy=True))
+    stops, cut = [], []
+    for c in free:
+        stop = tok.decode(c.token_ids[2:5])[1:]
+        stops.append(stop)
+        cut.append(next(k for k in range(1, len(c.token_ids) + 1) if stop in tok.decode(c.token_ids[:k])))
+    for i, stop in enumerate(stops):
+        params = SamplingParams(max_new_tokens=16, greedy=True, stop=(stop,))
+        with colo.switch.generation():
+            (sgl,) = colo.engine.generate(batch[i:i + 1], params)
+        with colo.switch.update():
+            hf = hf_engine_on_trainer_weights(colo)
+            hf.tokenizer = tok
+            (hf_out,) = hf.generate(batch[i:i + 1], params)
+        assert sgl.token_ids == free[i].token_ids[:cut[i]] == hf_out.token_ids, (stop, sgl.token_ids)
+        assert sgl.finish_reason == hf_out.finish_reason == "stop_string"
+    assert all(k < len(c.token_ids) for k, c in zip(cut, free))  # every answer ended early
+    record("embedded_stop_strings", {"stops": stops, "tokens_kept": cut})
 
 
 def test_logprob_gap_after_a_zero3_step_sglang_and_hf_on_the_same_step(colo):

@@ -221,6 +221,11 @@ def test_sampling_params_translate_to_sglang_dict():
         sg.sglang_sampling_params(SamplingParams(temperature=0.0), [2])
     with pytest.raises(ValueError, match="top_p"):
         sg.sglang_sampling_params(SamplingParams(top_p=0.0), [2])
+    # stop strings reach only an engine started with its tokenizer (SGLang matches them on text)
+    tagged = SamplingParams(stop=("</calculator>",))
+    assert "stop" not in sg.sglang_sampling_params(tagged, [2])
+    assert sg.sglang_sampling_params(tagged, [2], stop_strings=True)["stop"] == ["</calculator>"]
+    assert "stop" not in sg.sglang_sampling_params(SamplingParams(), [2], stop_strings=True)
 
 
 def test_prompts_expand_into_contiguous_groups():
@@ -240,6 +245,8 @@ def test_meta_info_parsing():
     assert (c.prompt_ids, c.token_ids, c.logprobs, c.finish_reason) == ([5, 6], [11, 2], [-0.1, -0.2], "stop")
     c = sg.parse_completion([5], out([11, 12], [-1.0, -2.0], {"type": "length", "length": 2}, token_ids=[11, 12]))
     assert c.finish_reason == "length" and c.token_ids == [11, 12]
+    c = sg.parse_completion([5], out([11, 12], [-1.0, -2.0], {"type": "stop", "matched": "</calculator>"}))
+    assert c.finish_reason == "stop_string" and c.token_ids == [11, 12]
     # Output ids trimmed by the stop token (no_stop_trim ignored) are accepted; the log-prob ids win.
     assert sg.parse_completion([5], out([11, 2], [-0.1, -0.2], {"type": "stop"}, output_ids=[11])).token_ids == [11, 2]
     with pytest.raises(sg.SGLangEngineError, match="disagree"):

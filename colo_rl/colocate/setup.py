@@ -64,7 +64,8 @@ def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     if cfg.rollout.engine == "sglang":
-        return SGLangEngine.create(cfg, tokenizer, dtype, guard)
+        # multi-turn: the engine stops a turn at a call's closing tag, which needs its tokenizer
+        return SGLangEngine.create(cfg, tokenizer, dtype, guard, stop_strings=cfg.env.name != "none")
     model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
     if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
         model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)

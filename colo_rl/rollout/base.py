@@ -22,9 +22,10 @@ class SamplingParams:
     n: int = 1  # completions per prompt, returned contiguously (a GRPO group)
     greedy: bool = False
     # Generation may also end after the token that completes one of these strings (finish_reason
-    # "stop_string"; the token is kept whole). A saving, not a contract: the HF engine honours it,
-    # SGLang does not (it runs with skip_tokenizer_init, and its stop strings need the tokenizer in
-    # the scheduler), so a caller still cuts what follows a stop string itself (rollout/multiturn.py).
+    # "stop_string"; the token is kept whole). A saving, not a contract: the HF engine honours it, and
+    # SGLang when started with its tokenizer (multi-turn runs; otherwise it runs with
+    # skip_tokenizer_init and cannot match text), so a caller still cuts what follows a stop string
+    # itself (rollout/multiturn.py).
     stop: tuple[str, ...] = ()
 
 

@@ -159,12 +159,16 @@ class SGLangEngine:
         self.state = EngineMemoryState(supported_tags)
         self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
         self.model_cfg = None  # set when the engine was started with room for colo_rl's LoRA adapter
+        self.stop_strings = False  # started with its tokenizer: SamplingParams.stop is passed on
         self.adapter_loaded = False
 
     @classmethod
-    def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None):
+    def create(cls, cfg, tokenizer, dtype: torch.dtype, guard=None, free_bytes: Optional[int] = None,
+               stop_strings: bool = False):
         """Start the engine on this rank's GPU (and the next tp_size - 1), sized from the memory
-        free now: call it while the trainer is paged out (see `trainer_paged_out`)."""
+        free now: call it while the trainer is paged out (see `trainer_paged_out`). `stop_strings`:
+        start it with its tokenizer, so that SamplingParams.stop reaches SGLang (its scheduler
+        matches stop strings on decoded text; without a tokenizer it cannot)."""
         api = sglang_api()
         import sglang
 
@@ -191,6 +195,8 @@ class SGLangEngine:
             port=_free_port(), nccl_port=_free_port(), log_level="error",
             custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
+        if stop_strings:  # the tokenizer colo_rl uses (model.path's; a shrunk random model's config dir has none)
+            kwargs.update(skip_tokenizer_init=False, tokenizer_path=str(resolve_model_path(cfg.model.path)))
         kwargs.update(extra)
         takes_adapters, why = lora_engine_support(cfg.model, sglang.Engine, rollout.tp_size)
         if takes_adapters:
@@ -214,6 +220,7 @@ class SGLangEngine:
                   supported_tags=supported_memory_tags(api.memory_tags), api=api, child_failure=child_failure,
                   device=device)
         out.model_cfg = cfg.model if takes_adapters else None
+        out.stop_strings = stop_strings
         return out
 
     def _alive(self) -> None:
@@ -340,7 +347,8 @@ class SGLangEngine:
         if not expanded:
             return []
         outputs = self._call(self.engine.generate, input_ids=expanded,
-                             sampling_params=sglang_sampling_params(params, self.eos), return_logprob=True,
+                             sampling_params=sglang_sampling_params(params, self.eos, self.stop_strings),
+                             return_logprob=True,
                              logprob_start_len=-1, **self._lora_kwargs(len(expanded)))
         return parse_outputs(expanded, outputs)
 

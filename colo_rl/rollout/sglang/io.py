@@ -10,9 +10,10 @@ from colo_rl.rollout.base import Completion, SamplingParams
 
 
 # ===================================================================== generation (pure)
-def sglang_sampling_params(params: SamplingParams, eos_token_ids: list[int]) -> dict:
+def sglang_sampling_params(params: SamplingParams, eos_token_ids: list[int], stop_strings: bool = False) -> dict:
     """Our SamplingParams as SGLang's dict. `n` is always 1: we expand the prompts ourselves so the
-    order of the outputs is ours to define (a GRPO group is contiguous)."""
+    order of the outputs is ours to define (a GRPO group is contiguous). `params.stop` is passed on
+    only to an engine started with its tokenizer (`stop_strings`); otherwise the caller cuts."""
     if params.greedy:
         temperature, top_p, top_k = 0.0, 1.0, 1
     else:
@@ -21,16 +22,20 @@ def sglang_sampling_params(params: SamplingParams, eos_token_ids: list[int]) -> 
         if not 0 < params.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (got {params.top_p})")
         temperature, top_p, top_k = float(params.temperature), float(params.top_p), -1
-    return {
+    out = {
         "max_new_tokens": int(params.max_new_tokens),
         "temperature": temperature,
         "top_p": top_p,
         "top_k": top_k,
         "n": 1,
         "stop_token_ids": list(eos_token_ids),
-        # Keep the EOS token in the output: the trainer must see (and learn) the stop.
+        # Keep the EOS token (and a stop string's tokens) in the output: the trainer must see (and
+        # learn) the stop.
         "no_stop_trim": True,
     }
+    if stop_strings and params.stop:
+        out["stop"] = list(params.stop)
+    return out
 
 
 def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -41,9 +46,12 @@ def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
 
 
 def finish_reason(meta: Mapping) -> str:
-    """SGLang's finish reason as "stop" / "length"; an aborted request raises."""
+    """SGLang's finish reason as "stop" (EOS) / "stop_string" / "length"; an aborted request raises.
+    A stop string comes back as {"type": "stop", "matched": "<the string>"} (an EOS token: its id)."""
     reason = meta.get("finish_reason")
     kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind == "stop" and isinstance(reason, Mapping) and isinstance(reason.get("matched"), str):
+        return "stop_string"
     if kind in ("stop", "length"):
         return kind
     if kind == "abort":
