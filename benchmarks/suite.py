@@ -6,8 +6,8 @@ one (bigger handoff sizes, the 0.5B-class phase-switch model).
     python benchmarks/suite.py --preset gpu
     python benchmarks/suite.py --only race_trl --dry-run
 
-The CPU preset takes about ten minutes on an idle 2-core machine (the race's 8 steps per side
-dominate) plus about 80 for the algorithm comparison (`--only` leaves it out); on a loaded machine it takes longer, and every result records the load average.
+The CPU preset takes about twelve minutes on an idle 2-core machine (the race's 8 steps per side
+dominate; the tool-turn comparison adds two) plus about 80 for the algorithm comparison (`--only` leaves it out); on a loaded machine it takes longer, and every result records the load average.
 """
 
 from __future__ import annotations
