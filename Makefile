@@ -88,8 +88,9 @@ clean-venv:
 	rm -rf $(VENV)
 
 # ---- benchmarks (benchmarks/suite.py): step breakdown, handoff vs memcpy, phase switch, race against
-# TRL, algorithm comparison. `make bench`: the CPU suite on the embedded default (about 100 minutes on an idle
-# 2-core machine, 85 of them the algorithm comparison: BENCH_ARGS="--only race_trl,handoff,phase_switch" skips it);
+# TRL, tool turns, algorithm comparison. `make bench`: the CPU suite on the embedded default (about 100 minutes on an
+# idle 2-core machine, 85 of them the algorithm comparison: BENCH_ARGS="--only race_trl,handoff,phase_switch,tool_turns"
+# skips it);
 # results (JSON, Markdown, PNG) and the refreshed README land in benchmarks/results/. BENCH_ARGS is
 # passed to the suite (e.g. BENCH_ARGS="--only handoff").
 BENCH_STAMP := $(VENV)/.colo_rl-bench-installed

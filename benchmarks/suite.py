@@ -7,7 +7,7 @@ one (bigger handoff sizes, the 0.5B-class phase-switch model).
     python benchmarks/suite.py --only race_trl --dry-run
 
 The CPU preset takes about twelve minutes on an idle 2-core machine (the race's 8 steps per side
-dominate; the tool-turn comparison adds two) plus about 80 for the algorithm comparison (`--only` leaves it out); on a loaded machine it takes longer, and every result records the load average.
+dominate; the tool-turn comparison adds two) plus about 85 for the algorithm comparison (`--only` leaves it out); on a loaded machine it takes longer, and every result records the load average.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ PRESETS = {
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
         "tool_turns": ["benchmarks/tool_turns.py"],  # ~2 min
-        # the demo once per estimator / loss and grpo on 3 seeds: about 80 minutes of the suite's time
+        # the demo once per estimator / loss and grpo on 3 seeds: about 85 minutes of the suite's time
         "algorithms": ["benchmarks/algorithms.py"],
     },
     # Seconds-scale plumbing check (tiny random model, few tokens): not a measurement.

@@ -58,7 +58,6 @@ def measure(args) -> dict:
 
     cfg = OmegaConf.to_object(compose_config(["env=calculator", "data=arithmetic_hard", f"model.path={args.model}",
                                               f"model.dtype={args.dtype}", *args.override]))
-    torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     env = build_environment(cfg.env, tok.chat_template)
     builder = PromptBuilder(tok, cfg.data, env=env)

@@ -169,19 +169,12 @@ def test_mlflow_follows_the_tracking_uri_the_user_sets(tmp_path, monkeypatch):
     assert run.data.metrics == {"eval/accuracy": 0.25}
 
 
-def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch):
+@pytest.mark.parametrize("logger, missing", [("wandb", "wandb"), ("mlflow", "sqlalchemy")])
+def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, logger, missing):
+    """mlflow's local SQLite store needs SQLAlchemy too: each package the writer needs is checked."""
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"needs the `wandb` package.*pip install -e '\.\[wandb\]'"):
-        checked(names=["jsonl", "wandb"])
-
-
-def test_mlflow_without_its_store_packages_is_named_with_its_extra(monkeypatch):
-    import importlib.util
-
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"needs the `sqlalchemy` package.*pip install -e '\.\[mlflow\]'"):
-        checked(names=["jsonl", "mlflow"])
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ConfigError, match=rf"needs the `{missing}` package.*pip install -e '\.\[{logger}\]'"):
+        checked(names=["jsonl", logger])

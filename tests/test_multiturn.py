@@ -149,13 +149,10 @@ def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
     engine = ScriptedEngine(tok, [["The answer is 1.<|im_end|>"], [], []])
     engine.lockstep_generate = True
-    params = []
-    generate = engine.generate
-    engine.generate = lambda prompts, p: params.append(p) or generate(prompts, p)
     (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=100).generate(
         engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
     assert ep.turns == 1 and [len(c) for c in engine.calls] == [1, 0, 0]
-    assert [p.max_new_tokens for p in params] == [40, 40, 40]
+    assert [p.max_new_tokens for p in engine.params] == [40, 40, 40]
 
 
 def test_the_policy_mask_flows_through_batch_packing_loss_and_logprob_check(tok):
