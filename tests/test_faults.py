@@ -13,7 +13,8 @@ from conftest import WORKERS, read_json, run_torchrun
 from colo_rl import dist
 from colo_rl.config import ConfigError, ModelConfig, RunConfig, TrainerConfig
 from colo_rl.phase import PhaseGuard
-from colo_rl.train.actor import DeepSpeedActor, build_ds_config, check_pageable
+from colo_rl.train.actor import DeepSpeedActor
+from colo_rl.train.ds_config import build_ds_config, check_pageable
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ from colo_rl.rollout.sglang import engine as sg_engine
 from colo_rl.rollout.sglang import env as sg_env
 from colo_rl.rollout.sglang import failure as sg_failure
 from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
-from colo_rl.train import actor as actor_mod
+from colo_rl.train import ds_config
 from colo_rl.train.actor import DeepSpeedActor
 
 register_configs()
@@ -384,11 +384,11 @@ def test_sglang_api_does_not_import_model_runner_when_the_bucket_resolves(monkey
 def test_paged_state_bytes_uses_the_gradient_dtype():
     n = 1000
     # bf16 model, bf16 gradient accumulation (DeepSpeed's default: the model dtype)
-    assert actor_mod.paged_state_bytes(n, torch.bfloat16, torch.bfloat16, include_lp_params=True) == n * (12 + 2 + 2)
-    assert actor_mod.paged_state_bytes(n, torch.bfloat16, torch.float32, include_lp_params=True) == n * (12 + 2 + 4)
-    assert actor_mod.paged_state_bytes(n, torch.bfloat16, torch.bfloat16, include_lp_params=False) == n * (12 + 2)
+    assert ds_config.paged_state_bytes(n, torch.bfloat16, torch.bfloat16, include_lp_params=True) == n * (12 + 2 + 2)
+    assert ds_config.paged_state_bytes(n, torch.bfloat16, torch.float32, include_lp_params=True) == n * (12 + 2 + 4)
+    assert ds_config.paged_state_bytes(n, torch.bfloat16, torch.bfloat16, include_lp_params=False) == n * (12 + 2)
     # fp32: the params are the master weights, no second copy
-    assert actor_mod.paged_state_bytes(n, torch.float32, torch.float32, include_lp_params=True) == n * (12 + 4)
+    assert ds_config.paged_state_bytes(n, torch.float32, torch.float32, include_lp_params=True) == n * (12 + 4)
 
 
 def _param(numel, dtype=torch.bfloat16, persist=False):

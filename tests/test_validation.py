@@ -297,7 +297,7 @@ def test_log_lines_follow_stdout_so_the_progress_bar_is_not_glued_in_front(monke
 def test_a_coming_op_build_is_announced(tmp_path, monkeypatch, caplog):
     import logging
 
-    from colo_rl.train.actor import announce_op_build
+    from colo_rl.train.ds_config import announce_op_build
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="colo_rl"):

@@ -20,7 +20,7 @@ from colo_rl import dist
 from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.actor import build_ds_config
+from colo_rl.train.ds_config import build_ds_config
 
 log = logging.getLogger("colo_rl")
 

@@ -1,0 +1,130 @@
+"""The actor's DeepSpeed set-up: its config from ours, the learning-rate schedule, and what paging
+its states between phases needs and moves (DeepSpeed 0.19.8, source read)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from colo_rl import dist
+from colo_rl.config import ConfigError
+from colo_rl.phase import PhaseGuard
+
+log = logging.getLogger("colo_rl")
+
+
+def build_ds_config(trainer_cfg, dtype: torch.dtype, with_optimizer: bool, grad_accum: int = 1) -> dict:
+    """DeepSpeed config from our trainer config (one home for every DeepSpeed knob we set)."""
+    on_gpu = torch.cuda.is_available()
+    zero = {
+        "stage": trainer_cfg.zero_stage,
+        "contiguous_gradients": True,
+        "overlap_comm": on_gpu,
+    }
+    if trainer_cfg.zero_stage == 3:
+        # Small models on CPU: keep tiny params (norms) unpartitioned to save gathers.
+        zero["stage3_param_persistence_threshold"] = 1e4
+        zero["stage3_prefetch_bucket_size"] = 5e7
+    cfg = {
+        "train_micro_batch_size_per_gpu": trainer_cfg.micro_batch_size,
+        "gradient_accumulation_steps": max(1, grad_accum),
+        "gradient_clipping": trainer_cfg.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if with_optimizer:
+        # "AdamW" resolves to DeepSpeed's FusedAdam, which offload_states/reload_states need.
+        cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": trainer_cfg.lr, "betas": list(trainer_cfg.betas), "eps": 1e-8,
+                       "weight_decay": trainer_cfg.weight_decay},
+        }
+    return cfg
+
+
+# DeepSpeed optimizer types that resolve to its FusedAdam (the only optimizer whose ZeRO-3 states
+# `engine.offload_states` can move, DeepSpeed 0.19: stage3.py asserts it).
+_FUSED_ADAM_TYPES = ("adam", "adamw")
+
+
+def check_pageable(zero_stage: int, ds_config: dict) -> None:
+    """Raise ConfigError when DeepSpeed cannot page this trainer's states to the host, which the
+    colocated GPU loop does twice a step. DeepSpeed 0.19.8 (source read): stage 0 optimizers have
+    no `offload_states`; ZeRO-3's requires FusedAdam; states under ZeRO offload cannot be moved.
+    colo_rl pages ZeRO-3 only, so stages 1/2 are refused too, with what to use instead."""
+    optimizer = ds_config.get("optimizer") or {}
+    opt_type = str(optimizer.get("type", "<none>"))
+    params = optimizer.get("params", {})
+    zero = ds_config.get("zero_optimization", {})
+    if zero_stage == 0:
+        raise ConfigError(
+            "trainer.zero_stage=0 cannot be paged: DeepSpeed has no offload_states for stage-0 optimizers, so "
+            "the trainer's weights, gradients and Adam states would stay on the GPU while the rollout engine "
+            "runs. Use trainer.zero_stage=3 for colocated training on GPU.")
+    if zero_stage in (1, 2):
+        raise ConfigError(
+            f"trainer.zero_stage={zero_stage} is not paged by colo_rl (it moves ZeRO-3 states only), so the "
+            "trainer's states would stay on the GPU while the rollout engine runs. Use trainer.zero_stage=3 "
+            "for colocated training on GPU.")
+    if opt_type.lower() not in _FUSED_ADAM_TYPES or params.get("torch_adam") or params.get("adam_w_mode") is False:
+        raise ConfigError(
+            f"trainer.zero_stage=3 with optimizer {opt_type!r}{' (torch_adam)' if params.get('torch_adam') else ''} "
+            "cannot be paged: DeepSpeed 0.19's offload_states moves ZeRO-3 optimizer states only for its "
+            "FusedAdam. Use the optimizer type 'AdamW' (or 'Adam') without torch_adam.")
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device", "none")
+        if device not in (None, "none"):
+            raise ConfigError(
+                f"zero_optimization.{key}.device={device!r} cannot be combined with paging: DeepSpeed refuses "
+                "to move states that ZeRO offload already manages. Drop the ZeRO offload setting; colo_rl pages "
+                "the trainer's states itself between phases.")
+
+
+def announce_op_build(name: str, what: str) -> bool:
+    """Log a line before a JIT op build that would otherwise be minutes of silence (`make install`
+    prebuilds them into the venv's TORCH_EXTENSIONS_DIR). Returns whether a build is coming."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root or any(Path(root).glob(f"{name}*/*.so")):
+        return False
+    if dist.is_rank0():
+        log.info("building %s into %s (once per environment; a minute or more on a small CPU)", what, root)
+    return True
+
+
+def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard]) -> bool:
+    """A colocated (guarded) trainer on GPU pages its states out for every generation phase."""
+    return with_optimizer and guard is not None and torch.cuda.is_available()
+
+
+def lr_lambda(trainer_cfg, total_steps: int):
+    """Linear warm-up to lr, then constant or cosine decay to lr * min_lr_ratio."""
+    warm = trainer_cfg.warmup_steps
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / (warm + 1)
+        if trainer_cfg.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return trainer_cfg.min_lr_ratio + (1 - trainer_cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dtype, include_lp_params: bool) -> int:
+    """Bytes `offload_states` moves for `numel` local parameter elements under ZeRO-3 + FusedAdam
+    (DeepSpeed 0.19.8, stage3.py): fp32 master weights and Adam's two fp32 moments; the gradient
+    partitions, whose flat buffer has the gradient-accumulation dtype (stage3.py:791, which defaults
+    to the model dtype: engine.py get_data_types); the low-precision params when paged, except in
+    fp32, where the master weights are the params themselves (stage3.py:1162-1167)."""
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    lp = size(param_dtype) if include_lp_params and param_dtype != torch.float32 else 0
+    return numel * (4 + 4 + 4 + lp + size(grad_dtype))
