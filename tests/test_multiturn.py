@@ -112,6 +112,9 @@ def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
     for cut, stopped in zip(runs[False], runs[True]):
         assert [getattr(stopped, f) for f in fields] == [getattr(cut, f) for f in fields]
     assert [e.tool_calls for e in runs[True]] == [1, 2, 0]
+    # the engine's own stops are counted (env/engine_stops): every call here ends at its tag
+    assert [e.engine_stops for e in runs[True]] == [1, 2, 0] and [e.engine_stops for e in runs[False]] == [0, 0, 0]
+    assert episode_metrics(runs[True])["env/engine_stops"] == 3.0
 
 
 def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):

@@ -28,6 +28,7 @@ class Episode(Completion):
     tool_calls: int = 0  # turns that asked for a tool (well-formed or not)
     tool_errors: int = 0  # calls answered with an error (malformed, unknown tool, raised, timed out)
     hit_limit: str = ""  # "" | "max_turns" | "max_total_tokens"
+    engine_stops: int = 0  # turns the engine itself ended at a tool's closing tag (SamplingParams.stop)
     policy_texts: list[str] = field(default_factory=list)  # each policy turn's text (the verifier reads these)
 
     @property
@@ -106,6 +107,7 @@ class MultiTurnRollout:
             text = self.tokenizer.decode(tokens)
         if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS
             finish = "tool"
+            ep.engine_stops += 1
         ep.token_ids += tokens
         ep.logprobs += logps
         ep.policy_mask += [1] * len(tokens)
@@ -150,4 +152,5 @@ def episode_metrics(completions: list[Completion]) -> dict[str, float]:
             "env/used_tool": float(sum(e.tool_calls > 0 for e in eps)),
             "env/hit_max_turns": float(sum(e.hit_limit == "max_turns" for e in eps)),
             "env/hit_max_total_tokens": float(sum(e.hit_limit == "max_total_tokens" for e in eps)),
-            "env/policy_tokens": float(sum(sum(e.policy_mask) for e in eps))}
+            "env/policy_tokens": float(sum(sum(e.policy_mask) for e in eps)),
+            "env/engine_stops": float(sum(e.engine_stops for e in eps))}
