@@ -107,7 +107,7 @@ bench: $(BENCH_STAMP)
 #   here:            make gpu-wheels             -> .whl/part1 .. .whl/partN (+ SHA256SUMS in each)
 #                    make gpu-wheels-check       -> the carried set imports the engine path (py3.12 venv)
 #   on the GPU:      make gpu-install CARRY=DIR  -> reassemble, check sums, install into $(GPU_SITE)
-#                    make gpu-check [GPU_STAGES="env tests phase grpo hf"]
+#                    make gpu-check [GPU_STAGES="env tests phase grpo hf tools"]
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/colo_rl-site
 CARRY ?= .whl

@@ -26,12 +26,23 @@ def child_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **extra}
 
 
+def python_path(*first: str) -> str:
+    """PYTHONPATH for a child: `first`, the repo root, then this process's PYTHONPATH."""
+    return os.pathsep.join(p for p in [*first, str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+
+
+def hydra_dict(d: dict) -> str:
+    """A dict as a Hydra override value: {key:value,...} with JSON scalars ("triton", true, 16)."""
+    return "{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}"
+
+
 def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: int = 600,
                  env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `script` under real torchrun (gloo on CPU); fail the test with the output on error."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
-    full_env = child_env(**{"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})})
+    # The inherited PYTHONPATH stays: on the GPU machine it is where `make gpu-install` put the carry.
+    full_env = child_env(**{"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

@@ -14,13 +14,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import multiprocessing
-import os
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import hydra_dict, python_path
 
-ROOT = Path(__file__).resolve().parents[1]
 SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
 SGLANG_VERSION = "0.5.21"
 
@@ -32,14 +31,12 @@ SGLANG_KWARGS = dict(device="cpu", attention_backend="torch_native", disable_cud
 
 def hydra_kwargs() -> str:
     """SGLANG_KWARGS as a Hydra override value."""
-    items = ",".join(f"{k}:{str(v).lower() if isinstance(v, bool) else v}" for k, v in SGLANG_KWARGS.items())
-    return "{" + items + "}"
+    return hydra_dict(SGLANG_KWARGS)
 
 
 def env() -> dict[str, str]:
     """Environment additions for processes that run SGLang's CPU engine."""
-    path = os.pathsep.join(p for p in [str(SHIMS), str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    return {"PYTHONPATH": path, "SGLANG_USE_CPU_ENGINE": "1"}
+    return {"PYTHONPATH": python_path(str(SHIMS)), "SGLANG_USE_CPU_ENGINE": "1"}
 
 
 def require_sglang() -> None:

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import child_env  # noqa: E402
+from conftest import child_env, python_path  # noqa: E402
 from benchmarks.phase_switch import EOS, PAD, bench_config, grpo_like_update, write_random_llama  # noqa: E402
 
 # conftest.py skips `gpu` tests without CUDA; the skipif keeps this module safe on its own too.
@@ -121,7 +121,7 @@ def sglang_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
     out = tmp / "report.json"
     # A world of its own: not this process's rendezvous port (dist.init put it in the environment).
-    env = child_env(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(PYTHONPATH=python_path())
     try:
         proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),
                                str(tmp), SGLANG_KWARGS], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu import carry  # noqa: E402
+from conftest import run_torchrun  # noqa: E402
 
 
 def record_hash(data: bytes) -> str:
@@ -109,6 +110,20 @@ def test_missing_or_corrupt_part_is_refused_before_installing(packed, tmp_path):
     with pytest.raises(SystemExit, match="checksum mismatch"):
         carry.install(sorted(out.glob("part*")), target)
     assert not target.exists()
+
+
+def test_the_installed_carry_reaches_every_torchrun_rank(packed, tmp_path, monkeypatch):
+    """On the GPU machine the carry is a `pip --target` folder on PYTHONPATH (make gpu-check sets it):
+    the torchrun-launched GPU tests (LoRA, reward model) must keep it, not replace it by the repo root."""
+    out, _ = packed
+    target = tmp_path / "site"
+    carry.install(sorted(out.glob("part*")), target)
+    monkeypatch.setenv("PYTHONPATH", str(target))
+    script = tmp_path / "probe.py"
+    script.write_text("import os, sys\nimport alpha, beta, colo_rl\n"
+                      "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(str(alpha.A + beta.B))\n")
+    run_torchrun(script, [str(tmp_path)], nproc=2, timeout=120)
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
 
 
 def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, hydra_dict
 from hydra import compose, initialize_config_dir
 
 from colo_rl.colocate import memory
@@ -131,6 +131,10 @@ def test_sglang_kwargs_overrides_compose():
                                          "disable_cuda_graph": True}
     assert _compose(["rollout.sglang_kwargs.sampling_backend=pytorch"]).rollout.sglang_kwargs == \
         {"sampling_backend": "pytorch"}
+    # The tests' formatter (the GPU tests pass make gpu-check's JSON kwargs through it) round-trips.
+    kwargs = {"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": True,
+              "cuda_graph_max_bs": 16, "mem_fraction_static": 0.5}
+    assert _compose([f"rollout.sglang_kwargs={hydra_dict(kwargs)}"]).rollout.sglang_kwargs == kwargs
 
 
 def test_sglang_kwargs_checked_against_server_args():

@@ -2,17 +2,19 @@
 model.lora.rank > 0. The pinned SGLang (0.5.17 / 0.5.21) has Engine.load_lora_adapter_from_tensors,
 so the handoff must be adapter-only after the first step and the engine's log-probs must still be
 the trainer's; model.lora.handoff=merged exercises the fallback. Skipped without CUDA and SGLang
-(`make gpu-check` runs it); the decisions behind it are CPU-tested in tests/test_lora.py."""
+(`make gpu-check` runs it, with the carry's engine arguments); the decisions behind it are
+CPU-tested in tests/test_lora.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 import torch
 
-from conftest import WORKERS, run_torchrun
+from conftest import WORKERS, hydra_dict, run_torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
               pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")]
@@ -21,6 +23,11 @@ OVERRIDES = ["model=tiny", "model.dtype=bf16", "rollout=sglang", "model.lora.ran
              "trainer.total_steps=3", "data.eval_size=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
              "rollout.max_new_tokens=16", "rollout.eval_max_new_tokens=4", "algo.kl_coef=0.05",
              "reward.functions=[letter_share]", "reward.format_weight=0", "logger=[jsonl]", "plots=false"]
+# Extra engine arguments (JSON), as for tests/test_gpu.py: `make gpu-check` sets the slim carry's
+# (Triton attention, PyTorch sampling: the carry has no FA3 library).
+SGLANG_KWARGS = json.loads(os.environ.get("COLO_RL_SGLANG_KWARGS", "{}"))
+if SGLANG_KWARGS:
+    OVERRIDES.append(f"rollout.sglang_kwargs={hydra_dict(SGLANG_KWARGS)}")
 
 
 @pytest.mark.parametrize("handoff,contents", [("auto", ["base+adapters", "adapters"]), ("merged", ["merged"])])

@@ -24,7 +24,7 @@ def run_dir(tmp_path_factory):
                   "rollout.eval_max_new_tokens=8", "trainer.micro_batch_size=8", "trainer.lr=1e-3",
                   "colocate.handoff_check_max_mean_abs=0.001", "colocate.handoff_bucket_mb=1",
                   f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={d}"],
-                 timeout=900, env={**sglang_cpu.env(), "PYTHONPATH": sglang_cpu.env()["PYTHONPATH"]})
+                 timeout=900, env=sglang_cpu.env())
     return d
 
 

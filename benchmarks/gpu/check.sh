@@ -5,11 +5,14 @@
 #
 # Stages (each its own processes, its log in benchmarks/results/gpu_check-<device>-<date>/):
 #   env    versions, the CUDA runtime the loader finds, `import sglang` and the Engine path
-#   tests  pytest -m gpu: HF engine and SGLang engine under the memory manager with a real ZeRO-3 actor
+#   tests  pytest -m gpu over every file with a GPU test: HF and SGLang engines under the memory manager
+#          with a real ZeRO-3 actor, LoRA adapters into SGLang, the reward model's paging
 #   phase  phase-switch benchmark with SGLang: 0.5B-class random Llama and the embedded model's shape
 #          (GiB freed per transition, seconds, handoff vs a device-to-device copy of the same bytes)
 #   grpo   GRPO end to end with SGLang on the embedded model, 20 steps, under the step-breakdown harness
 #   hf     the same GRPO work with the HF engine on the same GPU
+#   tools  multi-turn GRPO with the calculator on SGLang (started with its tokenizer: stop strings at
+#          the closing tag, env/engine_stops in the run's metrics.jsonl), 4 steps
 # Every stage appends {stage, rc, seconds} to stages.jsonl; with $OUT set (the device tool), the results
 # so far are packed into $OUT/gpu-results.tgz after every stage, so a run cut short still reports.
 set -uo pipefail
@@ -33,7 +36,7 @@ RES=benchmarks/results
 LOGS=$RES/gpu_check-$DEVICE-$DATE
 mkdir -p "$LOGS"
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env tests phase grpo hf)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env tests phase grpo hf tools)
 # GRPO on the embedded default (the demo's work: 8 prompts x 8 completions, <= 40 tokens, T=0.8), 20 steps.
 GRPO_ARGS=(trainer.total_steps=20 data.eval_size=200 rollout.eval_max_new_tokens=40 rollout.eval_batch_size=200)
 
@@ -69,7 +72,12 @@ EOF
 }
 
 stage_tests() {
-  $PY -m pytest -q -m gpu -rA --durations=0 -p no:cacheprovider tests/test_gpu.py
+  # Every test file with a GPU test, not tests/ as a whole: the rest import what the GPU image lacks
+  # (wandb, mlflow, import-linter, SGLang's CPU shims) and would fail at collection.
+  local files
+  files=$(grep -l 'pytest.mark.gpu' tests/test_*.py | sort)
+  echo "GPU test files: $files"
+  $PY -m pytest -q -m gpu -rA --durations=0 -p no:cacheprovider $files
 }
 
 stage_phase() {
@@ -89,6 +97,12 @@ stage_grpo() {
 stage_hf() {
   $PY benchmarks/step_breakdown.py --skip 2 --name step_breakdown_hf --no-readme --out $RES \
     --run-dir "$LOGS/grpo_hf" rollout.engine=hf "${GRPO_ARGS[@]}"
+}
+
+stage_tools() {
+  $PY benchmarks/step_breakdown.py --skip 1 --name step_breakdown_sglang_tools --no-readme --out $RES \
+    --run-dir "$LOGS/grpo_sglang_tools" rollout.engine=sglang "$HYDRA_KWARGS" env=calculator data=arithmetic_hard \
+    trainer.total_steps=4 data.eval_size=0
 }
 
 status=0

@@ -7,7 +7,8 @@ transformers, numpy, ...: ../shared/gpu_image.md), the carry is installed on top
 imports every module on the path of `sglang.Engine(...)`, generation, release/resume and
 `update_weights_from_tensor`: the engine, tokenizer manager, scheduler, detokenizer, model runner,
 Llama model, Triton attention backend, sampler, weight-sync buckets, torch_memory_saver, and
-colo_rl's own GPU path (DeepSpeed, Hydra, the recipe).
+colo_rl's own GPU path (DeepSpeed, Hydra, the recipe). Then pytest collects the GPU tests
+(`make gpu-check`'s tests stage) in the same environment.
 
 sgl_kernel's libraries need the driver's libcuda.so.1: an empty stand-in is built with the C
 compiler and symbols bind lazily, so the check proves every other library they link resolves.
@@ -47,6 +48,8 @@ MODULES = [
     "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.sampler",
     "sglang.srt.weight_sync.tensor_bucket", "sglang.srt.utils.patch_torch",
     "sglang.srt.utils.torch_memory_saver_adapter",
+    # LoRA adapters from tensors (model.lora.rank > 0): the manager and the default csgmv backend
+    "sglang.srt.lora.lora_manager", "sglang.srt.lora.backend.chunked_backend",
     "deepspeed", "deepspeed.runtime.zero.stage3", "hydra", "math_verify", "gguf",
     "colo_rl.rollout.sglang", "colo_rl.colocate.setup", "colo_rl.train.actor", "colo_rl.rewards",
 ]
@@ -187,7 +190,29 @@ def main(argv=None) -> int:
     lazy = report["missing_lazy"]
     print(f"{len(lazy)} packages imported only inside functions are not carried (not on colo_rl's path unless a "
           f"feature it does not use is reached): {', '.join(sorted(lazy))}")
-    return 1 if bad else 0
+    collected = collect_gpu_tests(py, env)
+    return 1 if bad or not collected else 0
+
+
+def gpu_test_files() -> list[str]:
+    """The test files `make gpu-check` runs (benchmarks/gpu/check.sh's tests stage greps the same)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "pytest.mark.gpu" in p.read_text())
+
+
+def collect_gpu_tests(py: Path, env: dict) -> bool:
+    """pytest collects the GPU tests with the image's packages + the carry (a module-level import the
+    image lacks would fail the whole tests stage there, before any test ran)."""
+    files = gpu_test_files()
+    proc = subprocess.run([str(py), "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                           *files], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    if proc.returncode != 0 or not ids:
+        print(f"FAILED: pytest could not collect the GPU tests ({', '.join(files)}):\n{proc.stdout[-4000:]}"
+              f"\n{proc.stderr[-2000:]}")
+        return False
+    print(f"{len(ids)} GPU tests collect from {len(files)} files: {', '.join(files)}")
+    return True
 
 
 if __name__ == "__main__":
