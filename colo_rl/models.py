@@ -61,6 +61,8 @@ def embedded_model_dir() -> Path:
         # Without this the dequantised model can be neither saved nor trained.
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
+        for fix in align_special_tokens(tokenizer, model.config):
+            log.info("embedded tokenizer: %s", fix)
         tmp = target.with_name(target.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, safe_serialization=True)
@@ -69,6 +71,24 @@ def embedded_model_dir() -> Path:
         os.replace(tmp, target)  # atomic: a half-written cache never looks complete
         log.info("embedded model cached in %.1fs", time.perf_counter() - t0)
     return target
+
+
+def align_special_tokens(tokenizer, config) -> list[str]:
+    """Give the tokenizer the BOS / EOS / pad ids of the model's config; returns what changed.
+
+    Why: transformers 5.12 (the GPU carry's: SGLang 0.5.17 needs it) reads the embedded GGUF's
+    tokenizer with EOS = <|im_start|> (id 1) while the same file's model config says 2, <|im_end|>
+    (5.23 reads 2 for both). With EOS 1 a run still stops at 2 (generation_config's EOS is added),
+    but pads with 1, ends non-chat SFT targets with <|im_start|> and exports that tokenizer."""
+    changed = []
+    for name in ("bos", "eos", "pad"):
+        want = getattr(config, f"{name}_token_id", None)
+        have = getattr(tokenizer, f"{name}_token_id", None)
+        if isinstance(want, int) and 0 <= want < len(tokenizer) and have != want:
+            token = tokenizer.convert_ids_to_tokens(want)
+            setattr(tokenizer, f"{name}_token", token)
+            changed.append(f"{name}_token {have} -> {want} ({token}), as the model config says")
+    return changed
 
 
 def resolve_model_path(path: str) -> Path:

@@ -1,0 +1,31 @@
+"""The embedded model's tokenizer agrees with its model config on the special tokens, whatever
+transformers version converted the GGUF (5.12, the GPU carry's, reads EOS as <|im_start|>)."""
+
+from __future__ import annotations
+
+import json
+
+from colo_rl.models import align_special_tokens, embedded_model_dir, eos_token_ids, load_tokenizer, model_config
+from colo_rl.config import ModelConfig
+
+
+def test_the_embedded_tokenizer_has_the_model_configs_special_tokens():
+    tok = load_tokenizer("embedded")
+    config = model_config(ModelConfig())
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (config.bos_token_id, config.eos_token_id,
+                                                                      config.pad_token_id) == (1, 2, 2)
+    assert eos_token_ids(tok, embedded_model_dir()) == [2]  # stops at <|im_end|> only
+    saved = json.loads((embedded_model_dir() / "tokenizer_config.json").read_text())
+    assert saved["eos_token"] == "<|im_end|>"  # what an exported checkpoint carries
+
+
+def test_a_tokenizer_read_as_transformers_5_12_reads_it_is_aligned_to_the_config():
+    tok = load_tokenizer("embedded")
+    config = model_config(ModelConfig())
+    tok.eos_token = tok.pad_token = "<|im_start|>"  # transformers 5.12's reading of the GGUF
+    changed = align_special_tokens(tok, config)
+    assert changed == ["eos_token 1 -> 2 (<|im_end|>), as the model config says",
+                       "pad_token 1 -> 2 (<|im_end|>), as the model config says"]
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
+    assert align_special_tokens(tok, config) == []
