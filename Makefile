@@ -106,18 +106,23 @@ bench: $(BENCH_STAMP)
 # <= 60 MiB (benchmarks/gpu/carry.py; colo_rl/colocate/NOTES.md says how a run goes).
 #   here:            make gpu-wheels             -> .whl/part1 .. .whl/partN (+ SHA256SUMS in each)
 #                    make gpu-wheels-check       -> the carried set imports the engine path (py3.12 venv)
+#                    make gpu-stack-test         -> and the CPU test suite passes on that stack
 #   on the GPU:      make gpu-install CARRY=DIR  -> reassemble, check sums, install into $(GPU_SITE)
 #                    make gpu-check [GPU_STAGES="env tests phase grpo hf tools"]
 GPU_PY ?= python3
 GPU_SITE ?= /tmp/colo_rl-site
 CARRY ?= .whl
 GPU_STAGES ?=
-.PHONY: gpu-wheels gpu-wheels-check gpu-install
+.PHONY: gpu-wheels gpu-wheels-check gpu-stack-test gpu-install
 gpu-wheels:
 	python3 benchmarks/gpu/carry.py build --with-model
 
 gpu-wheels-check:
 	python3 benchmarks/gpu/check_imports.py
+
+# The CPU test suite on the GPU machine's package versions (the image's + the carry), here on CPU.
+gpu-stack-test:
+	python3 benchmarks/gpu/check_imports.py --suite
 
 gpu-install:
 	$(GPU_PY) benchmarks/gpu/carry.py install --from $(CARRY) --target $(GPU_SITE)
