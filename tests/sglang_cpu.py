@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -21,7 +22,12 @@ import pytest
 from conftest import hydra_dict, python_path
 
 SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
-SGLANG_VERSION = "0.5.21"
+# The releases these tests know, and whether each has the weight-update session
+# (Engine.begin/end_weight_update). `make test` runs 0.5.21; `make gpu-stack-test` runs the GPU
+# carry's 0.5.17 (no session: its update path runs nowhere else before a GPU).
+SESSION_API = {"0.5.21": True, "0.5.17": False}
+SGLANG_VERSION = os.environ.get("COLO_RL_SGLANG_CPU_VERSION", "0.5.21")
+HAS_SESSION = SESSION_API.get(SGLANG_VERSION, True)
 
 # SGLang's CPU engine without SGLang's CPU kernels: torch-native attention, no CUDA graphs, no
 # overlap scheduling (a second thread), a bounded KV cache (the CPU memory plan: RAM is shared).

@@ -20,8 +20,8 @@ whose versions the image list does not give (installed here at their newest).
 
     python benchmarks/gpu/check_imports.py [--venv DIR] [--carry .whl] [--suite]
 
-`--suite` (`make gpu-stack-test`) then runs the CPU test suite on that stack, leaving out what
-needs packages the image lacks (listed when it runs).
+`--suite` (`make gpu-stack-test`) then runs the CPU test suite on that stack, SGLang 0.5.17's
+runtime on CPU included, leaving out what needs packages the image lacks (listed when it runs).
 """
 
 from __future__ import annotations
@@ -201,15 +201,11 @@ def main(argv=None) -> int:
     return run_suite(py, env, args.venv) if args.suite else 0
 
 
-# What the GPU image lacks and the carry does not bring (optional extras, CI-only tools, the SGLang
-# 0.5.21 CPU shims): these tests are left out of the stack's run, each for its reason.
+# What the GPU image lacks and the carry does not bring (optional extras, CI-only tools): these tests
+# are left out of the stack's run, each for its reason.
 SUITE_LEFT_OUT = {
     "tests/test_loggers.py": "wandb and mlflow (optional extras) are not in the image",
     "tests/test_import_layout.py": "import-linter is a CI tool",
-    "tests/test_sglang_cpu.py": "SGLang 0.5.21's CPU runtime and shims (the carry holds 0.5.17 for CUDA)",
-    "tests/test_sglang_cpu_branches.py": "as above",
-    "tests/test_sglang_cpu_embedded.py": "as above",
-    "tests/test_sglang_cpu_recipe.py": "as above",
 }
 SUITE_DESELECTED = {"tests/test_sft_dpo.py::test_parquet_and_datasets_directory": "`datasets` is not in the image"}
 
@@ -217,8 +213,11 @@ SUITE_DESELECTED = {"tests/test_sft_dpo.py::test_parquet_and_datasets_directory"
 def run_suite(py: Path, env: dict, venv: Path) -> int:
     """The CPU test suite with the GPU machine's versions (torch 2.11, transformers 5.12.1, numpy 2.5,
     DeepSpeed built from the carry's sdist, ...): a version difference that breaks colo_rl shows
-    here, not in the first minutes of a GPU session. Children keep PYTHONPATH, as on the GPU."""
-    env = {**env, "COLO_RL_CACHE": str(venv / "colo_rl-cache"), "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions")}
+    here, not in the first minutes of a GPU session. Children keep PYTHONPATH, as on the GPU. The
+    SGLang-on-CPU tests run the carry's SGLang 0.5.17: the GPU's engine code, minus the CUDA kernels."""
+    # The SGLang-on-CPU tests run the carry's SGLang 0.5.17 (its runtime, on CPU, with the tests' shims).
+    env = {**env, "COLO_RL_CACHE": str(venv / "colo_rl-cache"), "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
+           "COLO_RL_SGLANG_CPU_VERSION": "0.5.17"}
     cmd = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", "tests"]
     cmd += [f"--ignore={f}" for f in SUITE_LEFT_OUT] + [f"--deselect={t}" for t in SUITE_DESELECTED]
     for what, why in {**SUITE_LEFT_OUT, **SUITE_DESELECTED}.items():
