@@ -8,8 +8,14 @@ attention_backend=torch_native), but two of its imports assume a CUDA machine:
    with "operator torchvision::nms does not exist". `install()` defines the schemas of the two
    operators it registers fake kernels for (`nms`, `qnms`) right before torchvision first loads, so
    the import succeeds; calling those operators still fails (nothing in a text model calls them).
+   With a CUDA build of torch (`make gpu-stack-test`: the GPU image's) torchvision loads its own
+   library, and nothing is defined.
 2. `sgl_kernel`: the PyPI package is CUDA-only. The sibling `sgl_kernel/` package is a pure-torch
    stand-in for the one function the CPU path calls.
+3. LoRA (`sglang.srt.lora`) builds host tensors with `pin_memory=True`, which a torch without an
+   accelerator refuses. `install_lora_pin_memory()` (armed by sitecustomize.py, so in SGLang's
+   scheduler) drops the flag there, once sglang.srt.lora is first imported: page-locking is a
+   transfer speed-up, and there is no device to transfer to.
 
 Activated by tests/sglang_cpu_shims/ on PYTHONPATH (its sitecustomize.py calls install(), so
 SGLang's spawned scheduler / detokenizer processes get it too) or by calling install() directly.
@@ -20,6 +26,7 @@ import its models without it. That venv is the tests'; on a CUDA machine none of
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import sys
 
@@ -36,6 +43,8 @@ def define_torchvision_schemas() -> list[str]:
     import torch
 
     defined = []
+    if torch.version.cuda is not None:  # a CUDA torch loads the CUDA torchvision's own library (and
+        return defined                  # aborts on a schema defined twice): nothing to stand in for
     for name, schema in SCHEMAS.items():
         try:
             torch._C._dispatch_find_schema_or_throw(f"torchvision::{name}", "")
@@ -66,3 +75,48 @@ def install() -> None:
         return
     if not any(isinstance(f, _BeforeTorchvision) for f in sys.meta_path):
         sys.meta_path.insert(0, _BeforeTorchvision())
+
+
+PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor")
+
+
+def _without_pin_memory(factory):
+    @functools.wraps(factory)
+    def wrapped(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return wrapped
+
+
+def drop_pin_memory() -> bool:
+    """On a torch without an accelerator only: factories ignore pin_memory, Tensor.pin_memory()
+    returns the tensor. Returns whether it patched."""
+    import torch
+
+    if torch.cuda.is_available() or getattr(torch.Tensor.pin_memory, "_colo_rl_shim", False):
+        return False
+    for name in PINNING_FACTORIES:
+        setattr(torch, name, _without_pin_memory(getattr(torch, name)))
+
+    def pin_memory(self, *args, **kwargs):
+        return self
+
+    pin_memory._colo_rl_shim = True
+    torch.Tensor.pin_memory = pin_memory
+    return True
+
+
+class _BeforeSGLangLoRA(importlib.abc.MetaPathFinder):
+    """Runs drop_pin_memory() when sglang.srt.lora is first imported (torch is loaded by then)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "sglang.srt.lora":
+            sys.meta_path.remove(self)
+            drop_pin_memory()
+        return None
+
+
+def install_lora_pin_memory() -> None:
+    if not any(isinstance(f, _BeforeSGLangLoRA) for f in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeSGLangLoRA())

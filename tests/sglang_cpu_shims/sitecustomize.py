@@ -4,3 +4,4 @@ tests/sglang_cpu_shims/ on PYTHONPATH (SGLang's spawned children included). See 
 import colo_rl_sglang_cpu_shim
 
 colo_rl_sglang_cpu_shim.install()
+colo_rl_sglang_cpu_shim.install_lora_pin_memory()
