@@ -121,15 +121,17 @@ def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
     """SmolLM2 writes `</calculator><result>` with `><` as one token: the cut keeps that token, so the
     policy has already written the observation's `<`; the observation goes on after it."""
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
-    engine = ScriptedEngine(tok, [["12*34 = <calculator>12*34</calculator><result>999</result><|im_end|>"],
-                                  [" The answer is 408.<|im_end|>"]])
-    (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=200).generate(
-        engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
+    script = [["12*34 = <calculator>12*34</calculator><result>999</result><|im_end|>"], [" The answer is 408.<|im_end|>"]]
     turn1 = encode(tok, "12*34 = <calculator>12*34</calculator><")
-    assert ep.token_ids[:len(turn1)] == turn1 and tok.decode(turn1[-1:]) == "><"
-    assert tok.decode(ep.token_ids).startswith("12*34 = <calculator>12*34</calculator><result>408</result> The answer")
-    observation = ep.token_ids[len(turn1):ep.policy_mask.index(1, len(turn1))]
-    assert tok.decode(observation) == "result>408</result>"
+    for honour in (False, True):  # an engine that stops at the tag ends on the same `><` token
+        engine = ScriptedEngine(tok, script, honour_stop=honour)
+        (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=200).generate(
+            engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
+        assert ep.token_ids[:len(turn1)] == turn1 and tok.decode(turn1[-1:]) == "><"
+        assert tok.decode(ep.token_ids).startswith("12*34 = <calculator>12*34</calculator><result>408</result> The answer")
+        observation = ep.token_ids[len(turn1):ep.policy_mask.index(1, len(turn1))]
+        assert tok.decode(observation) == "result>408</result>"
+        assert ep.engine_stops == int(honour)  # the engine's stop counts though the token ran past the tag
 
 
 def test_limits_end_episodes(tok):
