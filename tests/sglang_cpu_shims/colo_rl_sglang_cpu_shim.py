@@ -58,23 +58,29 @@ def define_torchvision_schemas() -> list[str]:
     return defined
 
 
-class _BeforeTorchvision(importlib.abc.MetaPathFinder):
-    """Runs define_torchvision_schemas() when `torchvision` is first imported, then steps aside
-    (returns no spec: the normal finders load torchvision)."""
+class _BeforeImport(importlib.abc.MetaPathFinder):
+    """Runs `action()` when module `name` is first imported, then steps aside (returns no spec:
+    the normal finders load the module)."""
+
+    def __init__(self, name, action):
+        self.name, self.action = name, action
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision":
+        if fullname == self.name:
             sys.meta_path.remove(self)
-            define_torchvision_schemas()
+            self.action()
         return None
 
 
+def _arm(name, action) -> None:
+    """Idempotent: `action` before `name` is first imported (nothing if it is loaded already)."""
+    if name not in sys.modules and not any(isinstance(f, _BeforeImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeImport(name, action))
+
+
 def install() -> None:
-    """Idempotent: arm the torchvision hook (or define the schemas now if torchvision is loaded)."""
-    if "torchvision" in sys.modules:
-        return
-    if not any(isinstance(f, _BeforeTorchvision) for f in sys.meta_path):
-        sys.meta_path.insert(0, _BeforeTorchvision())
+    """Idempotent: arm the torchvision hook (nothing if torchvision is loaded: too late, or not needed)."""
+    _arm("torchvision", define_torchvision_schemas)
 
 
 PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange", "as_tensor")
@@ -107,16 +113,6 @@ def drop_pin_memory() -> bool:
     return True
 
 
-class _BeforeSGLangLoRA(importlib.abc.MetaPathFinder):
-    """Runs drop_pin_memory() when sglang.srt.lora is first imported (torch is loaded by then)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "sglang.srt.lora":
-            sys.meta_path.remove(self)
-            drop_pin_memory()
-        return None
-
-
 def install_lora_pin_memory() -> None:
-    if not any(isinstance(f, _BeforeSGLangLoRA) for f in sys.meta_path):
-        sys.meta_path.insert(0, _BeforeSGLangLoRA())
+    """Idempotent: drop_pin_memory() when sglang.srt.lora is first imported (torch is loaded by then)."""
+    _arm("sglang.srt.lora", drop_pin_memory)
