@@ -9,6 +9,8 @@ import pytest
 import sglang_cpu
 from conftest import ROOT, WORKERS, hydra_dict, run_torchrun
 
+from colo_rl.metrics import read_jsonl
+
 pytestmark = pytest.mark.slow
 
 STEPS = 3
@@ -70,8 +72,7 @@ def test_lora_adapters_reach_sglang_as_tensors_and_are_applied(tmp_path):
                   "reward.format_weight=0", "logger=[jsonl]", "plots=false", "colocate.handoff_check_max_mean_abs=0.001",
                   f"rollout.sglang_kwargs={hydra_dict(kwargs)}", f"run_dir={tmp_path}"],
                  nproc=1, timeout=900, env=sglang_cpu.env())
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
-    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    rows, ledger = read_jsonl(tmp_path / "metrics.jsonl")[1:], read_jsonl(tmp_path / "ledger.jsonl")
     handoffs = [m for rec in ledger for m in rec["moves"] if m["what"] == "weights handoff"]
     assert [m["content"] for m in handoffs] == ["base+adapters"] + ["adapters"] * STEPS
     assert all(m["bytes"] < handoffs[0]["bytes"] / 50 for m in handoffs[1:])  # rank-8 adapters of a 13 MB model

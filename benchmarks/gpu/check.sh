@@ -75,7 +75,7 @@ stage_tests() {
   # Every test file with a GPU test, not tests/ as a whole: the rest import what the GPU image lacks
   # (wandb, mlflow, import-linter, SGLang's CPU shims) and would fail at collection.
   local files
-  files=$(grep -l 'pytest.mark.gpu' tests/test_*.py | sort)
+  files=$($PY benchmarks/gpu/check_imports.py --list-gpu-tests)
   echo "GPU test files: $files"
   $PY -m pytest -q -m gpu -rA --durations=0 -p no:cacheprovider $files
 }

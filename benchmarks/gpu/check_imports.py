@@ -158,8 +158,13 @@ def main(argv=None) -> int:
     p.add_argument("--carry", type=Path, default=ROOT / ".whl")
     p.add_argument("--out", type=Path, default=ROOT / ".whl" / "check-imports.json")
     p.add_argument("--suite", action="store_true",
-                   help="then run the CPU test suite on this stack (make gpu-stack-test; about 8 minutes)")
+                   help="then run the CPU test suite on this stack (make gpu-stack-test; about 11 minutes)")
+    p.add_argument("--list-gpu-tests", action="store_true",
+                   help="only print the test files with GPU tests (make gpu-check's tests stage runs them)")
     args = p.parse_args(argv)
+    if args.list_gpu_tests:
+        print(" ".join(gpu_test_files()))
+        return 0
     py = args.venv / "bin" / "python"
     if not py.exists():
         base = find_python312()
@@ -215,7 +220,6 @@ def run_suite(py: Path, env: dict, venv: Path) -> int:
     DeepSpeed built from the carry's sdist, ...): a version difference that breaks colo_rl shows
     here, not in the first minutes of a GPU session. Children keep PYTHONPATH, as on the GPU. The
     SGLang-on-CPU tests run the carry's SGLang 0.5.17: the GPU's engine code, minus the CUDA kernels."""
-    # The SGLang-on-CPU tests run the carry's SGLang 0.5.17 (its runtime, on CPU, with the tests' shims).
     env = {**env, "COLO_RL_CACHE": str(venv / "colo_rl-cache"), "TORCH_EXTENSIONS_DIR": str(venv / "torch_extensions"),
            "COLO_RL_SGLANG_CPU_VERSION": "0.5.17"}
     cmd = [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", "tests"]
@@ -226,7 +230,7 @@ def run_suite(py: Path, env: dict, venv: Path) -> int:
 
 
 def gpu_test_files() -> list[str]:
-    """The test files `make gpu-check` runs (benchmarks/gpu/check.sh's tests stage greps the same)."""
+    """The test files with GPU tests (`--list-gpu-tests`: what make gpu-check's tests stage runs)."""
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
                   if "pytest.mark.gpu" in p.read_text())
 

@@ -97,8 +97,9 @@ class MultiTurnRollout:
         """Append the policy's turn, cut past its first tool call. Returns (asks for a tool, ended with EOS)."""
         room = self.max_total_tokens - len(ep.token_ids)
         tokens, logps, finish = out.token_ids[:room], out.logprobs[:room], out.finish_reason
-        if finish == "stop_string":  # counted before the cut below: a stop token that runs past the tag
-            ep.engine_stops += 1     # (SmolLM2's `><`) still leaves text after the call
+        if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS. Counted
+            ep.engine_stops += 1     # here, before the cut: a stop token that runs past the tag (SmolLM2's
+            finish = "tool"          # `><`) still leaves text after the call
         if len(tokens) < len(out.token_ids):
             finish = "length"
         text = self.tokenizer.decode(tokens)
@@ -107,8 +108,6 @@ class MultiTurnRollout:
             k = cut_at(self.tokenizer, tokens, parsed.end)
             tokens, logps, finish = tokens[:k], logps[:k], "tool"
             text = self.tokenizer.decode(tokens)
-        if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS
-            finish = "tool"
         ep.token_ids += tokens
         ep.logprobs += logps
         ep.policy_mask += [1] * len(tokens)
