@@ -106,6 +106,7 @@ bench: $(BENCH_STAMP)
 # <= 60 MiB (benchmarks/gpu/carry.py; colo_rl/colocate/NOTES.md says how a run goes).
 #   here:            make gpu-wheels             -> .whl/part1 .. .whl/partN (+ SHA256SUMS in each)
 #                    make gpu-wheels-check       -> the carried set imports the engine path (py3.12 venv)
+#                    make gpu-compile-check      -> the CUDA code compiled on first use compiles (nvcc 13.0, sm_90)
 #                    make gpu-stack-test         -> and the CPU test suite passes on that stack
 #   on the GPU:      make gpu-install CARRY=DIR  -> reassemble, check sums, install into $(GPU_SITE)
 #                    make gpu-check [GPU_STAGES="env tests phase grpo hf tools"]
@@ -113,12 +114,16 @@ GPU_PY ?= python3
 GPU_SITE ?= /tmp/colo_rl-site
 CARRY ?= .whl
 GPU_STAGES ?=
-.PHONY: gpu-wheels gpu-wheels-check gpu-stack-test gpu-install
+.PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install
 gpu-wheels:
 	python3 benchmarks/gpu/carry.py build --with-model
 
 gpu-wheels-check:
 	python3 benchmarks/gpu/check_imports.py
+
+# DeepSpeed's FusedAdam and SGLang's JIT kernels compiled for Hopper with nvcc 13.0 (about 1 minute; no GPU needed).
+gpu-compile-check:
+	python3 benchmarks/gpu/check_compile.py
 
 # The CPU test suite on the GPU machine's package versions (the image's + the carry), here on CPU.
 gpu-stack-test:

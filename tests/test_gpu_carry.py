@@ -137,3 +137,37 @@ def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
                           env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, timeout=60)
     assert proc.returncode == 2
     assert "gpu-check needs an NVIDIA GPU" in proc.stderr
+
+
+def test_compile_check_plans_the_kv_row_of_every_model_sglang_starts_on_in_gpu_check():
+    """`make gpu-compile-check` compiles SGLang's KV-cache store per row width: its table of models
+    must follow the models the GPU check really starts SGLang with (a changed shape fails here)."""
+    from benchmarks.gpu.check_compile import SGLANG_MODELS, sglang_kernel_plan
+    from benchmarks.phase_switch import MODELS
+    from tests.workers.sglang_gpu_worker import DIMS
+
+    def layout(dims: dict) -> tuple[int, int]:
+        return dims["num_key_value_heads"], dims["hidden_size"] // dims["num_attention_heads"]
+
+    tiny = {"hidden_size": 64, "num_attention_heads": 1, "num_key_value_heads": 1}  # colo_rl.models: hidden // 64 heads
+    expected = {layout(MODELS["smollm2-135m"]), layout(MODELS["0.5b"]), layout(DIMS), layout(tiny)}
+    assert set(SGLANG_MODELS.values()) == expected
+    plan = sglang_kernel_plan()
+    rows = sorted(item["args"][0] for item in plan if item["kind"] == "kvcache")
+    assert rows == sorted({kv * hd * 2 for kv, hd in expected})  # bf16 rows, each compiled once
+    assert [len(item["used_by"]) for item in plan if item["kind"] == "activation"] == [len(SGLANG_MODELS)]
+
+
+def test_compile_check_builds_a_cuda_home_from_the_nvcc_wheels(tmp_path):
+    from benchmarks.gpu.check_compile import cuda_home
+
+    cu13 = tmp_path / "lib" / "python3.12" / "site-packages" / "nvidia" / "cu13"
+    for rel in ("bin/nvcc", "include/cuda_runtime.h", "nvvm/bin/cicc", "lib/libcudart.so.13", "lib/libcublas.so.13"):
+        (cu13 / rel).parent.mkdir(parents=True, exist_ok=True)
+        (cu13 / rel).write_text(rel)
+    for _ in range(2):  # a second run keeps the links
+        home = cuda_home(tmp_path)
+    assert (home / "bin" / "nvcc").read_text() == "bin/nvcc"
+    assert (home / "include" / "cuda_runtime.h").exists() and (home / "nvvm" / "bin" / "cicc").exists()
+    assert (home / "lib64" / "libcudart.so").read_text() == "lib/libcudart.so.13"  # what -lcudart links
+    assert (home / "lib64" / "libcublas.so.13").exists()
