@@ -48,6 +48,14 @@ pack() {
 stage_env() {
   nvidia-smi
   nvcc --version | tail -2
+  # DeepSpeed's FusedAdam and SGLang's JIT kernels compile on first use (make gpu-compile-check
+  # compiled them on CPU with nvcc 13.0) with this toolkit: colo_rl.cuda_toolkit fixes torch's guess when
+  # an nvcc wrapper makes it /usr/local, and adds the wheels' cuBLAS/cuSPARSE headers a bare toolkit lacks.
+  echo "--- nvcc on PATH: $(command -v nvcc || echo none)"
+  $PY -c 'import torch.utils.cpp_extension as c; from colo_rl.cuda_toolkit import prepare_jit_builds, is_toolkit
+guess = c.CUDA_HOME; changes = prepare_jit_builds()
+print("JIT builds: torch guessed CUDA_HOME", guess, "(a toolkit)" if is_toolkit(guess) else "(NOT a toolkit)",
+      "| colo_rl sets:", changes or "nothing")'
   echo "--- libcudart known to the loader:"; ldconfig -p | grep -E 'libcudart\.so|libcuda\.so\.1' || echo "(none)"
   $PY - <<'EOF'
 import importlib, importlib.metadata as md, time

@@ -4,14 +4,19 @@ On its first GPU run colo_rl's path compiles CUDA sources with the image's nvcc 
 FusedAdam (torch's cpp_extension JIT, the optimizer every ZeRO-3 step runs) and SGLang 0.5.17's tvm-ffi
 JIT kernels on the Llama path (SiLU-and-mul, fused RoPE, the KV-cache store, clamp_position). nvcc
 needs no GPU: here they are compiled for the H100/H200 (sm_90 for DeepSpeed, sm_90a for SGLang, as
-each picks on a Hopper GPU), with nvcc 13.0.88 from NVIDIA's wheels (installed into the check venv of
-`make gpu-wheels-check`, never into the carry), against that venv's torch 2.11.0+cu130 and the
-carry's own sources. A compile error then shows here, not in the first minutes of a GPU session.
+each picks on a Hopper GPU), against the check venv of `make gpu-wheels-check` (torch 2.11.0+cu130,
+the carry's own sources). A compile error then shows here, not in the first minutes of a GPU session.
+
+The compiler: this machine's nvcc when one is on PATH, found the way colo_rl finds it on the GPU
+(`colo_rl.cuda_toolkit`, which DeepSpeedActor and SGLangEngine call before their first build: here an
+nvcc wrapper at /usr/local/bin made torch and tvm-ffi build against /usr/local and fail to link, and
+the toolkit lacks the cuSPARSE/cuBLAS headers torch's ATen/cuda includes);
+else (`--toolkit wheels`) nvcc 13.0.88 from NVIDIA's wheels, installed into the check venv only.
 
 The SGLang kernels are compiled with the template arguments of every model `make gpu-check` starts
 SGLang with (bf16: `model.dtype=auto` on a GPU): the KV-cache store is specialised on the bytes per
 token row, so each model's row width is compiled (a kernel can reject a width at compile time: its
-RMSNorm rejects 576, which SGLang therefore routes to sgl_kernel). Kernels were read from SGLang
+JIT RMSNorm rejects 576; SGLang's Llama takes RMSNorm from sgl_kernel's prebuilt library). Kernels were read from SGLang
 0.5.17's Llama path (layers/activation.py, rotary_embedding/base.py, mem_cache/memory_pool.py,
 model_executor/forward_batch_info.py); one missed here still compiles on the GPU as before.
 
@@ -19,7 +24,7 @@ Not covered: Triton kernels (compiled by the image's Triton at run time), sgl_ke
 torch_memory_saver's prebuilt libraries (`make gpu-wheels-check` loads them), and the host compiler
 (here this machine's gcc; the image's is Ubuntu 24.04's).
 
-    python3 benchmarks/gpu/check_compile.py [--venv DIR] [--out FILE]      # after make gpu-wheels-check
+    python3 benchmarks/gpu/check_compile.py [--toolkit auto|system|wheels] [--venv DIR] [--out FILE]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,7 +112,13 @@ def probe(out: Path) -> int:
         entry["seconds"] = round(time.perf_counter() - t0, 1)
         results.append(entry)
         print(f"{'ok    ' if entry['ok'] else 'FAILED'} {name}{tuple(args)}: {entry['seconds']} s", flush=True)
-        out.write_text(json.dumps({"nvcc": nvcc_version(), "torch": torch.__version__, "results": results}, indent=1))
+        out.write_text(json.dumps({"nvcc": nvcc_version(), "cuda_home": os.environ.get("CUDA_HOME"),
+                                   "set_by_colo_rl": fixed, "torch": torch.__version__,
+                                   "results": results}, indent=1))
+
+    from colo_rl.cuda_toolkit import prepare_jit_builds
+    fixed = prepare_jit_builds()  # what DeepSpeedActor and SGLangEngine call before their first build
+    print(f"CUDA_HOME: {os.environ.get('CUDA_HOME')}; set by colo_rl.cuda_toolkit: {fixed or 'nothing'}", flush=True)
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
     record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], lambda: FusedAdamBuilder().jit_load(verbose=False))
@@ -130,7 +142,8 @@ def probe(out: Path) -> int:
 
 
 def nvcc_version() -> str:
-    out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+    nvcc = os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else "nvcc"
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     return next((line.strip() for line in out.splitlines() if "release" in line), "nvcc not found")
 
 
@@ -138,6 +151,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--venv", type=Path, default=ROOT / ".whl" / "check-venv")
     p.add_argument("--out", type=Path, default=ROOT / ".whl" / "check-compile.json")
+    p.add_argument("--toolkit", choices=["auto", "system", "wheels"], default="auto",
+                   help="system: this machine's nvcc, found the way colo_rl finds it on a GPU (colo_rl.cuda_toolkit); "
+                        "wheels: nvcc 13.0.88 from NVIDIA's wheels, in the check venv; auto: system when nvcc is on PATH")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the part that runs in the venv
     args = p.parse_args(argv)
     if args.probe:
@@ -146,12 +162,15 @@ def main(argv=None) -> int:
     if not (py.exists() and (site / "sglang").is_dir()):
         print(f"no check venv with the carry at {args.venv}: run `make gpu-wheels-check` first", file=sys.stderr)
         return 2
-    if not list(args.venv.glob("lib/python3*/site-packages/nvidia/cu13/bin/nvcc")):
-        sh([str(py), "-m", "pip", "install", "-q", "--no-deps", *NVCC_WHEELS])
-    home = cuda_home(args.venv)
-    env = {"PATH": f"{home / 'bin'}:{args.venv / 'bin'}:/usr/bin:/bin", "HOME": str(Path.home()),
-           "PYTHONPATH": f"{site}:{ROOT}", "CUDA_HOME": str(home), "DS_ACCELERATOR": "cuda",
+    env = {"HOME": str(Path.home()), "PYTHONPATH": f"{site}:{ROOT}", "DS_ACCELERATOR": "cuda",
            "TORCH_CUDA_ARCH_LIST": "{}.{}".format(*HOPPER)}
+    if args.toolkit == "system" or (args.toolkit == "auto" and shutil.which("nvcc")):
+        env["PATH"] = f"{args.venv / 'bin'}:{os.environ['PATH']}"  # CUDA_HOME left to colo_rl, as on the GPU
+    else:
+        if not list(args.venv.glob("lib/python3*/site-packages/nvidia/cu13/bin/nvcc")):
+            sh([str(py), "-m", "pip", "install", "-q", "--no-deps", *NVCC_WHEELS])
+        home = cuda_home(args.venv)
+        env.update(PATH=f"{home / 'bin'}:{args.venv / 'bin'}:/usr/bin:/bin", CUDA_HOME=str(home))
     stub = stub_libcuda(args.venv / "stub-libcuda")
     if stub is not None:
         env["LD_LIBRARY_PATH"] = str(stub)
@@ -165,8 +184,10 @@ def main(argv=None) -> int:
     report = json.loads(args.out.read_text())
     bad = [r for r in report["results"] if not r["ok"]]
     total = sum(r["seconds"] for r in report["results"])
+    how = f"; colo_rl.cuda_toolkit set {', '.join(report['set_by_colo_rl'])}" if report["set_by_colo_rl"] else ""
     print(f"\n{len(report['results']) - len(bad)} of {len(report['results'])} kernels compile for Hopper with "
-          f"{report['nvcc']} and torch {report['torch']} ({total:.0f} s on this machine); report: {args.out}")
+          f"{report['nvcc']} (CUDA_HOME {report['cuda_home']}{how}) and torch {report['torch']} ({total:.0f} s on "
+          f"this machine); report: {args.out}")
     for r in bad:
         print(f"  FAILED {r['kernel']}{tuple(r['args'])}:\n{r['error']}")
     return 1 if bad or rc else 0

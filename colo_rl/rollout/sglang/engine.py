@@ -12,6 +12,7 @@ from typing import Iterable, Optional
 import torch
 
 from colo_rl import dist
+from colo_rl.cuda_toolkit import prepare_jit_builds
 from colo_rl.errors import EngineStateError, HandoffError, SGLangEngineError
 from colo_rl.models import eos_token_ids, model_config, resolve_model_path
 from colo_rl.phase import Phase
@@ -207,6 +208,8 @@ class SGLangEngine:
                  getattr(sglang, "__version__", "?"), rollout.tp_size, device, dist.local_rank(), fraction,
                  free_bytes / GIB,
                  f", {extra}" if extra else "")
+        if device == "cuda":
+            prepare_jit_builds()  # the schedulers JIT-build SGLang's kernels: CUDA_HOME, headers
         t0 = time.perf_counter()
         try:
             with engine_environment():

@@ -1,0 +1,114 @@
+"""The CUDA toolkit that JIT builds compile with: DeepSpeed's FusedAdam (torch's cpp_extension) and
+SGLang's tvm-ffi kernels, both built on first use on a GPU machine. Two traps, both seen with an
+nvcc 13.0 toolkit installed from NVIDIA's wheels (`make gpu-compile-check`):
+
+- torch (`torch.utils.cpp_extension.CUDA_HOME`, fixed when that module is imported), tvm-ffi and
+  SGLang take CUDA_HOME or CUDA_PATH, else the directory above the `nvcc` on PATH, else
+  /usr/local/cuda. A wrapper script at /usr/local/bin/nvcc (`exec /usr/local/cuda-13.0/bin/nvcc
+  "$@"`) makes that /usr/local: no CUDA headers, no lib64/libcudart.so, every build fails
+  ("cannot find -lcudart"). Then the first real toolkit (/usr/local/cuda, then /usr/local/cuda-*
+  newest first) becomes CUDA_HOME.
+- torch's ATen/cuda headers, which DeepSpeed's CUDA ops include, include cuBLAS, cuSPARSE and
+  cuSOLVER headers that a compiler-only toolkit lacks ("cusparse.h: No such file or directory").
+  pip-installed torch brings them in its nvidia-* wheels (nvidia/cu13/include): that directory is
+  appended to CPLUS_INCLUDE_PATH, which gcc and nvcc search after every include path they are given,
+  so it only fills the gap.
+
+Both reach this process and those it starts (SGLang's schedulers); nothing changes where the builds
+would work as they are.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import shutil
+import sys
+from typing import Iterable, Mapping, Optional
+
+log = logging.getLogger(__name__)
+
+# What torch's and tvm-ffi's builders use: the compiler, the runtime's headers, `-L<home>/lib64 -lcudart`.
+TOOLKIT_FILES = (os.path.join("bin", "nvcc"), os.path.join("include", "cuda_runtime.h"),
+                 os.path.join("lib64", "libcudart.so"))
+# Included by torch's ATen/cuda/CUDAContextLight.h (every CUDA extension that includes ATen/cuda).
+ATEN_LIBRARY_HEADERS = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
+# Where NVIDIA's wheels put headers: CUDA 13 one folder, CUDA 12 one per library.
+PIP_INCLUDE_SUBDIRS = ("cu13/include", "cublas/include", "cusparse/include", "cusolver/include")
+
+
+def is_toolkit(path: Optional[str]) -> bool:
+    return bool(path) and all(os.path.exists(os.path.join(path, f)) for f in TOOLKIT_FILES)
+
+
+def default_candidates() -> list[str]:
+    """/usr/local/cuda, then /usr/local/cuda-<version>, newest version first."""
+    def version(p: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", os.path.basename(p)))
+
+    return ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), key=version, reverse=True)]
+
+
+def default_nvidia_roots() -> list[str]:
+    """The folders of the `nvidia` namespace package (NVIDIA's wheels, torch's dependencies)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return list(getattr(nvidia, "__path__", []))
+
+
+def builders_guess(environ: Mapping[str, str], nvcc_on_path: Optional[str]) -> str:
+    if environ.get("CUDA_HOME") or environ.get("CUDA_PATH"):
+        return environ.get("CUDA_HOME") or environ["CUDA_PATH"]
+    return os.path.dirname(os.path.dirname(nvcc_on_path)) if nvcc_on_path else "/usr/local/cuda"
+
+
+def build_env_changes(environ: Mapping[str, str], nvcc_on_path: Optional[str], candidates: Iterable[str],
+                      nvidia_roots: Iterable[str]) -> dict[str, str]:
+    """The variables to set for JIT builds (empty when the builders' own choice works). CUDA_HOME
+    only when no variable names a toolkit (the user's choice stands) and the guess is not one;
+    CPLUS_INCLUDE_PATH only when the toolkit lacks a header ATen includes and a wheel has it."""
+    changes: dict[str, str] = {}
+    home = builders_guess(environ, nvcc_on_path)
+    if not (environ.get("CUDA_HOME") or environ.get("CUDA_PATH")) and not is_toolkit(home):
+        found = next((c for c in candidates if is_toolkit(c)), None)
+        if found is None:
+            return changes  # no toolkit: the build fails with its own message, which names CUDA_HOME
+        changes["CUDA_HOME"] = home = found
+    missing = [h for h in ATEN_LIBRARY_HEADERS if not os.path.exists(os.path.join(home, "include", h))]
+    present = [p for p in environ.get("CPLUS_INCLUDE_PATH", "").split(":") if p]
+    added: list[str] = []
+    for root in nvidia_roots:
+        for sub in PIP_INCLUDE_SUBDIRS:
+            inc = os.path.join(root, sub)
+            provides = [h for h in missing if os.path.exists(os.path.join(inc, h))]
+            if provides and inc not in present and inc not in added:
+                added.append(inc)
+            missing = [h for h in missing if h not in provides]
+    if added:
+        changes["CPLUS_INCLUDE_PATH"] = ":".join(present + added)
+    return changes
+
+
+def prepare_jit_builds(candidates: Optional[Iterable[str]] = None,
+                       nvidia_roots: Optional[Iterable[str]] = None) -> dict[str, str]:
+    """Set what `build_env_changes` finds (and point torch's cached CUDA_HOME at the toolkit). Call
+    before the first JIT build; idempotent. Returns the variables it set."""
+    import torch
+
+    if not torch.version.cuda:  # a CPU build of torch compiles no CUDA
+        return {}
+    changes = build_env_changes(os.environ, shutil.which("nvcc"),
+                                default_candidates() if candidates is None else candidates,
+                                default_nvidia_roots() if nvidia_roots is None else nvidia_roots)
+    os.environ.update(changes)
+    cpp_extension = sys.modules.get("torch.utils.cpp_extension")  # DeepSpeed reads its CUDA_HOME per build
+    if "CUDA_HOME" in changes and cpp_extension is not None:
+        cpp_extension.CUDA_HOME = changes["CUDA_HOME"]
+    if changes:
+        log.info("JIT builds: %s (nvcc on PATH: %s)", ", ".join(f"{k}={v}" for k, v in changes.items()),
+                 shutil.which("nvcc"))
+    return changes
