@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import zipfile
@@ -144,7 +145,10 @@ def test_compile_check_plans_the_kv_row_of_every_model_sglang_starts_on_in_gpu_c
     must follow the models the GPU check really starts SGLang with (a changed shape fails here)."""
     from benchmarks.gpu.check_compile import SGLANG_MODELS, sglang_kernel_plan
     from benchmarks.phase_switch import MODELS
-    from tests.workers.sglang_gpu_worker import DIMS
+    spec = importlib.util.spec_from_file_location("sglang_gpu_worker", ROOT / "tests" / "workers" / "sglang_gpu_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)  # its main() runs only as a script
+    DIMS = worker.DIMS
 
     def layout(dims: dict) -> tuple[int, int]:
         return dims["num_key_value_heads"], dims["hidden_size"] // dims["num_attention_heads"]
