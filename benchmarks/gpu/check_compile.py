@@ -174,6 +174,7 @@ def main(argv=None) -> int:
     stub = stub_libcuda(args.venv / "stub-libcuda")
     if stub is not None:
         env["LD_LIBRARY_PATH"] = str(stub)
+    args.out.unlink(missing_ok=True)  # a probe that dies early must not leave an old report to read
     with tempfile.TemporaryDirectory(prefix="colo_rl-compile-") as tmp:  # empty caches: a real compile
         env.update(TVM_FFI_CACHE_DIR=f"{tmp}/tvm-ffi", TORCH_EXTENSIONS_DIR=f"{tmp}/torch_extensions")
         rc = subprocess.run([str(py), __file__, "--probe", "--out", str(args.out)], cwd=ROOT, env=env,
