@@ -60,20 +60,15 @@ def default_nvidia_roots() -> list[str]:
     return list(getattr(nvidia, "__path__", []))
 
 
-def builders_guess(environ: Mapping[str, str], nvcc_on_path: Optional[str]) -> str:
-    if environ.get("CUDA_HOME") or environ.get("CUDA_PATH"):
-        return environ.get("CUDA_HOME") or environ["CUDA_PATH"]
-    return os.path.dirname(os.path.dirname(nvcc_on_path)) if nvcc_on_path else "/usr/local/cuda"
-
-
 def build_env_changes(environ: Mapping[str, str], nvcc_on_path: Optional[str], candidates: Iterable[str],
                       nvidia_roots: Iterable[str]) -> dict[str, str]:
     """The variables to set for JIT builds (empty when the builders' own choice works). CUDA_HOME
     only when no variable names a toolkit (the user's choice stands) and the guess is not one;
     CPLUS_INCLUDE_PATH only when the toolkit lacks a header ATen includes and a wheel has it."""
     changes: dict[str, str] = {}
-    home = builders_guess(environ, nvcc_on_path)
-    if not (environ.get("CUDA_HOME") or environ.get("CUDA_PATH")) and not is_toolkit(home):
+    users = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
+    home = users or (os.path.dirname(os.path.dirname(nvcc_on_path)) if nvcc_on_path else "/usr/local/cuda")
+    if not users and not is_toolkit(home):
         found = next((c for c in candidates if is_toolkit(c)), None)
         if found is None:
             return changes  # no toolkit: the build fails with its own message, which names CUDA_HOME

@@ -100,6 +100,9 @@ def probe(out: Path) -> int:
     import torch
 
     sys.setdlopenflags(os.RTLD_LAZY | os.RTLD_GLOBAL)  # sgl_kernel binds the stand-in libcuda lazily
+    from colo_rl.cuda_toolkit import prepare_jit_builds
+    fixed = prepare_jit_builds()  # what DeepSpeedActor and SGLangEngine call before their first build
+    print(f"CUDA_HOME: {os.environ.get('CUDA_HOME')}; set by colo_rl.cuda_toolkit: {fixed or 'nothing'}", flush=True)
     results = []
 
     def record(name: str, args, fn) -> None:
@@ -115,10 +118,6 @@ def probe(out: Path) -> int:
         out.write_text(json.dumps({"nvcc": nvcc_version(), "cuda_home": os.environ.get("CUDA_HOME"),
                                    "set_by_colo_rl": fixed, "torch": torch.__version__,
                                    "results": results}, indent=1))
-
-    from colo_rl.cuda_toolkit import prepare_jit_builds
-    fixed = prepare_jit_builds()  # what DeepSpeedActor and SGLangEngine call before their first build
-    print(f"CUDA_HOME: {os.environ.get('CUDA_HOME')}; set by colo_rl.cuda_toolkit: {fixed or 'nothing'}", flush=True)
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
     record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], lambda: FusedAdamBuilder().jit_load(verbose=False))
