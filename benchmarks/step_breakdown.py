@@ -110,7 +110,11 @@ class PhaseMemory:
         self.cuda = torch.cuda.is_available()
         self.kind = "device_used" if self.cuda else "rss"
         if self.cuda:
-            self._probe = lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info())
+            from colo_rl import dist
+
+            # The sampler thread's current device would be GPU 0 on every rank: name this rank's.
+            gpu = dist.device()
+            self._probe = lambda: (lambda f, t: t - f)(*torch.cuda.mem_get_info(gpu))
         else:
             import psutil
 
