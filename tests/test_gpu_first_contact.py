@@ -35,6 +35,7 @@ from colo_rl.rollout.sglang import failure as sg_failure
 from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from colo_rl.train import ds_config
 from colo_rl.train.actor import DeepSpeedActor
+from colo_rl.train.host_paging import HostPager
 
 register_configs()
 
@@ -395,17 +396,33 @@ def test_paged_state_bytes_uses_the_gradient_dtype():
     assert ds_config.paged_state_bytes(n, torch.float32, torch.float32, include_lp_params=True) == n * (12 + 4)
 
 
-def _param(numel, dtype=torch.bfloat16, persist=False):
-    return SimpleNamespace(ds_tensor=torch.zeros(numel, dtype=dtype), requires_grad=True, ds_persist=persist)
+def _param(numel, dtype=torch.bfloat16, persist=False, trained=True):
+    return SimpleNamespace(ds_tensor=torch.zeros(numel, dtype=dtype), requires_grad=trained, ds_persist=persist)
+
+
+def _fake_actor(params, bucket_numel):
+    zero = SimpleNamespace(contiguous_gradients=True, reduce_bucket_size=bucket_numel, ipg_buckets={torch.bfloat16: None})
+    actor = SimpleNamespace(with_optimizer=True, zero_stage=3, dtype=torch.bfloat16,
+                            module=SimpleNamespace(parameters=lambda: iter(params),
+                                                   named_parameters=lambda: iter(zip("abcd", params))),
+                            engine=SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.bfloat16), optimizer=zero),
+                            frozen_pager=HostPager([p.ds_tensor for p in params if not p.requires_grad]))
+    actor.grad_dtype = types.MethodType(DeepSpeedActor.grad_dtype, actor)
+    return actor
 
 
 def test_actor_state_bytes_and_handoff_h2d_bytes():
-    params = [_param(100), _param(50), _param(10, persist=True)]
-    actor = SimpleNamespace(with_optimizer=True, zero_stage=3, dtype=torch.bfloat16,
-                            module=SimpleNamespace(parameters=lambda: iter(params),
-                                                   named_parameters=lambda: iter(zip("abc", params))),
-                            engine=SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.bfloat16)))
-    actor.grad_dtype = types.MethodType(DeepSpeedActor.grad_dtype, actor)
-    assert DeepSpeedActor.state_bytes(actor) == 160 * 16  # not 18 B/param: gradients are bf16
+    """(tests/test_paging.py checks state_bytes against the tensors DeepSpeed really moves.)"""
+    actor = _fake_actor([_param(100), _param(50), _param(10, persist=True)], bucket_numel=160)
+    # not 18 B/param: gradients are bf16; plus ZeRO's bf16 gradient bucket
+    assert DeepSpeedActor.state_bytes(actor) == 160 * 16 + 160 * 2
     assert DeepSpeedActor.handoff_h2d_bytes(actor) == (100 + 50) * 2  # persistent params are not gathered
     assert DeepSpeedActor.handoff_h2d_bytes(actor, ["b", "c"]) == 50 * 2  # a LoRA handoff gathers some only
+
+
+def test_actor_state_bytes_with_a_frozen_base():
+    """LoRA: the adapters' bf16 partitions stay on the device; the base's are paged by colo_rl."""
+    actor = _fake_actor([_param(1000, trained=False), _param(8), _param(500, trained=False), _param(8)],
+                        bucket_numel=16)
+    assert DeepSpeedActor.state_bytes(actor) == 16 * (12 + 2) + 16 * 2 + 1500 * 2
+    assert DeepSpeedActor.handoff_h2d_bytes(actor) == 1500 * 2  # the adapters' partitions never left

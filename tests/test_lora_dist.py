@@ -27,8 +27,10 @@ def test_only_adapters_are_trained(reports):
         # each rank's optimizer partition covers half the adapters (up to ZeRO's padding), nothing of the base
         assert rep["adapter_numel"] / 2 <= rep["optimizer_numel_this_rank"] < rep["adapter_numel"] / 2 + 64
         assert rep["adapter_numel"] < rep["total_numel"] / 100
-        # paged state: fp32 master + Adam m, v + fp32 gradient of this rank's adapter partition
-        assert rep["state_bytes"] == rep["optimizer_numel_this_rank"] * 16
+        # paged state: fp32 master + Adam m, v + fp32 gradient of this rank's adapter partition, ZeRO's
+        # fp32 gradient bucket (sized to all adapters) and this rank's partitions of the frozen base
+        assert rep["state_bytes"] == (rep["optimizer_numel_this_rank"] * 16 + rep["adapter_numel"] * 4
+                                      + rep["frozen_partition_bytes_this_rank"])
     changed = reps[0]["changed"]
     assert changed and all(".lora_" in n for n in changed), changed  # the step moved adapters only
     assert all(".lora_B." in n for n in changed)  # lora_B starts at 0, so lora_A's first gradient is 0

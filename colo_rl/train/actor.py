@@ -17,8 +17,10 @@ from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, f
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, response_logprobs
-from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, lr_lambda,
+from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, drop_offload_buffers,
+                                     fit_grad_bucket, grad_bucket_bytes, lr_lambda, offload_buffers_set_aside,
                                      paged_state_bytes, paging_needed)
+from colo_rl.train.host_paging import HostPager
 
 log = logging.getLogger("colo_rl")
 
@@ -80,6 +82,7 @@ class DeepSpeedActor:
         kwargs = {}
         if with_optimizer:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
+            fit_grad_bucket(ds_config, sum(p.numel() for p in kwargs["model_parameters"]))
             sched = lr_lambda(cfg.trainer, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, sched)
         if with_optimizer:
@@ -92,6 +95,12 @@ class DeepSpeedActor:
         else:
             self.engine.eval()
         self.module = self.engine.module
+        # DeepSpeed's offload_states maps every parameter's partition onto the buffer of the
+        # trained ones (stage3.py, lp_params): with a frozen base (LoRA) it fails, so those
+        # partitions are paged here and DeepSpeed pages the rest.
+        self.frozen_pager = HostPager([p.ds_tensor for p in self.module.parameters()
+                                       if not p.requires_grad and hasattr(p, "ds_tensor")]
+                                      if with_optimizer and self.zero_stage == 3 else [])
 
     # ------------------------------------------------------------------ forward
     def response_logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
@@ -168,8 +177,9 @@ class DeepSpeedActor:
         LoRA the frozen base is left out (it is model.path's weights, rebuilt on resume): only the
         adapters, their optimizer state and a fingerprint of this rank's base shards are written."""
         client = {FROZEN_BASE_KEY: self.frozen_base_fingerprint()} if self.lora else {}
-        self.engine.save_checkpoint(directory, tag=tag, client_state=client, save_latest=False,
-                                    exclude_frozen_parameters=self.lora)
+        with offload_buffers_set_aside(self._inner_optimizer()):  # host copies of Adam's moments: not state
+            self.engine.save_checkpoint(directory, tag=tag, client_state=client, save_latest=False,
+                                        exclude_frozen_parameters=self.lora)
 
     def load_checkpoint(self, directory: str, tag: str) -> None:
         """Load DeepSpeed's checkpoint into this freshly built engine (ZeRO-3 needs a pristine one).
@@ -179,6 +189,9 @@ class DeepSpeedActor:
                                                         load_optimizer_states=True, load_lr_scheduler_states=True)
         if load_path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} under {directory}")
+        # Checkpoints written before save_checkpoint left them out hold DeepSpeed's paging buffers;
+        # loaded, they land on the device, and paging would then copy Adam's moments device to device.
+        drop_offload_buffers(self._inner_optimizer())
         if self.lora:
             self._check_frozen_base((client or {}).get(FROZEN_BASE_KEY), directory)
         self._replay_cpu_adam_steps()
@@ -216,7 +229,7 @@ class DeepSpeedActor:
         CUDA kernel computes the correction from t each step: nothing to do there.)"""
         if not self.with_optimizer or self.engine.device.type != "cpu":
             return
-        opt = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        opt = self._inner_optimizer()
         try:
             from deepspeed.ops.adam.fused_adam import FusedAdam, multi_tensor_applier
         except ImportError:
@@ -242,19 +255,26 @@ class DeepSpeedActor:
 
     # ------------------------------------------------------------------ paging (memory manager)
     def offload_states(self, pin_memory: bool = True) -> bool:
-        """Page optimizer state, master weights and gradient buffers to host memory (GPU only).
-        Returns whether anything moved."""
+        """Page optimizer state, master weights, gradient buffers and the weight partitions (a
+        LoRA base's too) to host memory (GPU only). Returns whether anything moved."""
         if not self.pages:
             return False
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
-        self.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=pin_memory, non_blocking=False)
+        frozen = bool(self.frozen_pager.tensors)
+        include = [s for s in OffloadStateTypeEnum if s != OffloadStateTypeEnum.lp_params] if frozen else None
+        # DeepSpeed first: it also frees ZeRO-3's cache of gathered parameters
+        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=pin_memory,
+                                   non_blocking=False)
+        if frozen:
+            self.frozen_pager.page_out(pin_memory)
         return True
 
     def reload_states(self) -> bool:
         if not self.pages:
             return False
         self.engine.reload_states(non_blocking=False)
+        self.frozen_pager.page_in(self.engine.device)
         return True
 
     def grad_dtype(self) -> torch.dtype:
@@ -263,29 +283,39 @@ class DeepSpeedActor:
         return get()[1] if get is not None else self.dtype
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's trainer states that paging moves (see `paged_state_bytes`;
-        `offload_states` pages every state, lp_params included)."""
+        """Bytes of this rank's trainer states that paging moves (see `paged_state_bytes`): the
+        trained parameters' states, ZeRO's gradient bucket (freed, re-allocated on reload), and
+        the weight partitions: the trained ones through DeepSpeed, a frozen base's through
+        `frozen_pager`."""
         if not self.with_optimizer:
             return 0
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         if self.zero_stage == 3:
             numel = sum(p.ds_tensor.numel() for p in trainable)
-        else:
-            numel = sum(p.numel() for p in trainable)
-            if self.zero_stage in (1, 2):
-                numel //= max(1, dist.world_size())
+            frozen = self.frozen_pager.nbytes()
+            return (paged_state_bytes(numel, self.dtype, self.grad_dtype(), include_lp_params=not frozen)
+                    + grad_bucket_bytes(self.engine.optimizer) + frozen)
+        numel = sum(p.numel() for p in trainable)
+        if self.zero_stage in (1, 2):
+            numel //= max(1, dist.world_size())
         return paged_state_bytes(numel, self.dtype, self.grad_dtype(), include_lp_params=True)
 
     def handoff_h2d_bytes(self, names: Optional[list[str]] = None) -> int:
         """Host-to-device bytes the handoff's ZeRO-3 gathers of `names` (default: every parameter)
-        copy while lp_params are paged out: each gathered parameter's local partition
+        copy while the weight partitions are paged out: each gathered paged partition
         (`ds_tensor.to(device)`, partition_parameters.py). Persistent parameters stay on the device
-        and are not gathered."""
+        and are not gathered; with a frozen base (LoRA) the adapters' partitions stay too."""
         if self.zero_stage != 3:
             return 0
         chosen = set(names) if names is not None else None
+        only_frozen = bool(self.frozen_pager.tensors)
         return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in self.module.named_parameters()
-                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False))
+                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False)
+                   and not (only_frozen and p.requires_grad))
+
+    def _inner_optimizer(self):
+        """The torch optimizer under DeepSpeed's ZeRO wrapper (whose `state` DeepSpeed pages)."""
+        return getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
 
     # ------------------------------------------------------------------ gathering (handoff, export)
     def named_parameter_sizes(self) -> list[tuple[str, int]]:

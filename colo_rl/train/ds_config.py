@@ -3,11 +3,12 @@ its states between phases needs and moves (DeepSpeed 0.19.8, source read)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -128,3 +129,57 @@ def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dt
     size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
     lp = size(param_dtype) if include_lp_params and param_dtype != torch.float32 else 0
     return numel * (4 + 4 + 4 + lp + size(grad_dtype))
+
+
+# DeepSpeed's default gradient bucket, in elements (stage3.py's reduce_bucket_size): ZeRO allocates it
+# whole on the device for the update phase (`torch.empty(reduce_bucket_size)` per gradient dtype),
+# whatever the model's size: 0.93 GiB in bf16.
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+
+
+def fit_grad_bucket(ds_config: dict, trainable_numel: int) -> None:
+    """Cap ZeRO's gradient bucket at the trained parameters' element count. Reduction is unchanged
+    (a bucket that large already never filled before the end of the backward pass); a small model
+    stops holding most of a GiB of bucket on the device through every update phase."""
+    ds_config["zero_optimization"]["reduce_bucket_size"] = int(max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable_numel)))
+
+
+def grad_bucket_bytes(zero_optimizer) -> int:
+    """Bytes of ZeRO-3's contiguous gradient buckets (one per gradient dtype), which paging frees
+    (`contiguous_grad_buffer`) and reloading allocates again."""
+    if not getattr(zero_optimizer, "contiguous_gradients", False):
+        return 0
+    size = int(getattr(zero_optimizer, "reduce_bucket_size", 0))
+    return sum(size * torch.empty((), dtype=dtype).element_size() for dtype in getattr(zero_optimizer, "ipg_buckets", {}))
+
+
+# DeepSpeed pages Adam's moments into host buffers kept in the optimizer's own state, under these
+# keys (runtime/utils.py offload_adam_states: `f"{key}_offload_buffer"`), and reuses them if present.
+_OFFLOAD_BUFFER_SUFFIX = "_offload_buffer"
+
+
+def drop_offload_buffers(optimizer) -> dict:
+    """Remove DeepSpeed's paging buffers from `optimizer.state`; returns them ({param: {key: tensor}}).
+
+    They are not optimizer state: saved, they double the optimizer checkpoint; loaded, torch's
+    Optimizer.load_state_dict puts them on the parameters' device, and DeepSpeed, finding them,
+    would then "page" Adam's moments device to device, freeing nothing."""
+    dropped: dict = {}
+    for param, state in getattr(optimizer, "state", {}).items():
+        keys = [k for k in state if isinstance(k, str) and k.endswith(_OFFLOAD_BUFFER_SUFFIX)]
+        if keys:
+            dropped[param] = {k: state.pop(k) for k in keys}
+    return dropped
+
+
+@contextlib.contextmanager
+def offload_buffers_set_aside(optimizer) -> Iterator[None]:
+    """Without the paging buffers for the duration (a checkpoint save); back afterwards, so the
+    next page-out reuses its pinned host memory."""
+    dropped = drop_offload_buffers(optimizer)
+    try:
+        yield
+    finally:
+        for param, buffers in dropped.items():
+            optimizer.state[param].update(buffers)
+

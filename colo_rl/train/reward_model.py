@@ -21,6 +21,7 @@ from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.ds_config import build_ds_config
+from colo_rl.train.host_paging import HostPager
 
 log = logging.getLogger("colo_rl")
 
@@ -70,6 +71,7 @@ class RewardModel:
         self.module = self.engine.module
         # Paged like the trainer: only a colocated GPU run has an engine that wants the memory.
         self.pages = guard is not None and torch.cuda.is_available()
+        self.pager = HostPager(self._resident())
 
     # ------------------------------------------------------------------ scoring
     def texts(self, messages: list[list[dict]], prompt_texts: list[str], completions: list[str]) -> list[str]:
@@ -115,20 +117,17 @@ class RewardModel:
         return out
 
     def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._resident())
+        return self.pager.nbytes()
 
     def offload_states(self, pin_memory: bool = True) -> bool:
         """Move the resident tensors to host memory (GPU only); returns whether anything moved."""
         if not self.pages:
             return False
-        for t in self._resident():
-            host = t.data.to("cpu")
-            t.data = host.pin_memory() if pin_memory else host
+        self.pager.page_out(pin_memory)
         return True
 
     def reload_states(self) -> bool:
         if not self.pages:
             return False
-        for t in self._resident():
-            t.data = t.data.to(dist.device(), non_blocking=False)
+        self.pager.page_in(dist.device())
         return True

@@ -93,8 +93,10 @@ def main(out_path: str, run_dir: str, handoff: str) -> None:
     opt_numel = sum(t.numel() for t in actor.optimizer.fp32_partitioned_groups_flat)
     adapter_numel = sum(p.ds_numel for n, p in actor.module.named_parameters() if is_adapter(n))
     total_numel = sum(p.ds_numel for p in actor.module.parameters())
+    frozen_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size()
+                       for n, p in actor.module.named_parameters() if not is_adapter(n))
     report.update(optimizer_numel_this_rank=opt_numel, adapter_numel=adapter_numel, total_numel=total_numel,
-                  state_bytes=actor.state_bytes())
+                  frozen_partition_bytes_this_rank=frozen_bytes, state_bytes=actor.state_bytes())
     prompt = tok("What is 12 + 30?")["input_ids"]
 
     with colo.switch.generation():

@@ -1,0 +1,39 @@
+"""Paging a fixed set of tensors to host memory and back, for what DeepSpeed's own `offload_states`
+does not move: a frozen model's ZeRO-3 partitions (the reward model, the LoRA actor's base).
+
+Each tensor's `.data` is swapped in place, so every holder of the tensor object (ZeRO-3's
+parameters, their `ds_tensor`) sees the move; ZeRO-3's gathers copy a partition found on the host
+back to the device by themselves. The host buffers are allocated once (pinned when asked) and
+reused by every later transition, as DeepSpeed does for its own states: pinning is slow, and a
+fresh pinned allocation per phase switch would cost more than the copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostPager:
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = list(tensors)
+        self._host: list[torch.Tensor] = []
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def page_out(self, pin_memory: bool) -> None:
+        """Copy every tensor into its host buffer and point the tensor at it; the device memory
+        goes back to the driver (not only to the caching allocator), as the engine needs it next."""
+        if not self._host:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
+                          for t in self.tensors]
+        on_cuda = any(t.device.type == "cuda" for t in self.tensors)
+        for t, host in zip(self.tensors, self._host):
+            host.copy_(t.data)
+            t.data = host
+        if on_cuda:
+            torch.cuda.empty_cache()
+
+    def page_in(self, device: torch.device | str) -> None:
+        for t in self.tensors:
+            t.data = t.data.to(device, non_blocking=False)
