@@ -5,7 +5,9 @@ Run A goes through 4 steps uninterrupted. Run B is the same config checkpointing
 checkpoint 2 is complete, torchrun and both ranks get SIGKILL at once (the machine going away:
 nothing runs after it, possibly in the middle of step 3 or of its save). Run B is then started
 again with resume=auto. Its metrics from the step after the checkpoint it resumed from must equal
-run A's, and so must the final weights.
+run A's, and so must the final weights. Run B pages its trainer between phases as on a GPU
+(`colocate.paging=on`: DeepSpeed's offload_states, host to host here), so the same checks also say
+that paging changes nothing and that its checkpoints resume.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ OVERRIDES = ["model=tiny", f"trainer.total_steps={STEPS}", "trainer.eval_every=2
              "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
              "rollout.eval_max_new_tokens=4", "data.train_size=64", "data.eval_size=4", "algo.kl_coef=0.01",
              "reward.functions=[letter_share]", "reward.format_weight=0", "logger=[jsonl]", "plots=false"]
+PAGED = ["colocate.paging=on"]  # run B only
 COMPARED = ["reward/mean", "reward/std", "response/len_mean", "response/stop_rate", "train/loss", "train/kl",
             "train/entropy", "train/clip_frac", "train/grad_norm", "train/lr", "handoff/logprob_diff_mean",
             "eval/accuracy", "eval/format_rate"]
@@ -73,7 +76,7 @@ def runs(tmp_path_factory):
     t0 = time.perf_counter()
     env = child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
     with open(base / "killed.log", "w") as out:
-        proc = subprocess.Popen(torchrun_cmd(OVERRIDES + [f"run_dir={b_dir}", "trainer.save_every=1"]), cwd=ROOT,
+        proc = subprocess.Popen(torchrun_cmd(OVERRIDES + PAGED + [f"run_dir={b_dir}", "trainer.save_every=1"]), cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 900  # generous: a loaded 2-core CI machine
@@ -90,7 +93,7 @@ def runs(tmp_path_factory):
     timings["killed"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    resumed = run_torchrun(WORKER, OVERRIDES + [f"run_dir={b_dir}", "trainer.save_every=1", "resume=auto"])
+    resumed = run_torchrun(WORKER, OVERRIDES + PAGED + [f"run_dir={b_dir}", "trainer.save_every=1", "resume=auto"])
     timings["resumed"] = time.perf_counter() - t0
     print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
     return {"a": a_dir, "b": b_dir, "resumed_log": resumed.stdout + resumed.stderr, "alive": alive,
@@ -121,6 +124,20 @@ def test_resumed_metrics_equal_the_uninterrupted_run_step_for_step(runs):
             if key in ra or key in rb:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-9), (rb["step"], key, ra[key], rb[key])
     assert k < STEPS and all("train/loss" in r for r in b[k + 1:])
+
+
+def test_run_b_paged_its_trainer_and_checkpointed_without_deepspeeds_paging_buffers(runs):
+    def trainer_moves(run_dir):
+        records = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+        return [m for r in records for m in r["moves"] if m["what"] == "trainer states"]
+
+    assert trainer_moves(runs["a"]) and not any(m["moved"] for m in trainer_moves(runs["a"]))
+    assert trainer_moves(runs["b"]) and all(m["moved"] and m["bytes"] > 0 for m in trainer_moves(runs["b"]))
+    optim = sorted((runs["b"] / "checkpoints").glob("step-*/**/*optim_states.pt"))
+    assert len(optim) >= 2  # both ranks
+    for f in optim:
+        state = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]
+        assert not [k for st in state["state"].values() for k in st if k.endswith("_offload_buffer")], f
 
 
 def test_uninterrupted_run_matches_the_golden_values(runs):

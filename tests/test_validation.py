@@ -68,6 +68,7 @@ def test_out_of_range_value_is_refused_naming_the_key(override, message):
     (["algo.kl_target=0.1"], r"algo.kl_target adapts the KL-in-reward coefficient"),
     (["algo.overlong_buffer_len=40"], r"algo.overlong_buffer_len=40 must be smaller than rollout.max_new_tokens=40"),
     (["algo.adv_estimator=rloo", "rollout.group_size=1"], r"algo.adv_estimator=rloo's baseline"),
+    (["colocate.paging=always"], r"colocate.paging='always' is not one of \['auto', 'on', 'off'\]"),
 ])
 def test_algorithm_options_are_checked_with_the_rest(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -86,6 +87,7 @@ def test_a_batch_baseline_estimator_accepts_groups_of_one():
     ("grpo", "trainer.max_steps=3", r"trainer.max_steps is not read by recipes/grpo.py \(set trainer.total_steps\)"),
     ("sft", "algo.kl_coef=0.1", r"algo.kl_coef is not read by recipes/sft.py"),
     ("grpo", "algo.beta=0.2", r"algo.beta is not read by recipes/grpo.py"),
+    ("sft", "colocate.paging=off", r"colocate.paging is not read by recipes/sft.py \(only GRPO pages"),
 ])
 def test_setting_a_key_the_recipe_does_not_read_is_refused(recipe, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -139,7 +139,11 @@ class ColocateConfig:
     # Stop when the engine's sampling log-probs differ from the trainer's by more than this
     # (mean absolute difference per response token): the engine is not on the trainer's weights.
     handoff_check_max_mean_abs: float = 0.2
-    # Page the trainer's states out into pinned host memory (faster copies; costs locked RAM).
+    # Page the trainer's states (and a reward model's weights) out to host memory for every
+    # generation phase: auto = on a GPU; on = on CPU too (host to host: runs the GPU's paging code,
+    # e.g. in tests); off = keep them on the device (faster switches where the engine fits beside).
+    paging: str = "auto"
+    # Page into pinned host memory (faster copies; costs locked RAM). GPU only.
     offload_pin_memory: bool = True
 
 

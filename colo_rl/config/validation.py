@@ -32,6 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.dpo_loss": tuple(DPO_LOSSES.names()),
     "trainer.lr_schedule": ("constant", "cosine"),
     "trainer.zero_stage": (0, 1, 2, 3),
+    "colocate.paging": ("auto", "on", "off"),
 }
 
 
@@ -60,6 +61,8 @@ _GRPO_ONLY = {
                                                                  "tool_timeout_s", "tool_memory_mb",
                                                                  "max_output_chars")},
 }
+# SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
+_NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases"}
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
 _EVAL_ONLY = {f"eval.{f.name}": "recipes/eval.py only" for f in fields(EvalConfig)}
@@ -74,7 +77,7 @@ _NOT_EVAL = {**{f"algo.{f.name}": "recipes/eval.py trains nothing" for f in fiel
              "data.train_size": "recipes/eval.py reads held-out problems only", "data.seed": "no training order",
              "data.shuffle": "no training order", "data.max_seq_len": "set data.max_prompt_tokens"}
 RECIPES: dict[str, dict[str, Any]] = {
-    "eval": {"algo": None, "group_based": False, "ignores": _NOT_EVAL},
+    "eval": {"algo": None, "group_based": False, "ignores": {**_NOT_EVAL, **_NO_PAGING}},
     "grpo": {"algo": "grpo", "group_based": True, "ignores": {
         **_DPO_ONLY, **_EVAL_ONLY,
         "trainer.max_steps": "set trainer.total_steps", "trainer.epochs": "set trainer.total_steps",
@@ -82,8 +85,8 @@ RECIPES: dict[str, dict[str, Any]] = {
         "trainer.eval_generate": "GRPO always evaluates with generation (trainer.eval_every)",
         "data.max_seq_len": "set data.max_prompt_tokens and "
                                                                         "rollout.max_new_tokens"}},
-    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY, **_EVAL_ONLY}},
-    "dpo": {"algo": "dpo", "group_based": False, "ignores": {**_GRPO_ONLY, **_EVAL_ONLY}},
+    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY, **_EVAL_ONLY, **_NO_PAGING}},
+    "dpo": {"algo": "dpo", "group_based": False, "ignores": {**_GRPO_ONLY, **_EVAL_ONLY, **_NO_PAGING}},
 }
 
 # Value ranges types cannot express: key -> (accepts the value, what it must be).

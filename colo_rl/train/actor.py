@@ -20,7 +20,7 @@ from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, drop_offload_buffers,
                                      fit_grad_bucket, grad_bucket_bytes, lr_lambda, offload_buffers_set_aside,
                                      paged_state_bytes, paging_needed)
-from colo_rl.train.host_paging import HostPager
+from colo_rl.train.host_paging import HostPager, pinnable
 
 log = logging.getLogger("colo_rl")
 
@@ -63,7 +63,7 @@ class DeepSpeedActor:
         self.zero_stage = cfg.trainer.zero_stage
         self.with_optimizer = with_optimizer
         ds_config = build_ds_config(cfg.trainer, dtype, with_optimizer, grad_accum)
-        self.pages = paging_needed(with_optimizer, guard)
+        self.pages = paging_needed(with_optimizer, guard, cfg.colocate.paging)
         if self.pages:  # before loading anything: a bad combination costs seconds, not a model load
             check_pageable(self.zero_stage, ds_config)
         self.max_nonfinite_steps = cfg.trainer.max_nonfinite_steps
@@ -261,6 +261,7 @@ class DeepSpeedActor:
             return False
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
+        pin_memory = pinnable(pin_memory)
         frozen = bool(self.frozen_pager.tensors)
         include = [s for s in OffloadStateTypeEnum if s != OffloadStateTypeEnum.lp_params] if frozen else None
         # DeepSpeed first: it also frees ZeRO-3's cache of gathered parameters

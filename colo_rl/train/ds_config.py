@@ -100,9 +100,12 @@ def announce_op_build(name: str, what: str) -> bool:
     return True
 
 
-def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard]) -> bool:
-    """A colocated (guarded) trainer on GPU pages its states out for every generation phase."""
-    return with_optimizer and guard is not None and torch.cuda.is_available()
+def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto") -> bool:
+    """Whether a trainer pages its states out for every generation phase: only a colocated
+    (guarded) one, and then on a GPU (colocate.paging=auto), always (on) or never (off)."""
+    if not (with_optimizer and guard is not None) or mode == "off":
+        return False
+    return mode == "on" or torch.cuda.is_available()
 
 
 def lr_lambda(trainer_cfg, total_steps: int):

@@ -13,6 +13,11 @@ from __future__ import annotations
 import torch
 
 
+def pinnable(pin_memory: bool) -> bool:
+    """Pinned host memory serves device copies: without CUDA there is nothing to pin for."""
+    return pin_memory and torch.cuda.is_available()
+
+
 class HostPager:
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = list(tensors)
@@ -25,6 +30,7 @@ class HostPager:
         """Copy every tensor into its host buffer and point the tensor at it; the device memory
         goes back to the driver (not only to the caching allocator), as the engine needs it next."""
         if not self._host:
+            pin_memory = pinnable(pin_memory)
             self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
                           for t in self.tensors]
         on_cuda = any(t.device.type == "cuda" for t in self.tensors)

@@ -20,7 +20,7 @@ from colo_rl import dist
 from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.ds_config import build_ds_config
+from colo_rl.train.ds_config import build_ds_config, paging_needed
 from colo_rl.train.host_paging import HostPager
 
 log = logging.getLogger("colo_rl")
@@ -69,8 +69,8 @@ class RewardModel:
         self.engine, *_ = deepspeed.initialize(model=model, config=build_ds_config(cfg.trainer, dtype, False))
         self.engine.eval()
         self.module = self.engine.module
-        # Paged like the trainer: only a colocated GPU run has an engine that wants the memory.
-        self.pages = guard is not None and torch.cuda.is_available()
+        # Paged like the trainer (colocate.paging): a colocated GPU run's engine wants the memory.
+        self.pages = paging_needed(True, guard, cfg.colocate.paging)
         self.pager = HostPager(self._resident())
 
     # ------------------------------------------------------------------ scoring

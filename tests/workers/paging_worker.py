@@ -27,7 +27,7 @@ BUFFER = "_offload_buffer"  # DeepSpeed's key suffix for its host copies of Adam
 
 def make_actor(cfg, paged: bool) -> DeepSpeedActor:
     actor = DeepSpeedActor(cfg, torch.bfloat16, total_steps=4)
-    actor.pages = paged  # colo_rl pages only on CUDA (paging_needed); DeepSpeed's path is the same here
+    actor.pages = paged  # as colocate.paging=on in a colocated run (auto pages on CUDA only)
     return actor
 
 
