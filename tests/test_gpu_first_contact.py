@@ -266,7 +266,7 @@ class RecordingActor:
     def state_bytes(self):
         return 1000
 
-    def offload_states(self, pin_memory=True):
+    def offload_states(self):
         self.calls.append("offload")
         return True
 
@@ -416,8 +416,9 @@ def test_actor_state_bytes_and_handoff_h2d_bytes():
     actor = _fake_actor([_param(100), _param(50), _param(10, persist=True)], bucket_numel=160)
     # not 18 B/param: gradients are bf16; plus ZeRO's bf16 gradient bucket
     assert DeepSpeedActor.state_bytes(actor) == 160 * 16 + 160 * 2
-    assert DeepSpeedActor.handoff_h2d_bytes(actor) == (100 + 50) * 2  # persistent params are not gathered
-    assert DeepSpeedActor.handoff_h2d_bytes(actor, ["b", "c"]) == 50 * 2  # a LoRA handoff gathers some only
+    # persistent params too: offload_states released them, the handoff gathers them from the host
+    assert DeepSpeedActor.handoff_h2d_bytes(actor) == (100 + 50 + 10) * 2
+    assert DeepSpeedActor.handoff_h2d_bytes(actor, ["b", "c"]) == (50 + 10) * 2  # a LoRA handoff gathers some only
 
 
 def test_actor_state_bytes_with_a_frozen_base():

@@ -3,7 +3,9 @@ adapters disabled): the engine keeps computing the trainer's log-probs through a
 handoffs, and a resumed run equals the uninterrupted one (metrics and final adapters).
 
 Run A: 3 steps. Run B: the same config stopped after 2 (its final checkpoint), then resumed with
-trainer.total_steps=3 (a harmless change: the schedule is constant)."""
+trainer.total_steps=3 (a harmless change: the schedule is constant). Run B pages its trainer as on a
+GPU (colocate.paging=on: the adapters' states through DeepSpeed, the frozen base's partitions through
+colo_rl's pager), so its equality with run A also says paging a LoRA trainer changes nothing."""
 
 from __future__ import annotations
 
@@ -34,9 +36,9 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_grpo")
     a, b = root / "a", root / "b"
     run_torchrun(WORKERS / "grpo_resume_worker.py", OVERRIDES + ["trainer.total_steps=3", f"run_dir={a}"])
-    run_torchrun(WORKERS / "grpo_resume_worker.py", OVERRIDES + ["trainer.total_steps=2", f"run_dir={b}"])
-    run_torchrun(WORKERS / "grpo_resume_worker.py", OVERRIDES + ["trainer.total_steps=3", f"run_dir={b}",
-                                                                 "resume=auto"])
+    paged = OVERRIDES + ["colocate.paging=on"]
+    run_torchrun(WORKERS / "grpo_resume_worker.py", paged + ["trainer.total_steps=2", f"run_dir={b}"])
+    run_torchrun(WORKERS / "grpo_resume_worker.py", paged + ["trainer.total_steps=3", f"run_dir={b}", "resume=auto"])
     return a, b
 
 
@@ -63,6 +65,9 @@ def test_resumed_lora_run_equals_the_uninterrupted_one(runs):
     wa = load_file(str(a / "checkpoint-final" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(b / "checkpoint-final" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    ledger = [json.loads(line) for line in (b / "ledger.jsonl").read_text().splitlines()]
+    trainer = [m for rec in ledger for m in rec["moves"] if m["what"] == "trainer states"]
+    assert trainer and all(m["moved"] and m["bytes"] > 0 for m in trainer)  # run B really paged
 
 
 def test_checkpoint_export_equals_the_live_export(runs, tmp_path):

@@ -82,14 +82,12 @@ class _Transition:
 
 
 class MemoryManager:
-    def __init__(self, actor, engine, handoff, ledger: Ledger, pin_memory: bool = True,
-                 owns_engine: bool = True, frozen: tuple = ()):
+    def __init__(self, actor, engine, handoff, ledger: Ledger, owns_engine: bool = True, frozen: tuple = ()):
         self.actor = actor
         self.frozen = tuple(frozen)  # frozen models paged with the trainer (the reward model): name, *_states
         self.engine = engine
         self.handoff = handoff
         self.ledger = ledger
-        self.pin_memory = pin_memory
         self.owns_engine = owns_engine
         self.last_handoff = None
 
@@ -106,10 +104,10 @@ class MemoryManager:
     def to_generation(self, step: int) -> dict:
         def body(t: _Transition) -> None:
             with t.move("trainer states", "device", "host", self.actor.state_bytes()) as m:
-                m["moved"] = paged = bool(self.actor.offload_states(pin_memory=self.pin_memory))
+                m["moved"] = paged = bool(self.actor.offload_states())
             for model in self.frozen:
                 with t.move(model.name, "device", "host", model.state_bytes()) as m:
-                    m["moved"] = model.offload_states(pin_memory=self.pin_memory)
+                    m["moved"] = model.offload_states()
             if self.owns_engine:
                 with t.move("engine weights (allocate)", "none", "device") as m:
                     m["bytes"] = self.engine.wake([WEIGHTS])

@@ -100,8 +100,7 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
                  "merged into the base, the whole model each step", why)
     handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None, mode=mode)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
-    manager = MemoryManager(actor, engine, handoff, ledger, pin_memory=cfg.colocate.offload_pin_memory,
-                            owns_engine=engine is not None, frozen=frozen)
+    manager = MemoryManager(actor, engine, handoff, ledger, owns_engine=engine is not None, frozen=frozen)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger, reward_model=reward_model)
 

@@ -64,6 +64,9 @@ class DeepSpeedActor:
         self.with_optimizer = with_optimizer
         ds_config = build_ds_config(cfg.trainer, dtype, with_optimizer, grad_accum)
         self.pages = paging_needed(with_optimizer, guard, cfg.colocate.paging)
+        # One choice for the whole run: once DeepSpeed has pinned buffers, its reload_states restores
+        # from them (stage3.py), so an unpinned page-out after a pinned one would bring back stale states.
+        self.pin_memory = pinnable(cfg.colocate.offload_pin_memory)
         if self.pages:  # before loading anything: a bad combination costs seconds, not a model load
             check_pageable(self.zero_stage, ds_config)
         self.max_nonfinite_steps = cfg.trainer.max_nonfinite_steps
@@ -254,21 +257,20 @@ class DeepSpeedActor:
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
     # ------------------------------------------------------------------ paging (memory manager)
-    def offload_states(self, pin_memory: bool = True) -> bool:
+    def offload_states(self) -> bool:
         """Page optimizer state, master weights, gradient buffers and the weight partitions (a
         LoRA base's too) to host memory (GPU only). Returns whether anything moved."""
         if not self.pages:
             return False
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
-        pin_memory = pinnable(pin_memory)
         frozen = bool(self.frozen_pager.tensors)
         include = [s for s in OffloadStateTypeEnum if s != OffloadStateTypeEnum.lp_params] if frozen else None
         # DeepSpeed first: it also frees ZeRO-3's cache of gathered parameters
-        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=pin_memory,
+        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
                                    non_blocking=False)
         if frozen:
-            self.frozen_pager.page_out(pin_memory)
+            self.frozen_pager.page_out(self.pin_memory)
         return True
 
     def reload_states(self) -> bool:
@@ -304,15 +306,15 @@ class DeepSpeedActor:
     def handoff_h2d_bytes(self, names: Optional[list[str]] = None) -> int:
         """Host-to-device bytes the handoff's ZeRO-3 gathers of `names` (default: every parameter)
         copy while the weight partitions are paged out: each gathered paged partition
-        (`ds_tensor.to(device)`, partition_parameters.py). Persistent parameters stay on the device
-        and are not gathered; with a frozen base (LoRA) the adapters' partitions stay too."""
+        (`ds_tensor.to(device)`, partition_parameters.py). Persistent parameters count too: DeepSpeed's
+        offload_states releases every parameter first (empty_partition_cache -> release_and_reset_all).
+        With a frozen base (LoRA) the adapters' partitions stay on the device."""
         if self.zero_stage != 3:
             return 0
         chosen = set(names) if names is not None else None
         only_frozen = bool(self.frozen_pager.tensors)
         return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in self.module.named_parameters()
-                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not getattr(p, "ds_persist", False)
-                   and not (only_frozen and p.requires_grad))
+                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not (only_frozen and p.requires_grad))
 
     def _inner_optimizer(self):
         """The torch optimizer under DeepSpeed's ZeRO wrapper (whose `state` DeepSpeed pages)."""

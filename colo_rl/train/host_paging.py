@@ -10,6 +10,8 @@ fresh pinned allocation per phase switch would cost more than the copy.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -21,20 +23,24 @@ def pinnable(pin_memory: bool) -> bool:
 class HostPager:
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = list(tensors)
-        self._host: list[torch.Tensor] = []
+        self._host: list[Optional[torch.Tensor]] = []
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def page_out(self, pin_memory: bool) -> None:
         """Copy every tensor into its host buffer and point the tensor at it; the device memory
-        goes back to the driver (not only to the caching allocator), as the engine needs it next."""
+        goes back to the driver (not only to the caching allocator), as the engine needs it next.
+        A buffer follows its tensor's shape: ZeRO-3's persistent parameters hold no data (shape
+        [0]) until their first forward, and their full data after it."""
         if not self._host:
-            pin_memory = pinnable(pin_memory)
-            self._host = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin_memory)
-                          for t in self.tensors]
+            self._host = [None] * len(self.tensors)
         on_cuda = any(t.device.type == "cuda" for t in self.tensors)
-        for t, host in zip(self.tensors, self._host):
+        for i, t in enumerate(self.tensors):
+            host = self._host[i]
+            if host is None or host.shape != t.data.shape or host.dtype != t.dtype:
+                host = self._host[i] = torch.empty(t.data.shape, dtype=t.dtype, device="cpu",
+                                                   pin_memory=pinnable(pin_memory))
             host.copy_(t.data)
             t.data = host
         if on_cuda:

@@ -21,7 +21,7 @@ from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.ds_config import build_ds_config, paging_needed
-from colo_rl.train.host_paging import HostPager
+from colo_rl.train.host_paging import HostPager, pinnable
 
 log = logging.getLogger("colo_rl")
 
@@ -71,6 +71,7 @@ class RewardModel:
         self.module = self.engine.module
         # Paged like the trainer (colocate.paging): a colocated GPU run's engine wants the memory.
         self.pages = paging_needed(True, guard, cfg.colocate.paging)
+        self.pin_memory = pinnable(cfg.colocate.offload_pin_memory)
         self.pager = HostPager(self._resident())
 
     # ------------------------------------------------------------------ scoring
@@ -119,11 +120,11 @@ class RewardModel:
     def state_bytes(self) -> int:
         return self.pager.nbytes()
 
-    def offload_states(self, pin_memory: bool = True) -> bool:
+    def offload_states(self) -> bool:
         """Move the resident tensors to host memory (GPU only); returns whether anything moved."""
         if not self.pages:
             return False
-        self.pager.page_out(pin_memory)
+        self.pager.page_out(self.pin_memory)
         return True
 
     def reload_states(self) -> bool:

@@ -71,7 +71,7 @@ def run_mode(cfg, run_dir: Path) -> dict:
     out: dict = {"steps_plain": [], "steps_paged": [], "page_outs": 0}
     for step in range(2):
         out["steps_plain"].append(train_step(plain, step))
-        paged.offload_states(pin_memory=False)  # the generation phase
+        paged.offload_states()  # the generation phase
         out["page_outs"] += 1
         paged.reload_states()
         out["steps_paged"].append(train_step(paged, step))
@@ -96,7 +96,7 @@ def run_mode(cfg, run_dir: Path) -> dict:
     fresh.load_checkpoint(str(run_dir), "raw")
     out["buffers_after_loading_raw"] = buffer_keys(fresh.engine.optimizer.optimizer.state)
     out["loaded_weights_equal"] = all(torch.equal(a, b) for a, b in zip(local_weights(paged), local_weights(fresh)))
-    fresh.offload_states(pin_memory=False)
+    fresh.offload_states()
     fresh.reload_states()
     out["after_load_step"] = train_step(fresh, 2)
     out["after_load_step_twin"] = train_step(paged, 2)
