@@ -1,6 +1,8 @@
 """recipes/grpo.py with rollout=sglang under torchrun (2 gloo ranks, tiny model): two real SGLang
 engines on CPU (one per rank), the handoff every step and its log-prob check, as with the HF engine
-(tests/test_grpo_recipe.py). Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/."""
+(tests/test_grpo_recipe.py). Both runs page the trainer between phases as on a GPU
+(colocate.paging=on: host to host here), the order the GPU's memory plan relies on included: the
+trainer paged out while SGLang starts. Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/."""
 
 import json
 
@@ -24,7 +26,7 @@ def run_dir(tmp_path_factory):
                  ["model=tiny", "rollout=sglang", f"trainer.total_steps={STEPS}", "data.eval_size=8",
                   "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
                   "rollout.eval_max_new_tokens=8", "trainer.micro_batch_size=8", "trainer.lr=1e-3",
-                  "colocate.handoff_check_max_mean_abs=0.001", "colocate.handoff_bucket_mb=1",
+                  "colocate.handoff_check_max_mean_abs=0.001", "colocate.handoff_bucket_mb=1", "colocate.paging=on",
                   f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={d}"],
                  timeout=900, env=sglang_cpu.env())
     return d
@@ -51,6 +53,7 @@ def test_ledger_covers_every_transition(run_dir):
         if r["transition"] == "update->generation":
             assert moves["weights handoff"]["moved"] is True and moves["weights handoff"]["buckets"] >= 2
             assert moves["engine weights (allocate)"]["bytes"] == 0  # CPU: SGLang frees / takes nothing
+        assert moves["trainer states"]["moved"] is True and moves["trainer states"]["bytes"] > 0  # paged
 
 
 def test_the_engines_were_sglang_on_cpu(run_dir):
@@ -70,7 +73,7 @@ def test_lora_adapters_reach_sglang_as_tensors_and_are_applied(tmp_path):
                   "data.eval_size=4", "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
                   "rollout.eval_max_new_tokens=4", "algo.kl_coef=0.05", "reward.functions=[letter_share]",
                   "reward.format_weight=0", "logger=[jsonl]", "plots=false", "colocate.handoff_check_max_mean_abs=0.001",
-                  f"rollout.sglang_kwargs={hydra_dict(kwargs)}", f"run_dir={tmp_path}"],
+                  "colocate.paging=on", f"rollout.sglang_kwargs={hydra_dict(kwargs)}", f"run_dir={tmp_path}"],
                  nproc=1, timeout=900, env=sglang_cpu.env())
     rows, ledger = read_jsonl(tmp_path / "metrics.jsonl")[1:], read_jsonl(tmp_path / "ledger.jsonl")
     handoffs = [m for rec in ledger for m in rec["moves"] if m["what"] == "weights handoff"]
