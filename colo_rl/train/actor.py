@@ -314,7 +314,8 @@ class DeepSpeedActor:
         chosen = set(names) if names is not None else None
         only_frozen = bool(self.frozen_pager.tensors)
         return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in self.module.named_parameters()
-                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor") and not (only_frozen and p.requires_grad))
+                   if (chosen is None or n in chosen) and hasattr(p, "ds_tensor")
+                   and not (only_frozen and p.requires_grad))
 
     def _inner_optimizer(self):
         """The torch optimizer under DeepSpeed's ZeRO wrapper (whose `state` DeepSpeed pages)."""

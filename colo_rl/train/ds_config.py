@@ -153,7 +153,8 @@ def grad_bucket_bytes(zero_optimizer) -> int:
     if not getattr(zero_optimizer, "contiguous_gradients", False):
         return 0
     size = int(getattr(zero_optimizer, "reduce_bucket_size", 0))
-    return sum(size * torch.empty((), dtype=dtype).element_size() for dtype in getattr(zero_optimizer, "ipg_buckets", {}))
+    dtypes = getattr(zero_optimizer, "ipg_buckets", {})
+    return sum(size * torch.empty((), dtype=dtype).element_size() for dtype in dtypes)
 
 
 # DeepSpeed pages Adam's moments into host buffers kept in the optimizer's own state, under these
@@ -185,4 +186,3 @@ def offload_buffers_set_aside(optimizer) -> Iterator[None]:
     finally:
         for param, buffers in dropped.items():
             optimizer.state[param].update(buffers)
-
