@@ -406,7 +406,7 @@ def _fake_actor(params, bucket_numel):
                             module=SimpleNamespace(parameters=lambda: iter(params),
                                                    named_parameters=lambda: iter(zip("abcd", params))),
                             engine=SimpleNamespace(get_data_types=lambda: (torch.bfloat16, torch.bfloat16), optimizer=zero),
-                            frozen_pager=HostPager([p.ds_tensor for p in params if not p.requires_grad]))
+                            frozen_pager=HostPager([p.ds_tensor for p in params if not p.requires_grad], False))
     actor.grad_dtype = types.MethodType(DeepSpeedActor.grad_dtype, actor)
     return actor
 

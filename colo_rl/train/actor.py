@@ -103,7 +103,7 @@ class DeepSpeedActor:
         # partitions are paged here and DeepSpeed pages the rest.
         self.frozen_pager = HostPager([p.ds_tensor for p in self.module.parameters()
                                        if not p.requires_grad and hasattr(p, "ds_tensor")]
-                                      if with_optimizer and self.zero_stage == 3 else [])
+                                      if with_optimizer and self.zero_stage == 3 else [], self.pin_memory)
 
     # ------------------------------------------------------------------ forward
     def response_logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
@@ -270,7 +270,7 @@ class DeepSpeedActor:
         self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
                                    non_blocking=False)
         if frozen:
-            self.frozen_pager.page_out(self.pin_memory)
+            self.frozen_pager.page_out()
         return True
 
     def reload_states(self) -> bool:

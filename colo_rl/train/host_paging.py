@@ -21,26 +21,27 @@ def pinnable(pin_memory: bool) -> bool:
 
 
 class HostPager:
-    def __init__(self, tensors: list[torch.Tensor]):
+    """`pin_memory` is fixed for the pager's life: its host buffers are reused by every page-out."""
+
+    def __init__(self, tensors: list[torch.Tensor], pin_memory: bool):
         self.tensors = list(tensors)
-        self._host: list[Optional[torch.Tensor]] = []
+        self.pin_memory = pinnable(pin_memory)
+        self._host: list[Optional[torch.Tensor]] = [None] * len(self.tensors)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def page_out(self, pin_memory: bool) -> None:
+    def page_out(self) -> None:
         """Copy every tensor into its host buffer and point the tensor at it; the device memory
         goes back to the driver (not only to the caching allocator), as the engine needs it next.
         A buffer follows its tensor's shape: ZeRO-3's persistent parameters hold no data (shape
         [0]) until their first forward, and their full data after it."""
-        if not self._host:
-            self._host = [None] * len(self.tensors)
         on_cuda = any(t.device.type == "cuda" for t in self.tensors)
         for i, t in enumerate(self.tensors):
             host = self._host[i]
             if host is None or host.shape != t.data.shape or host.dtype != t.dtype:
                 host = self._host[i] = torch.empty(t.data.shape, dtype=t.dtype, device="cpu",
-                                                   pin_memory=pinnable(pin_memory))
+                                                   pin_memory=self.pin_memory)
             host.copy_(t.data)
             t.data = host
         if on_cuda:

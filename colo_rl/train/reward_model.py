@@ -21,7 +21,7 @@ from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.ds_config import build_ds_config, paging_needed
-from colo_rl.train.host_paging import HostPager, pinnable
+from colo_rl.train.host_paging import HostPager
 
 log = logging.getLogger("colo_rl")
 
@@ -71,8 +71,7 @@ class RewardModel:
         self.module = self.engine.module
         # Paged like the trainer (colocate.paging): a colocated GPU run's engine wants the memory.
         self.pages = paging_needed(True, guard, cfg.colocate.paging)
-        self.pin_memory = pinnable(cfg.colocate.offload_pin_memory)
-        self.pager = HostPager(self._resident())
+        self.pager = HostPager(self._resident(), cfg.colocate.offload_pin_memory)
 
     # ------------------------------------------------------------------ scoring
     def texts(self, messages: list[list[dict]], prompt_texts: list[str], completions: list[str]) -> list[str]:
@@ -124,7 +123,7 @@ class RewardModel:
         """Move the resident tensors to host memory (GPU only); returns whether anything moved."""
         if not self.pages:
             return False
-        self.pager.page_out(self.pin_memory)
+        self.pager.page_out()
         return True
 
     def reload_states(self) -> bool:
