@@ -100,6 +100,18 @@ def runs(tmp_path_factory):
             "killed": killed, "killed_newest": killed_newest, "timings": timings}
 
 
+def tiny_partition_numel(ranks: int) -> int:
+    """Elements of one rank's ZeRO-3 partitions of model=tiny (each parameter split in `ranks`, padded)."""
+    from transformers import AutoModelForCausalLM
+
+    from colo_rl.config import ModelConfig
+    from colo_rl.models import model_config
+
+    config = model_config(ModelConfig(path="embedded", random_init=True, hidden_size=64, num_layers=2))
+    model = AutoModelForCausalLM.from_config(config)
+    return sum(-(-p.numel() // ranks) for p in model.parameters())
+
+
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -127,12 +139,16 @@ def test_resumed_metrics_equal_the_uninterrupted_run_step_for_step(runs):
 
 
 def test_run_b_paged_its_trainer_and_checkpointed_without_deepspeeds_paging_buffers(runs):
-    def trainer_moves(run_dir):
+    def moves(run_dir, what):
         records = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
-        return [m for r in records for m in r["moves"] if m["what"] == "trainer states"]
+        return [m for r in records for m in r["moves"] if m["what"] == what]
 
-    assert trainer_moves(runs["a"]) and not any(m["moved"] for m in trainer_moves(runs["a"]))
-    assert trainer_moves(runs["b"]) and all(m["moved"] and m["bytes"] > 0 for m in trainer_moves(runs["b"]))
+    # The reference model (kl_coef > 0, full fine-tune) is paged with the trainer: its ZeRO-3
+    # partitions, half of each fp32 weight (rounded up) on each of the 2 ranks.
+    for what in ("trainer states", "reference model"):
+        assert moves(runs["a"], what) and not any(m["moved"] for m in moves(runs["a"], what))
+        assert moves(runs["b"], what) and all(m["moved"] and m["bytes"] > 0 for m in moves(runs["b"], what))
+    assert {m["bytes"] for m in moves(runs["b"], "reference model")} == {4 * tiny_partition_numel(ranks=2)}
     optim = sorted((runs["b"] / "checkpoints").glob("step-*/**/*optim_states.pt"))
     assert len(optim) >= 2  # both ranks
     for f in optim:

@@ -48,12 +48,13 @@ def random_prompts(n: int, length: int = 16, seed: int = 0) -> list[list[int]]:
     return torch.randint(3, HF_DIMS["vocab_size"], (n, length), generator=g).tolist()
 
 
-def build(tmp_path, engine: str, dims: dict, **rollout):
+def build(tmp_path, engine: str, dims: dict, kl_coef: float = 0.0, **rollout):
     from colo_rl.colocate.setup import build_colocated
 
     model_dir = write_random_llama(tmp_path / f"model-{engine}", **dims)
     cfg = bench_config(model_dir, engine, "bf16", steps=8, seqs=8)
     cfg.trainer.lr = 1e-3  # weights move visibly between steps
+    cfg.algo.kl_coef = kl_coef  # > 0: a frozen reference model, paged with the trainer
     for key, value in rollout.items():
         setattr(cfg.rollout, key, value)
     colo = build_colocated(cfg, TOKENIZER, torch.bfloat16, run_dir=tmp_path, total_steps=8, grad_accum=1)
@@ -103,6 +104,31 @@ def test_hf_engine_under_the_memory_manager_frees_device_memory(tmp_path):
     release_move = next(m for m in back["moves"] if m["what"].startswith("engine KV cache + weights"))
     assert release_move["bytes"] == colo.engine.weight_bytes()
     assert back["memory_after"]["allocated_gib"] > back["memory_before"]["allocated_gib"]  # states reloaded
+    release(colo)
+
+
+def test_reference_model_is_paged_with_the_trainer(tmp_path):
+    """kl_coef > 0, full fine-tune: the frozen reference's partitions leave the GPU for the
+    generation phase and come back unchanged (its log-probs are bit-equal)."""
+    from colo_rl.train.batch import build_batch
+
+    cfg, colo = build(tmp_path, "hf", HF_DIMS, kl_coef=0.05)
+    prompts = random_prompts(4, seed=5)
+    batch = build_batch(prompts, [p[:8] for p in prompts], PAD)
+    with colo.switch.update():
+        before, _ = colo.ref.response_logprobs(batch, grad=False)
+    (paging,) = colo.switch.manager.frozen
+    ref_bytes = sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in colo.ref.module.parameters())
+    with colo.switch.generation():
+        on_host = all(t.device.type == "cpu" for t in paging.pager.tensors)
+    with colo.switch.update():
+        after, _ = colo.ref.response_logprobs(batch, grad=False)
+    to_gen, to_train = colo.ledger.records[-2:]
+    out = next(m for m in to_gen["moves"] if m["what"] == "reference model")
+    back = next(m for m in to_train["moves"] if m["what"] == "reference model")
+    assert paging.name == "reference model" and on_host
+    assert out["moved"] and back["moved"] and out["bytes"] == back["bytes"] == ref_bytes
+    assert torch.equal(before, after)
     release(colo)
 
 

@@ -22,8 +22,10 @@ from colo_rl.rollout.hf import HFEngine
 from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
-from colo_rl.train.reward_model import RewardModel
 from colo_rl.train.adapters import BaseReference
+from colo_rl.train.ds_config import paging_needed
+from colo_rl.train.host_paging import FrozenModelPaging
+from colo_rl.train.reward_model import RewardModel
 
 log = logging.getLogger("colo_rl")
 
@@ -86,7 +88,7 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
                            guard=guard)
     ref = reference_model(cfg, actor, dtype, total_steps, guard) if cfg.algo.kl_coef > 0 else None
     reward_model = RewardModel(cfg, dtype, guard=guard) if cfg.reward.model.path else None
-    frozen = (reward_model,) if reward_model is not None else ()
+    frozen = frozen_paging(cfg, guard, ref, reward_model)
     # SGLang sizes its memory from what is free when it starts: start it with the trainer paged out.
     with trainer_paged_out(actor, enabled=cfg.rollout.engine == "sglang", frozen=frozen):
         engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
@@ -103,6 +105,16 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     manager = MemoryManager(actor, engine, handoff, ledger, owns_engine=engine is not None, frozen=frozen)
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger, reward_model=reward_model)
+
+
+def frozen_paging(cfg, guard: PhaseGuard, ref, reward_model: Optional[RewardModel]) -> tuple[FrozenModelPaging, ...]:
+    """The frozen models paged with the trainer between phases (colocate.paging): a full
+    fine-tune's reference model and the reward model. A LoRA reference is the actor's own base,
+    paged with the actor."""
+    pages = paging_needed(True, guard, cfg.colocate.paging)
+    models = [("reference model", ref if isinstance(ref, DeepSpeedActor) else None), ("reward model", reward_model)]
+    return tuple(FrozenModelPaging(name, model.engine, pages, cfg.colocate.offload_pin_memory)
+                 for name, model in models if model is not None)
 
 
 def reference_model(cfg, actor: DeepSpeedActor, dtype: torch.dtype, total_steps: int,

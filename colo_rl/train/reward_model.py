@@ -1,7 +1,8 @@
 """The reward model (`reward.model.path`): an HF *ForSequenceClassification model with one label,
 frozen under DeepSpeed ZeRO-3 like the reference model, scoring prompt + completion in the update
 phase. On GPU its parameter partitions are paged to host memory for the generation phase (the
-memory manager does it and records it in the ledger), so it costs the engine no memory.
+memory manager does it, through colo_rl/train/host_paging.py's FrozenModelPaging, and records it in
+the ledger), so it costs the engine no memory.
 
 What it scores: the conversation as the reward model's own chat template writes it (the prompt's
 messages, then the completion as the assistant's turn) when its tokenizer has one and
@@ -16,12 +17,10 @@ from typing import Optional
 
 import torch
 
-from colo_rl import dist
 from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.ds_config import build_ds_config, paging_needed
-from colo_rl.train.host_paging import HostPager
+from colo_rl.train.ds_config import build_ds_config
 
 log = logging.getLogger("colo_rl")
 
@@ -40,8 +39,6 @@ def check_reward_model_config(path: str, config) -> None:
 
 class RewardModel:
     """Frozen ZeRO-3 sequence-classification model; `score` runs in the update phase."""
-
-    name = "reward model"
 
     def __init__(self, cfg, dtype: torch.dtype, guard: Optional[PhaseGuard] = None):
         import deepspeed
@@ -69,9 +66,6 @@ class RewardModel:
         self.engine, *_ = deepspeed.initialize(model=model, config=build_ds_config(cfg.trainer, dtype, False))
         self.engine.eval()
         self.module = self.engine.module
-        # Paged like the trainer (colocate.paging): a colocated GPU run's engine wants the memory.
-        self.pages = paging_needed(True, guard, cfg.colocate.paging)
-        self.pager = HostPager(self._resident(), cfg.colocate.offload_pin_memory)
 
     # ------------------------------------------------------------------ scoring
     def texts(self, messages: list[list[dict]], prompt_texts: list[str], completions: list[str]) -> list[str]:
@@ -103,31 +97,3 @@ class RewardModel:
             last = mask.sum(-1) - 1
             out[start:start + len(rows)] = logits[torch.arange(len(rows), device=logits.device), last, 0].float().cpu()
         return out
-
-    # ------------------------------------------------------------------ paging (memory manager)
-    def _resident(self) -> list[torch.Tensor]:
-        """The tensors this rank keeps between forwards: ZeRO-3 partitions, and the full data of
-        persistent (small, unpartitioned) parameters."""
-        out = []
-        for p in self.module.parameters():
-            if getattr(p, "ds_tensor", None) is not None:
-                out.append(p.ds_tensor)
-            if getattr(p, "ds_persist", False) or not hasattr(p, "ds_tensor"):
-                out.append(p)
-        return out
-
-    def state_bytes(self) -> int:
-        return self.pager.nbytes()
-
-    def offload_states(self) -> bool:
-        """Move the resident tensors to host memory (GPU only); returns whether anything moved."""
-        if not self.pages:
-            return False
-        self.pager.page_out()
-        return True
-
-    def reload_states(self) -> bool:
-        if not self.pages:
-            return False
-        self.pager.page_in(dist.device())
-        return True

@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 from colo_rl import dist  # noqa: E402
 from colo_rl.config import ModelConfig, RewardConfig, RewardModelConfig, RunConfig, TrainerConfig  # noqa: E402
 from colo_rl.phase import Phase, PhaseGuard  # noqa: E402
+from colo_rl.colocate.setup import frozen_paging  # noqa: E402
 from colo_rl.train.reward_model import RewardModel  # noqa: E402
 
 TEXTS = ["The answer is 4.", "2 + 2 = 4. The answer is 4.", "five", "I do not know, sorry, it could be 17 or 18.",
@@ -45,10 +46,11 @@ def main(out: Path, rm_dirs: list[str]) -> None:
                 ids = torch.tensor([rm.tokenizer(t, add_special_tokens=not rm.use_chat_template)["input_ids"]])
                 hidden = hf.model(input_ids=ids).last_hidden_state
                 reference.append(float(hf.score(hidden)[0, -1, 0]))
-        moved = rm.offload_states()  # the generation phase's paging (GPU) and back
-        on_host = all(t.device.type == "cpu" for t in rm._resident())
-        rm.reload_states()
-        record = {"texts": texts, "scores": scores, "reference": reference, "state_bytes": rm.state_bytes(),
+        (paging,) = frozen_paging(cfg, guard, None, rm)  # as the memory manager gets it
+        moved = paging.offload_states()  # the generation phase's paging (GPU) and back
+        on_host = all(t.device.type == "cpu" for t in paging.pager.tensors)
+        paging.reload_states()
+        record = {"texts": texts, "scores": scores, "reference": reference, "state_bytes": paging.state_bytes(),
                   "moved": moved, "on_host_when_paged": on_host, "after_reload": rm.score(texts).tolist()}
         (out / f"{Path(rm_dir).name}.rank{dist.rank()}.json").write_text(json.dumps(record))
 
