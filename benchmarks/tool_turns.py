@@ -59,7 +59,7 @@ def measure(args) -> dict:
     cfg = OmegaConf.to_object(compose_config(["env=calculator", "data=arithmetic_hard", f"model.path={args.model}",
                                               f"model.dtype={args.dtype}", *args.override]))
     tok = load_tokenizer(cfg.model.path)
-    env = build_environment(cfg.env, tok.chat_template)
+    env = build_environment(cfg.env, tok, cfg.data.use_chat_template)
     builder = PromptBuilder(tok, cfg.data, env=env)
     problems = load_problems(cfg.data)[0]
     prompts_per_batch = args.prompts or cfg.rollout.prompts_per_step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 from colo_rl import dist
 from colo_rl.rollout.base import SamplingParams
@@ -13,14 +14,17 @@ log = logging.getLogger("colo_rl")
 
 
 def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
-             max_new_tokens: int, multiturn=None) -> dict[str, float]:
+             max_new_tokens: int, multiturn=None, problems: Optional[list] = None) -> dict[str, float]:
     """Strict accuracy (the stated final answer is right), lenient accuracy (the last number is
     right), the share of answers stated in the required format, and mean response length.
-    `multiturn` (a MultiTurnRollout): episodes with the environment, scored on the policy's text."""
+    `multiturn` (a MultiTurnRollout): episodes with the environment, scored on the policy's text;
+    `problems` (one per prompt) are what its sessions start from."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    completions = engine.generate(local_ids, params) if multiturn is None else multiturn.generate(engine, local_ids,
-                                                                                                  params)
+    if multiturn is None:
+        completions = engine.generate(local_ids, params)
+    else:
+        completions = multiturn.generate(engine, local_ids, params, dist.shard(problems) if problems else None)
     # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
     completions = completions[:len(local_ids)]
     texts = policy_texts(tokenizer, completions) if completions else []
@@ -47,14 +51,15 @@ def check_held_out_size(n: int, world: int) -> bool:
 
 
 def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer, max_new_tokens: int,
-                      step: int, multiturn=None, prefix: str = "eval/") -> dict[str, float]:
+                      step: int, multiturn=None, prefix: str = "eval/", problems: Optional[list] = None
+                      ) -> dict[str, float]:
     """`evaluate` in the generation phase (the engine gets the trainer's current weights through
     the handoff first), with its log line: every recipe's greedy held-out accuracy. Its metrics
     are named `prefix` + name (eval/accuracy ...)."""
     if not prompt_ids:  # data.eval_size=0: no held-out problems, nothing to report
         return {}
     with colo.switch.generation():
-        res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn)
+        res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
     samples = res.pop("eval/samples")
     log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
              prefix.rstrip("/"), step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],

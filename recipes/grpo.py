@@ -57,7 +57,7 @@ class GRPORecipe:
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_problems, eval_problems = load_problems(cfg.data)
         # env.name != none: multi-turn episodes (the prompts tell the policy about its tools)
-        self.env = build_environment(cfg.env, getattr(self.tokenizer, "chat_template", None))
+        self.env = build_environment(cfg.env, self.tokenizer, cfg.data.use_chat_template)
         self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,
                                                                         cfg.env.max_total_tokens)
         self.builder = builder = PromptBuilder(self.tokenizer, cfg.data, env=self.env)
@@ -107,7 +107,8 @@ class GRPORecipe:
     def evaluate(self, step: int) -> dict[str, float]:
         out = held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
                                 [p.answer for p, _ in self.eval_set], self.scorer,
-                                self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn)
+                                self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn,
+                                problems=[p for p, _ in self.eval_set])
         if self.eval_no_tools:
             out.update(held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_no_tools],
                                          [p.answer for p, _ in self.eval_no_tools], self.scorer,
@@ -187,7 +188,8 @@ class GRPORecipe:
             with self.timer("generation"):  # tool calls included: they run between an episode's turns
                 prompts = [ids for _, ids in problems]
                 completions = (self.colo.engine.generate(prompts, self.sampling) if self.multiturn is None
-                               else self.multiturn.generate(self.colo.engine, prompts, self.sampling))
+                               else self.multiturn.generate(self.colo.engine, prompts, self.sampling,
+                                                            [p for p, _ in problems]))
             with self.timer("reward"):
                 texts = policy_texts(self.tokenizer, completions)
                 scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],
@@ -254,7 +256,8 @@ class GRPORecipe:
             env = episode_metrics(completions)
             sums = dict(zip(env, dist.all_reduce_sum(list(env.values()))))
             out.update({k: v / n for k, v in sums.items()})
-            out["env/tool_error_rate"] = sums["env/tool_errors"] / max(sums["env/tool_calls"], 1.0)
+            if not self.env.answers_every_turn:  # tools: per call (a conversation's failures: env/tool_errors)
+                out["env/tool_error_rate"] = sums["env/tool_errors"] / max(sums["env/tool_calls"], 1.0)
         return out
 
     # ------------------------------------------------------------------ update phase

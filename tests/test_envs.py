@@ -1,16 +1,19 @@
 """Tools, tool-call formats and environments (colo_rl/envs): the calculator never evals, the python
-tool's limits hold, malformed calls and faulty tools become observations."""
+tool's limits hold, malformed calls and faulty tools become observations; per-episode state (a
+notebook-like python tool, environment classes from a file, `retry`) and its failure modes."""
 
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from colo_rl.envs import ENVIRONMENTS, TOOLS, ToolEnvironment, ToolError, choose_format, run_python, safe_arithmetic
+from colo_rl.config import ConfigError, EnvConfig
+from colo_rl.envs import (ENVIRONMENTS, TOOLS, ConversationEnvironment, Retry, ToolEnvironment, ToolError, UserTurns,
+                          choose_format, run_python, safe_arithmetic)
 from colo_rl.envs.calls import template_declares_tools
 from colo_rl.envs.tools import Tool
 
-CFG = SimpleNamespace(name="calculator", format="auto", tool_timeout_s=2.0, tool_memory_mb=256, max_output_chars=64)
+CFG = EnvConfig(name="calculator", format="auto", tool_timeout_s=2.0, tool_memory_mb=256, max_output_chars=64)
 QWEN_LIKE = "{% if tools %}{% for tool in tools %}{{ tool | tojson }}{% endfor %}{% endif %}..."
 
 
@@ -114,7 +117,7 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
 
 # ------------------------------------------------------------------ environment: faults are observations
 def test_environment_answers_calls_and_turns_faults_into_observations():
-    env = ENVIRONMENTS.get("calculator")(CFG, None)
+    env = ENVIRONMENTS.get("calculator")(CFG, None).start(None)
     ok = env.step("12*34 = <calculator>12*34</calculator>", turn_closed=False)
     assert ok.observation == "<result>408</result>" and ok.tool == "calculator" and ok.error is None
     bad = env.step("<calculator>12*</calculator>", turn_closed=False)
@@ -133,7 +136,7 @@ def test_a_tool_that_raises_or_hangs_becomes_an_observation():
 
     env = ToolEnvironment([Tool("boom", "raises", {"properties": {"x": {"description": "e.g. 1"}}}, "x", boom),
                            Tool("hang", "hangs", {"properties": {"x": {"description": "e.g. 1"}}}, "x", hang)],
-                          "tags", None, 64, timeout_s=0.5)
+                          "tags", None, 64, timeout_s=0.5).start(None)
     step = env.step("<boom>1</boom>", turn_closed=False)
     assert step.observation == "<result>error: the tool failed (RuntimeError: disk on fire)</result>"
     t0 = time.perf_counter()
@@ -151,7 +154,7 @@ def test_environment_adds_the_tool_instructions_to_the_prompt():
     assert msgs[3]["content"] == ("What is 2+2?\nTo use a tool, write <calculator>EXPRESSION</calculator>; its result "
                                   "follows in <result></result>. Example: <calculator>12 * 34</calculator>"
                                   "<result>408</result>")
-    json_env = ENVIRONMENTS.get("calculator")(CFG, QWEN_LIKE)  # the template renders the tools itself
+    json_env = ENVIRONMENTS.get("calculator")(CFG, SimpleNamespace(chat_template=QWEN_LIKE))  # renders the tools
     assert json_env.first_messages([{"role": "user", "content": "q"}]) == [{"role": "user", "content": "q"}]
     assert json_env.chat_template_kwargs()["tools"][0]["function"]["name"] == "calculator"
 
@@ -170,9 +173,113 @@ def test_env_options_are_checked_at_start_up():
     from colo_rl.config import ConfigError, EnvConfig, RunConfig, validate
 
     validate(RunConfig(env=EnvConfig(name="calculator")))
-    with pytest.raises(ConfigError, match=r"env.name='search' is not one of \['none', 'calculator', 'python'"):
+    with pytest.raises(ConfigError, match=r"env.name='search' is not one of \['none', 'calculator', 'python', "
+                                          r"'calculator_python', 'retry'\] or a file's class as path/to/file.py:Name"):
         validate(RunConfig(env=EnvConfig(name="search")))
     with pytest.raises(ConfigError, match="env.max_turns=0 must be a positive integer"):
         validate(RunConfig(env=EnvConfig(max_turns=0)))
     with pytest.raises(ConfigError, match=r"env.name is not read by recipes/sft.py \(multi-turn rollouts are GRPO"):
         validate(RunConfig(recipe="sft", algo=RunConfig().algo.__class__(name="sft")), overrides=["env.name=python"])
+
+
+# ------------------------------------------------------------------ per-episode state
+def test_python_keep_state_reruns_the_episodes_earlier_successful_calls():
+    tool = TOOLS.get("python")(EnvConfig(python_keep_state=True, tool_timeout_s=5.0, tool_memory_mb=256))
+    first, second = tool.start_episode(), tool.start_episode()
+    assert first({"code": "x = 6\nprint('set')"}) == "set"
+    with pytest.raises(ToolError, match="ZeroDivisionError"):
+        first({"code": "y = 1 / 0"})  # a failing call is not kept: it would fail every later one
+    assert first({"code": "def f(k):\n    return k * x"}) == ""
+    assert first({"code": "print(f(7))"}) == "42"  # earlier calls' output is not repeated
+    with pytest.raises(ToolError, match="NameError: name 'x' is not defined"):
+        second({"code": "print(x)"})  # another episode starts empty
+    stateless = TOOLS.get("python")(EnvConfig(tool_timeout_s=5.0, tool_memory_mb=256)).start_episode()
+    stateless({"code": "x = 6"})
+    with pytest.raises(ToolError, match="NameError"):
+        stateless({"code": "print(x)"})
+
+
+LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+               "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+               "<|end_header_id|>\n\n{% endif %}")
+
+
+def test_user_messages_are_written_by_the_models_chat_template():
+    from colo_rl.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")  # ChatML
+    turns = UserTurns(tok, use_chat_template=True)
+    assert turns.message("Try again.", turn_closed=True) == \
+        "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
+    assert turns.message("Try again.", turn_closed=False).startswith("<|im_end|>\n<|im_start|>user\n")
+    llama = SimpleNamespace(chat_template=LLAMA3_LIKE, eos_token="<|eot_id|>",
+                            apply_chat_template=lambda msgs, **kw: _render(LLAMA3_LIKE, msgs, **kw))
+    assert UserTurns(llama, True).message("No.", turn_closed=True) == \
+        "<|start_header_id|>user<|end_header_id|>\n\nNo.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert UserTurns(tok, use_chat_template=False).message("No.", turn_closed=True) == "\nNo.\n"
+    drops = SimpleNamespace(chat_template="x", eos_token="", apply_chat_template=lambda msgs, **kw: "only the last")
+    with pytest.raises(ConfigError, match="set data.use_chat_template=false"):
+        UserTurns(drops, True)
+
+
+def _render(template, messages, add_generation_prompt=False, tokenize=False):
+    import jinja2
+
+    return jinja2.Template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            bos_token="<|begin_of_text|>")
+
+
+def test_retry_tells_a_wrong_or_missing_answer_and_ends_at_the_right_one():
+    from colo_rl.data.prompts import Problem
+
+    episode = Retry(Problem(id="1", question="q", answer="1000"))
+    assert episode.step("The answer is 999.") == "999 is not right. Check your work, then state the final answer again."
+    assert "did not state a final answer" in episode.step("It is about a thousand.")
+    assert episode.step("The answer is 1,000.") is None
+
+
+class Faulty:
+    def __init__(self, problem):
+        if problem == "bad problem":
+            raise KeyError("answer")
+        self.problem = problem
+
+    def step(self, turn):
+        return {"boom": lambda: 1 / 0, "int": lambda: 7, "hang": lambda: time.sleep(30)}[turn]()
+
+
+def test_a_faulty_environment_ends_its_episode_counted_and_logged_once(caplog):
+    env = ConversationEnvironment(Faulty, "Faulty", UserTurns(None, False), 64, timeout_s=0.5)
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        boom = env.start("p").step("boom", True)
+        wrong_type = env.start("p").step("int", True)
+        t0 = time.perf_counter()
+        hung = env.start("p").step("hang", True)
+        waited = time.perf_counter() - t0
+        no_episode = env.start("bad problem").step("boom", True)
+    assert boom.done and boom.error == "Faulty.step failed (ZeroDivisionError: division by zero)"
+    assert wrong_type.done and "Faulty.step returned int; return the next user message (a str) or None" in \
+        wrong_type.error
+    assert hung.done and hung.error == "timed out after 0.5 s" and waited < 3
+    assert no_episode.done and no_episode.error == "Faulty failed (KeyError: 'answer')"
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "env.name=Faulty: Faulty.step failed (ZeroDivisionError" in logged[0]
+
+
+def test_an_environment_file_is_checked_at_start_up(tmp_path):
+    from colo_rl.config import RunConfig, validate
+
+    (tmp_path / "envs.py").write_text("class Good:\n    def __init__(self, problem): pass\n"
+                                      "    def step(self, turn): return None\n\n"
+                                      "class NoStep:\n    def __init__(self, problem): pass\n")
+    validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:Good")))
+    with pytest.raises(ConfigError, match=r"class NoStep in .*envs.py has no step\(self, turn\) method"):
+        validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoStep")))
+    with pytest.raises(ConfigError, match=r"env.name: .*'Missing' is not defined in .*envs.py \(it defines: "
+                                          r"\['Good', 'NoStep'\]\)"):
+        validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:Missing")))
+    with pytest.raises(ConfigError, match=r"env.name: 'nowhere/envs.py:Good': no file"):
+        validate(RunConfig(env=EnvConfig(name="nowhere/envs.py:Good")))
+    with pytest.raises(ConfigError, match=r"env.python_keep_state is not read by recipes/sft.py"):
+        validate(RunConfig(recipe="sft", algo=RunConfig().algo.__class__(name="sft")),
+                 overrides=["env.python_keep_state=true"])

@@ -2,16 +2,13 @@
 policy mask through the batch, packing, the loss and the log-prob check; engine log-probs equal
 the trainer's over the policy tokens of real multi-turn episodes."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from colo_rl import algos
 from colo_rl.colocate.handoff import LogprobAgreement
-from colo_rl.config import AlgoConfig, ModelConfig
-from colo_rl.envs import ENVIRONMENTS, Step
-from colo_rl.envs.calls import ParsedTurn
+from colo_rl.config import AlgoConfig, EnvConfig, ModelConfig
+from colo_rl.envs import ENVIRONMENTS, ConversationEnvironment, UserTurns
 from colo_rl.models import load_model, load_tokenizer
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.rollout.base import Completion, SamplingParams
@@ -21,7 +18,7 @@ from colo_rl.train.batch import build_batch, response_logprobs
 from colo_rl.train.packing import pack_groups
 
 TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
-ENV_CFG = SimpleNamespace(format="tags", tool_timeout_s=2.0, tool_memory_mb=256, max_output_chars=64)
+ENV_CFG = EnvConfig(format="tags", tool_timeout_s=2.0, tool_memory_mb=256, max_output_chars=64)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def encode(tok, text):
 
 
 def test_scripted_episode_has_the_right_spans_masks_and_contexts(tok):
-    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     engine = ScriptedEngine(tok, [
         ["12*34 = <calculator>12*34</calculator> = 999 junk<|im_end|>",  # cut after the call
          "No tool needed. The answer is 7.<|im_end|>",                     # done after one turn
@@ -95,7 +92,7 @@ def test_scripted_episode_has_the_right_spans_masks_and_contexts(tok):
 def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
     """The driver asks the engine to stop at the tools' closing tags; an engine that does (the HF
     engine) samples less, and the episodes are those of an engine that runs on to EOS and is cut."""
-    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     script = [["12*34 = <calculator>12*34</calculator> = 999 junk<|im_end|>", "<calculator>12*</calculator> x",
                "The answer is 7.<|im_end|>"],
               [". The answer is 408.<|im_end|>", "<calculator>1+1</calculator> = 2<|im_end|>"],
@@ -120,7 +117,7 @@ def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
 def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
     """SmolLM2 writes `</calculator><result>` with `><` as one token: the cut keeps that token, so the
     policy has already written the observation's `<`; the observation goes on after it."""
-    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     script = [["12*34 = <calculator>12*34</calculator><result>999</result><|im_end|>"], [" The answer is 408.<|im_end|>"]]
     turn1 = encode(tok, "12*34 = <calculator>12*34</calculator><")
     for honour in (False, True):  # an engine that stops at the tag ends on the same `><` token
@@ -135,7 +132,7 @@ def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
 
 
 def test_limits_end_episodes(tok):
-    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     call = "<calculator>1+1</calculator>"
     engine = ScriptedEngine(tok, [[call, call], [call]])
     prompt = encode(tok, "Q:")
@@ -148,10 +145,70 @@ def test_limits_end_episodes(tok):
     assert sum(c.policy_mask) == 2 * len(encode(tok, call))  # the last call is not run: no observation after it
 
 
+def test_retry_sessions_start_from_their_own_problem_and_answer_every_turn(tok):
+    """env.name=retry: each episode's session holds its own problem's answer; a wrong stated answer
+    gets a user message written by the chat template, a right one ends the episode."""
+    from colo_rl.data.prompts import Problem
+
+    env = ENVIRONMENTS.get("retry")(EnvConfig(max_output_chars=256), tok, True)
+    assert env.answers_every_turn and env.stop_strings() == ()
+    engine = ScriptedEngine(tok, [
+        ["The answer is 5.<|im_end|>", "The answer is 7.<|im_end|>",    # problem 1 (7): wrong, right
+         "The answer is 9.<|im_end|>", "I think it is 9<|im_end|>"],    # problem 2 (9): right, no answer stated
+        ["The answer is 7.<|im_end|>", "The answer is 9.<|im_end|>"],
+        ["The answer is 9.<|im_end|>"]][:3])
+    prompts = [encode(tok, "<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"), encode(tok, "Q2")]
+    problems = [Problem(id="1", question="Q1", answer="7"), Problem(id="2", question="Q2", answer="9")]
+    eps = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=200).generate(
+        engine, prompts, SamplingParams(max_new_tokens=40, n=2), problems)
+    assert [e.turns for e in eps] == [2, 1, 1, 2]
+    assert [len(c) for c in engine.calls] == [2, 2]  # turn 2: the wrong and the unstated answer only
+    wrong = encode(tok, "The answer is 5.<|im_end|>")
+    message = encode(tok, "\n<|im_start|>user\n5 is not right. Check your work, then state the final answer "
+                          "again.<|im_end|>\n<|im_start|>assistant\n")
+    assert eps[0].token_ids[:len(wrong) + len(message)] == wrong + message
+    assert eps[0].policy_mask[len(wrong):len(wrong) + len(message)] == [0] * len(message)
+    assert engine.calls[1][0] == prompts[0] + wrong + message
+    assert "You did not state a final answer" in tok.decode(engine.calls[1][1])
+    assert [e.policy_texts[-1] for e in eps] == ["The answer is 7.", "The answer is 7.", "The answer is 9.",
+                                                  "The answer is 9."]
+    assert all(e.tool_errors == 0 and e.hit_limit == "" for e in eps)
+
+
+class Counter:
+    """Counts its episode's turns, never ends the episode; records its closing."""
+
+    closed: list = []
+
+    def __init__(self, problem):
+        self.problem, self.count = problem, 0
+
+    def step(self, turn):
+        self.count += 1
+        return f"turn {self.count} of {self.problem}"
+
+    def close(self):
+        Counter.closed.append((self.problem, self.count))
+
+
+def test_each_episode_has_its_own_state_and_is_closed_once(tok):
+    env = ConversationEnvironment(Counter, "Counter", UserTurns(tok, use_chat_template=False), 64, 5.0)
+    engine = ScriptedEngine(tok, [["a", "b", "c", "d"], ["e", "f", "g", "h"]])
+    Counter.closed.clear()
+    eps = MultiTurnRollout(env, tok, max_turns=2, max_total_tokens=200).generate(
+        engine, [encode(tok, "Q:"), encode(tok, "R:")], SamplingParams(max_new_tokens=10, n=2), ["p", "q"])
+    # plain prompts (no chat template): the message on its own line; each episode counts its own turns
+    assert tok.decode(engine.calls[1][0]) == "Q:a\nturn 1 of p\n"
+    assert tok.decode(engine.calls[1][3]) == "R:d\nturn 1 of q\n"
+    # the second turn is answered too, which env.max_turns=2 does not allow: the episode hits the limit
+    assert all((e.turns, e.hit_limit, e.finish_reason) == (2, "max_turns", "length") for e in eps)
+    assert sorted(Counter.closed) == [("p", 2), ("p", 2), ("q", 2), ("q", 2)]
+
+
 def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):
     """A tensor-parallel group's generate is a collective: a rank whose episodes all ended still
     calls it every turn (with nothing to generate), with the params the other ranks use."""
-    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok.chat_template)
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     engine = ScriptedEngine(tok, [["The answer is 1.<|im_end|>"], [], []])
     engine.lockstep_generate = True
     (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=100).generate(
@@ -186,21 +243,14 @@ def test_the_policy_mask_flows_through_batch_packing_loss_and_logprob_check(tok)
 
 
 class KeepTalking:
-    """A test environment that answers every turn with a fixed observation, so a random model's
+    """An environment class (one object per episode) that answers every turn, so a random model's
     episodes have several turns (it would never call a real tool)."""
 
-    def first_messages(self, messages):
-        return messages
+    def __init__(self, problem):
+        pass
 
-    def chat_template_kwargs(self):
-        return {}
-
-    def parse(self, text):
-        return ParsedTurn(error="always", end=None)
-
-    def step(self, text, closed):
-        return Step(observation=f"<|im_end|>\n<|im_start|>user\nresult {len(text) % 7}<|im_end|>\n"
-                                "<|im_start|>assistant\n", error="always")
+    def step(self, turn):
+        return f"result {len(turn) % 7}"
 
 
 def test_engine_logprobs_equal_trainer_logprobs_over_policy_tokens(tok):
@@ -210,7 +260,8 @@ def test_engine_logprobs_equal_trainer_logprobs_over_policy_tokens(tok):
     engine = HFEngine(model, [tok.eos_token_id], tok.pad_token_id, guard=guard, max_batch=8, seed=11)
     prompts = [encode(tok, "<|im_start|>user\nWhat is 3+4?<|im_end|>\n<|im_start|>assistant\n"),
                encode(tok, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")]
-    eps = MultiTurnRollout(KeepTalking(), tok, max_turns=3, max_total_tokens=60).generate(
+    env = ConversationEnvironment(KeepTalking, "KeepTalking", UserTurns(tok, True), 64, 5.0)
+    eps = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=60).generate(
         engine, prompts, SamplingParams(max_new_tokens=8, temperature=0.8, n=2))
     assert all(e.turns == 3 for e in eps) and all(0 in e.policy_mask for e in eps)
     batch = build_batch([e.prompt_ids for e in eps], [e.token_ids for e in eps], tok.pad_token_id,

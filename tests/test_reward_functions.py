@@ -97,8 +97,8 @@ def test_relative_path_is_taken_from_the_launch_directory(user_file, monkeypatch
 
 
 @pytest.mark.parametrize("name,message", [
-    ("missing", r"'missing' is not defined in .*my_rewards.py \(its functions: \[.*'length'.*\]\)"),
-    ("not_a_function", r"'not_a_function' is not a function in .*my_rewards.py"),
+    ("missing", r"'missing' is not defined in .*my_rewards.py \(it defines: \[.*'length'.*\]\)"),
+    ("not_a_function", r"'not_a_function' is not callable in .*my_rewards.py"),
     ("one_param", r"my_rewards.py:one_param\(completion\) must take the completion\(s\) and the truth\(s\)"),
     ("odd_names", r"my_rewards.py:odd_names\(a, b\): name its first parameter `completion` \(per-sample\) or "
                   r"`completions` \(batched\)"),

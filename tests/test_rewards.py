@@ -44,6 +44,18 @@ def test_numeric_equivalence_via_math_verify():
     assert scorer.score(["The answer is 1,000.", "The answer is 1000.0"], ["1000", "1000"]).rewards == [1.0, 1.0]
 
 
+def test_answers_match_off_the_main_thread():
+    """Environments check answers in worker threads, where math-verify's SIGALRM time limit raises:
+    without care every answer there reads as wrong."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from colo_rl.rewards.verifiers import answers_match
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(answers_match, "1,000", "1000.0").result() is True
+        assert pool.submit(answers_match, "999", "1000").result() is False
+
+
 def test_unknown_reward_function_names_the_choices():
     with pytest.raises(ConfigError, match=r"unknown reward function 'math_verfy'.*math_verify"):
         RewardScorer(RewardConfig(functions=["math_verfy"]))

@@ -150,7 +150,9 @@ class ColocateConfig:
 @dataclass
 class EnvConfig:
     # Multi-turn rollouts (colo_rl/envs): none = one completion per prompt; calculator | python |
-    # calculator_python = the policy may call those tools, reads each result and goes on.
+    # calculator_python = the policy may call those tools, reads each result and goes on; retry = a
+    # wrong stated answer is told so and the policy tries again; path/to/file.py:Name = your own
+    # environment, one object per episode (README, "Your own environment").
     name: str = "none"
     max_turns: int = 4  # policy turns per episode (a call in the last turn is not run)
     # Response tokens per episode, policy turns and observations together (each turn is also
@@ -161,7 +163,10 @@ class EnvConfig:
     format: str = "auto"
     tool_timeout_s: float = 5.0  # wall-clock limit per call (python: also its CPU-time limit)
     tool_memory_mb: int = 512  # python tool: address-space limit of its subprocess
-    max_output_chars: int = 256  # a tool's output is cut to this before the policy reads it
+    # python tool: each call first re-runs the episode's earlier successful calls (output hidden), so
+    # variables and functions persist within an episode, as in a notebook.
+    python_keep_state: bool = False
+    max_output_chars: int = 256  # an observation (a tool's output, an environment's message) is cut to this
 
 
 @dataclass

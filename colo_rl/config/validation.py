@@ -10,19 +10,18 @@ from typing import Any, Callable, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
-from colo_rl.envs import ENVIRONMENTS
+from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import check_reward_config
 
-from colo_rl.config.schema import AlgoConfig, EvalConfig, RunConfig, TrainerConfig
+from colo_rl.config.schema import AlgoConfig, EnvConfig, EvalConfig, RunConfig, TrainerConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "bf16", "fp32"),
     "model.lora.handoff": ("auto", "merged"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
-    "env.name": ("none", *ENVIRONMENTS.names()),
     "env.format": ("auto", "json", "tags"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
     "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
@@ -57,9 +56,7 @@ _GRPO_ONLY = {
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
     "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
     "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
-    **{f"env.{k}": "multi-turn rollouts are GRPO only" for k in ("name", "max_turns", "max_total_tokens", "format",
-                                                                 "tool_timeout_s", "tool_memory_mb",
-                                                                 "max_output_chars")},
+    **{f"env.{f.name}": "multi-turn rollouts are GRPO only" for f in fields(EnvConfig)},
 }
 # SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
 _NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases"}
@@ -199,6 +196,8 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
     if recipe == "eval":
         check_eval_rules(obj)
     check_reward_config(obj.reward)
+    if "env.name" not in ignored:
+        check_env_config(obj.env)
 
 
 def check_loggers(names: list[str]) -> None:

@@ -1,9 +1,12 @@
 """Environments: what the policy's turns are answered with.
 
-An environment starts from a problem's first messages (adding what the policy must know, e.g. the
-tools it may call) and takes each policy turn's text: it answers with an observation to append,
-or says the episode is done. The final reward is the task's verifier on the policy's own text
-(the recipe's RewardScorer), so a tool result is never credited as the policy's answer.
+An environment (one per run) sets up the prompt (adding what the policy must know, e.g. the tools
+it may call) and starts one session per episode (`start(problem)`): the session takes each policy
+turn's text and answers with an observation to append, or says the episode is done. A session
+keeps whatever the episode needs between turns (a notebook-like python tool's earlier cells, a
+user environment's own state) and is closed when the episode ends. The final reward is the task's
+verifier on the policy's own text (the recipe's RewardScorer), so a tool result is never credited
+as the policy's answer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,21 @@ class Step:
         return self.observation is None
 
 
+class Session(Protocol):
+    """One episode's side of the environment."""
+
+    def step(self, turn_text: str, turn_closed: bool) -> Step:
+        """Answer the policy's turn. `turn_closed`: the turn ended with EOS."""
+
+    def close(self) -> None:
+        """The episode is over (called once, whatever ended it)."""
+
+
 class Environment(Protocol):
+    # True: every policy turn goes to the session (it decides when the episode ends); False: only
+    # turns that call a tool (a turn without a call ends the episode).
+    answers_every_turn: bool
+
     def first_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]: ...
 
     def chat_template_kwargs(self) -> dict[str, Any]:
@@ -51,14 +68,37 @@ class Environment(Protocol):
         """Strings that close a call: an engine that can stops the turn there instead of sampling
         on to EOS (the driver cuts after the call either way)."""
 
-    def step(self, turn_text: str, turn_closed: bool) -> Step:
-        """Run what the turn asks for. `turn_closed`: the turn ended with EOS."""
+    def start(self, problem: Any) -> Session:
+        """A session for one episode of `problem` (colo_rl.data.Problem; None where unknown)."""
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: str) -> tuple[Any, Optional[str]]:
+    """(fn's result, None) or (None, why it failed): its exception, or a timeout. `fn` runs in a
+    daemon thread that a timeout abandons, so a hung call can neither stall the step nor keep the
+    process from exiting. ToolError's text is the reason as is; `what` names the caller in others."""
+    box: list[tuple[Any, Optional[str]]] = []
+
+    def call() -> None:
+        try:
+            box.append((fn(), None))
+        except ToolError as e:
+            box.append((None, str(e)))
+        except Exception as e:  # noqa: BLE001 - a faulty tool is an observation, never a crashed step
+            box.append((None, f"{what} failed ({type(e).__name__}: {e})"))
+
+    worker = threading.Thread(target=call, name="colo_rl-env-call", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not box:
+        return None, f"timed out after {timeout_s:g} s"
+    return box[0]
 
 
 class ToolEnvironment:
     """The policy may call `tools`; each call's result (or the error) is the observation. A call
-    still running after `timeout_s` is answered with an error (its daemon thread is abandoned, so
-    a hung tool can neither stall the step nor keep the process from exiting)."""
+    still running after `timeout_s` is answered with an error (`call_with_timeout`)."""
+
+    answers_every_turn = False
 
     def __init__(self, tools: list[Tool], fmt: str, chat_template: Optional[str], max_output_chars: int,
                  timeout_s: Optional[float] = None):
@@ -89,48 +129,48 @@ class ToolEnvironment:
     def stop_strings(self) -> tuple[str, ...]:
         return self.format.stop_strings()
 
+    def start(self, problem: Any = None) -> "ToolSession":
+        return ToolSession(self)
+
+
+class ToolSession:
+    """One episode's tools: each tool's runner for this episode (a stateful tool keeps its state there)."""
+
+    def __init__(self, env: ToolEnvironment):
+        self.env = env
+        self.runners = {name: tool.start_episode() for name, tool in env.tools.items()}
+
     def step(self, turn_text: str, turn_closed: bool) -> Step:
-        parsed = self.format.parse(turn_text)
+        env = self.env
+        parsed = env.format.parse(turn_text)
         if not parsed.wants_tool:
             return Step()
         if parsed.error is not None:
             return self._answer(f"error: {parsed.error}", parsed, None, parsed.error, turn_closed)
         call = parsed.call
-        result, error = self._run(self.tools[call.name], call.arguments)
+        run = self.runners[call.name]
+        result, error = call_with_timeout(lambda: str(run(call.arguments)), env.timeout_s, "the tool")
         return self._answer(result if error is None else f"error: {error}", parsed, call.name, error, turn_closed)
 
-    def _run(self, tool: Tool, arguments: dict[str, Any]) -> tuple[str, Optional[str]]:
-        """(result, None) or (None, why it failed)."""
-        box: list[tuple[Optional[str], Optional[str]]] = []
-
-        def call() -> None:
-            try:
-                box.append((str(tool.run(arguments)), None))
-            except ToolError as e:
-                box.append((None, str(e)))
-            except Exception as e:  # noqa: BLE001 - a faulty tool is an observation, never a crashed step
-                box.append((None, f"the tool failed ({type(e).__name__}: {e})"))
-
-        worker = threading.Thread(target=call, name=f"colo_rl-tool-{tool.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout_s)
-        if not box:
-            return None, f"timed out after {self.timeout_s:g} s"
-        return box[0]
+    def close(self) -> None:
+        self.runners = {}
 
     def _answer(self, result: str, parsed: ParsedTurn, tool: Optional[str], error: Optional[str],
                 turn_closed: bool) -> Step:
         closed = turn_closed and parsed.end is None  # a cut turn no longer ends with its EOS
-        return Step(self.format.observation(truncate(result, self.max_output_chars), closed), parsed.end, tool, error)
+        env = self.env
+        return Step(env.format.observation(truncate(result, env.max_output_chars), closed), parsed.end, tool, error)
 
 
-ENVIRONMENTS: Registry[Callable[[Any, Optional[str]], Environment]] = Registry("env.name")
+# A factory per name: (the env config group, the policy's tokenizer, data.use_chat_template) -> Environment.
+ENVIRONMENTS: Registry[Callable[[Any, Any, bool], Environment]] = Registry("env.name")
 
 
-def _tool_env(*names: str) -> Callable[[Any, Optional[str]], ToolEnvironment]:
-    def build(cfg, chat_template: Optional[str]) -> ToolEnvironment:
+def _tool_env(*names: str) -> Callable[[Any, Any, bool], ToolEnvironment]:
+    def build(cfg, tokenizer, use_chat_template: bool = True) -> ToolEnvironment:
         # the python tool enforces cfg.tool_timeout_s itself (and kills its process); this is the backstop
-        return ToolEnvironment([TOOLS.get(n)(cfg) for n in names], cfg.format, chat_template, cfg.max_output_chars,
+        template = getattr(tokenizer, "chat_template", None)
+        return ToolEnvironment([TOOLS.get(n)(cfg) for n in names], cfg.format, template, cfg.max_output_chars,
                                timeout_s=cfg.tool_timeout_s + 2.0)
 
     return build
@@ -139,8 +179,3 @@ def _tool_env(*names: str) -> Callable[[Any, Optional[str]], ToolEnvironment]:
 ENVIRONMENTS.register("calculator")(_tool_env("calculator"))
 ENVIRONMENTS.register("python")(_tool_env("python"))
 ENVIRONMENTS.register("calculator_python")(_tool_env("calculator", "python"))
-
-
-def build_environment(cfg, chat_template: Optional[str]) -> Optional[Environment]:
-    """The configured environment (`cfg` is the `env` config group), or None for env.name=none."""
-    return None if cfg.name == "none" else ENVIRONMENTS.get(cfg.name)(cfg, chat_template)

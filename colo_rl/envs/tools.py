@@ -2,7 +2,8 @@
 
 A tool takes the call's arguments (a dict) and returns the text the policy reads. It raises
 ToolError for a bad call (the environment turns it into an observation saying so); any other
-exception is caught there too, so a faulty tool never stops the step.
+exception is caught there too, so a faulty tool never stops the step. A tool that keeps state
+within an episode (python with env.python_keep_state) gives each episode its own runner.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from colo_rl.registry import Registry
 
@@ -34,6 +35,11 @@ class Tool:
     run: Callable[[dict[str, Any]], str] = field(repr=False)
     # A worked use, (argument, result), shown in the prompt's instructions: small models copy it.
     example: tuple[str, str] = ("", "")
+    # A fresh runner per episode, for a tool that keeps state between an episode's calls; None: `run`.
+    episode_runner: Optional[Callable[[], Callable[[dict[str, Any]], str]]] = field(default=None, repr=False)
+
+    def start_episode(self) -> Callable[[dict[str, Any]], str]:
+        return self.episode_runner() if self.episode_runner is not None else self.run
 
     def schema(self) -> dict[str, Any]:
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -133,25 +139,35 @@ def network_isolated() -> bool:
 
 # Set in the child interpreter before the tool's code runs (not in a preexec_fn: that is unsafe in a
 # process with threads, and the rollout runs tools from a thread pool next to torch's threads).
+# Earlier cells (env.python_keep_state) run first in the same namespace, their output discarded.
 _PRELUDE = """import resource, sys
 mem, cpu = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-code = sys.argv[3]
+import contextlib, io, json
+cells = json.loads(sys.argv[3])
 del sys.argv[1:], mem, cpu, resource
-exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
+scope = {"__name__": "__main__"}
+for k, cell in enumerate(cells[:-1]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        exec(compile(cell, f"<earlier call {k + 1}>", "exec"), scope)
+exec(compile(cells[-1], "<tool>", "exec"), scope)
 """
 
 
-def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int) -> str:
+def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
+               earlier: Sequence[str] = ()) -> str:
     """Run `code` in a fresh, isolated interpreter (`python -I -S`, empty environment, its own
     temporary working directory and session) under address-space, CPU-time and file-size limits and
     a wall-clock timeout; no network where user namespaces allow (`unshare -rn`; otherwise sockets
-    still work: a documented limitation). Returns stdout (+ stderr), cut to `max_output_chars`."""
+    still work: a documented limitation). `earlier` cells run first in the same namespace, their
+    output discarded (within the same limits). Returns stdout (+ stderr), cut to `max_output_chars`."""
+    import json
     import tempfile
 
-    cmd = [sys.executable, "-I", "-S", "-c", _PRELUDE, str(memory_mb << 20), str(max(1, int(timeout_s + 1))), code]
+    cells = json.dumps([*earlier, code])
+    cmd = [sys.executable, "-I", "-S", "-c", _PRELUDE, str(memory_mb << 20), str(max(1, int(timeout_s + 1))), cells]
     if network_isolated():
         cmd = ["unshare", "-rn", *cmd]
     with tempfile.TemporaryDirectory(prefix="colo_rl_py_") as cwd:
@@ -172,15 +188,33 @@ def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: in
     return truncate(text, max_output_chars)
 
 
+def _code(args: dict[str, Any]) -> str:
+    code = args.get("code")
+    if not isinstance(code, str):
+        raise ToolError("python needs a string argument 'code'")
+    return code
+
+
 @TOOLS.register("python")
 def python(cfg) -> Tool:
     def run(args: dict[str, Any]) -> str:
-        code = args.get("code")
-        if not isinstance(code, str):
-            raise ToolError("python needs a string argument 'code'")
-        return run_python(code, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.max_output_chars)
+        return run_python(_code(args), cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.max_output_chars)
+
+    def episode_runner() -> Callable[[dict[str, Any]], str]:
+        """env.python_keep_state: each call re-runs the episode's earlier successful calls first (a
+        fresh process every time, so nothing else leaks between calls or episodes)."""
+        cells: list[str] = []
+
+        def run_in_episode(args: dict[str, Any]) -> str:
+            code = _code(args)
+            out = run_python(code, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.max_output_chars, earlier=cells)
+            cells.append(code)  # only a call that succeeded: a failing one raised ToolError above
+            return out
+
+        return run_in_episode
 
     return Tool("python", "Runs a short Python program and returns what it prints.",
                 {"type": "object", "properties": {"code": {"type": "string",
                                                            "description": "e.g. print(123 * 456)"}},
-                 "required": ["code"]}, "code", run, example=("print(12 * 34)", "408"))
+                 "required": ["code"]}, "code", run, example=("print(12 * 34)", "408"),
+                episode_runner=episode_runner if cfg.python_keep_state else None)

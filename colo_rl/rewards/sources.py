@@ -16,17 +16,16 @@ that shows it.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from colo_rl.errors import ConfigError, RewardError
 from colo_rl.rewards.verifiers import REWARD_FUNCTIONS
+from colo_rl.user_files import load_object, split_spec
 
 SIGNATURES = ("per-sample `def f(completion, truth, **fields) -> float` or batched "
               "`def f(completions, truths, **fields) -> list[float]`")
@@ -107,61 +106,16 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def split_spec(spec: str) -> Optional[tuple[str, str]]:
-    """`path/to/file.py:function` -> (path, function); None for a registered name."""
-    path, sep, name = spec.rpartition(":")
-    if sep and path.endswith(".py"):
-        return path, name
-    return None
-
-
 def load_source(spec: str, base_dir: Optional[Path] = None) -> RewardSource:
     """The reward source `spec` names (see the module docstring); ConfigError naming the entry, the
     file and the function for a bad path, a missing function or a wrong signature."""
-    parsed = split_spec(spec)
-    if parsed is None:
+    if split_spec(spec) is None:
         if spec not in REWARD_FUNCTIONS:
             raise ConfigError(f"reward.functions: unknown reward function {spec!r}; available: "
                               f"{sorted(REWARD_FUNCTIONS)}, or a file's function as path/to/file.py:function")
         return RewardSource(label=spec, fn=REWARD_FUNCTIONS[spec], batched=False)
-    path_text, name = parsed
-    path = Path(path_text).expanduser()
-    if not path.is_absolute():
-        path = (base_dir or Path.cwd()) / path
-    path = path.resolve()
-    if not path.is_file():
-        raise ConfigError(f"reward.functions: {spec!r}: no file {path} (a relative path is taken from the directory "
-                          f"the run is launched in)")
-    module = load_module(path)
-    fn = getattr(module, name, None) if name.isidentifier() else None
-    if not callable(fn):
-        found = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        what = "is not a function" if hasattr(module, name) else "is not defined"
-        raise ConfigError(f"reward.functions: {spec!r}: {name!r} {what} in {path} (its functions: {found})")
+    fn, path = load_object(spec, "reward.functions", base_dir)
     return inspect_signature(spec, fn, str(path))
-
-
-_LOADED: dict[Path, Any] = {}
-
-
-def load_module(path: Path):
-    """Import a user's file once per process (validation and the scorer share it); an import error is a
-    ConfigError naming the file."""
-    if path in _LOADED:
-        return _LOADED[path]
-    mod_name = f"colo_rl_user_reward_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module  # dataclasses / pickling inside the file look themselves up here
-    if str(path.parent) not in sys.path:  # helpers beside the file import as they would from a script
-        sys.path.append(str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: re-raised with its name
-        sys.modules.pop(mod_name, None)
-        raise ConfigError(f"reward.functions: importing {path} failed: {type(e).__name__}: {e}") from e
-    _LOADED[path] = module
-    return module
 
 
 def inspect_signature(spec: str, fn: Callable[..., Any], file: str) -> RewardSource:

@@ -8,6 +8,7 @@ comparing the raw text would pay a policy for restating the question ("23 + 35" 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Callable, Optional
 
 NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?![\d])(?![.,]\d)"  # a whole literal, never a prefix of one
@@ -42,10 +43,14 @@ def answers_match(predicted: Optional[str], truth: str) -> bool:
         return False
     from math_verify import parse, verify
 
+    # math-verify's time limits are SIGALRM, which only the main thread can set: elsewhere (an
+    # environment's step runs in a worker thread) they raise, and every answer would read as wrong.
+    # Two number literals never need the limit.
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
     try:
-        gold = parse(f"${truth}$")
-        pred = parse(f"${predicted}$")
-        return bool(gold) and bool(pred) and bool(verify(gold, pred))
+        gold = parse(f"${truth}$", parsing_timeout=limit)
+        pred = parse(f"${predicted}$", parsing_timeout=limit)
+        return bool(gold) and bool(pred) and bool(verify(gold, pred, timeout_seconds=limit))
     except Exception:  # noqa: BLE001 - an unparsable answer is simply wrong
         return False
 

@@ -5,7 +5,8 @@ Every turn of the whole batch is one `engine.generate` call (the first one share
 across its group, as single-turn rollouts do), so the engine stays batched; episodes that are done
 drop out of the next call (an engine whose generate is a collective, `lockstep_generate`, as a
 tensor-parallel group's is, gets every turn on every rank with the same parameters, empty or not).
-An episode's response is its policy turns and the observations between
+Each episode has its own environment session (`env.start(problem)`), closed when the batch's
+episodes are done. An episode's response is its policy turns and the observations between
 them, in order; `policy_mask` is 1 on the policy's tokens (trained, log-prob checked) and 0 on the
 observations' (no loss, no log-prob: their `logprobs` are 0). The policy's token ids are never
 re-tokenised: the trainer scores exactly what the engine sampled.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 from colo_rl.envs import Environment, Step
 from colo_rl.rollout.base import Completion, SamplingParams
@@ -62,35 +64,44 @@ class MultiTurnRollout:
         stop_strings = getattr(env, "stop_strings", None)
         self.stop = tuple(stop_strings()) if stop_strings is not None else ()
 
-    def generate(self, engine, prompts: list[list[int]], params: SamplingParams) -> list[Episode]:
+    def generate(self, engine, prompts: list[list[int]], params: SamplingParams,
+                 problems: Optional[Sequence[Any]] = None) -> list[Episode]:
+        """`problems`: one per prompt (what each episode's session starts from); None where unknown."""
         n = params.n
         episodes = [Episode(list(p), [], [], "stop") for p in prompts for _ in range(n)]
         contexts = [list(p) for p in prompts for _ in range(n)]
+        sessions = [self.env.start(problems[k // n] if problems is not None else None) for k in range(len(episodes))]
         active = list(range(len(episodes)))
         lockstep = getattr(engine, "lockstep_generate", False)
-        with ThreadPoolExecutor(self.tool_workers, thread_name_prefix="colo_rl-tool") as pool:
-            for turn in range(self.max_turns):
-                if not active and not lockstep:
-                    break
-                # the longest turn any live episode has room for (lockstep: the same on every rank)
-                room = self.max_total_tokens if lockstep or not active else max(
-                    self.max_total_tokens - len(episodes[i].token_ids) for i in active)
-                turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room),
-                                                  n=n if turn == 0 else 1, stop=self.stop)
-                outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
-                steps = {}
-                for i, out in zip(active, outs):
-                    wants_tool, closed = self._take_turn(episodes[i], out)
-                    if wants_tool and turn + 1 < self.max_turns:
-                        steps[i] = pool.submit(self.env.step, episodes[i].policy_texts[-1], closed)
-                    elif wants_tool:
-                        episodes[i].hit_limit = "max_turns"
-                        episodes[i].finish_reason = "length"
-                next_active = []
-                for i in active:
-                    if i in steps and self._observe(episodes[i], contexts[i], steps[i].result()):
-                        next_active.append(i)
-                active = next_active
+        every_turn = getattr(self.env, "answers_every_turn", False)
+        try:
+            with ThreadPoolExecutor(self.tool_workers, thread_name_prefix="colo_rl-tool") as pool:
+                for turn in range(self.max_turns):
+                    if not active and not lockstep:
+                        break
+                    # the longest turn any live episode has room for (lockstep: the same on every rank)
+                    room = self.max_total_tokens if lockstep or not active else max(
+                        self.max_total_tokens - len(episodes[i].token_ids) for i in active)
+                    turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room),
+                                                      n=n if turn == 0 else 1, stop=self.stop)
+                    outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
+                    last = turn + 1 == self.max_turns
+                    steps = {}
+                    for i, out in zip(active, outs):
+                        wants_tool, closed = self._take_turn(episodes[i], out)
+                        if wants_tool and last:  # a call in the last turn is not run
+                            episodes[i].hit_limit = "max_turns"
+                            episodes[i].finish_reason = "length"
+                        elif wants_tool or (every_turn and not episodes[i].hit_limit):
+                            steps[i] = pool.submit(sessions[i].step, episodes[i].policy_texts[-1], closed)
+                    next_active = []
+                    for i in active:
+                        if i in steps and self._observe(episodes[i], contexts[i], steps[i].result(), last):
+                            next_active.append(i)
+                    active = next_active
+        finally:
+            for session in sessions:
+                session.close()
         return episodes
 
     def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, bool]:
@@ -120,11 +131,14 @@ class MultiTurnRollout:
             ep.hit_limit = "max_total_tokens"
         return parsed.wants_tool, finish == "stop"
 
-    def _observe(self, ep: Episode, context: list[int], step: Step) -> bool:
+    def _observe(self, ep: Episode, context: list[int], step: Step, last_turn: bool = False) -> bool:
         """Append the environment's observation; False when the episode ends here."""
         if step.error is not None:
             ep.tool_errors += 1
         if step.done:
+            return False
+        if last_turn:  # an environment that answers every turn wanted another one
+            ep.hit_limit, ep.finish_reason = "max_turns", "length"
             return False
         observation = step.observation
         overflow = ep.policy_texts[-1][step.cut:] if step.cut is not None else ""

@@ -1,0 +1,177 @@
+"""Environments that answer the policy with a user message: your own class from a file
+(`env.name=path/to/file.py:Name`) and the built-in `retry`.
+
+One object per episode, made from the problem and kept for the whole episode (its state is the
+episode's):
+
+    class Name:
+        def __init__(self, problem): ...            # problem.answer, .question, .fields (the record)
+        def step(self, turn: str) -> str | None: ... # the policy's turn -> the next user message; None ends
+        def close(self): ...                         # optional: the episode is over
+
+Every policy turn goes to `step`; its message is appended as a user turn written by the policy
+model's own chat template (data.use_chat_template=false: on its own lines), then the policy answers
+again, up to env.max_turns turns and env.max_total_tokens tokens. The reward is the configured
+verifiers' on the policy's turns (`retry`'s: the last stated answer). A `step` or constructor that
+raises, times out (env.tool_timeout_s) or returns something other than str / None ends that
+episode; it is counted in env/tool_errors and the first such error is logged with its cause.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Callable, Optional
+
+from colo_rl.envs.calls import ParsedTurn
+from colo_rl.envs.environment import ENVIRONMENTS, Environment, Step, call_with_timeout
+from colo_rl.envs.tools import truncate
+from colo_rl.errors import ConfigError
+from colo_rl.rewards.verifiers import answers_match, extract_final_answer
+from colo_rl.user_files import load_object, split_spec
+
+log = logging.getLogger("colo_rl")
+
+_ASSISTANT, _USER = "\x1fCOLO_RL_ASSISTANT\x1f", "\x1fCOLO_RL_USER\x1f"  # sentinels, never in real text
+
+
+class UserTurns:
+    """The text that follows a policy turn to hand the conversation back to the user with a new
+    message and open the next assistant turn, as the chat template writes it (read off one
+    rendered conversation, so any template works: ChatML, Llama 3, ...)."""
+
+    def __init__(self, tokenizer, use_chat_template: bool):
+        template = getattr(tokenizer, "chat_template", None)
+        self.eos = getattr(tokenizer, "eos_token", None)
+        if not (use_chat_template and template):
+            self.close_and_open, self.after = "\n", "\n"
+            return
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT},
+             {"role": "user", "content": _USER}], tokenize=False, add_generation_prompt=True)
+        if text.count(_ASSISTANT) != 1 or text.count(_USER) != 1:
+            raise ConfigError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} does not write an "
+                              f"assistant turn followed by a user turn as given, so an environment's message cannot "
+                              f"be rendered with it; set data.use_chat_template=false")
+        tail = text[text.index(_ASSISTANT) + len(_ASSISTANT):]
+        self.close_and_open, self.after = tail.split(_USER)
+
+    def message(self, text: str, turn_closed: bool) -> str:
+        """`turn_closed`: the policy's turn already ends with its EOS (the template's end of turn)."""
+        head = self.close_and_open
+        if turn_closed and self.eos and head.startswith(self.eos):
+            head = head[len(self.eos):]
+        return head + text + self.after
+
+
+class ConversationEnvironment:
+    answers_every_turn = True
+
+    def __init__(self, factory: Callable[[Any], Any], label: str, turns: UserTurns, max_output_chars: int,
+                 timeout_s: float):
+        self.factory, self.label, self.turns = factory, label, turns
+        self.max_output_chars, self.timeout_s = max_output_chars, timeout_s
+        self.logged_error = False
+
+    def first_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
+        return messages
+
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def parse(self, turn_text: str) -> ParsedTurn:
+        return ParsedTurn()  # no tool calls: the whole turn is the policy's message
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    def start(self, problem: Any) -> "ConversationSession":
+        return ConversationSession(self, problem)
+
+    def failed(self, error: str) -> Step:
+        if not self.logged_error:
+            self.logged_error = True
+            log.warning("env.name=%s: %s; that episode ends here (counted in env/tool_errors; only the first such "
+                        "error is logged)", self.label, error)
+        return Step(error=error)
+
+
+class ConversationSession:
+    def __init__(self, env: ConversationEnvironment, problem: Any):
+        self.env = env
+        self.episode, self.error = call_with_timeout(lambda: env.factory(problem), env.timeout_s, env.label)
+
+    def step(self, turn_text: str, turn_closed: bool) -> Step:
+        env = self.env
+        if self.episode is None:  # its constructor failed
+            return env.failed(self.error or f"{env.label}(problem) returned None")
+        reply, error = call_with_timeout(lambda: self.episode.step(turn_text), env.timeout_s, f"{env.label}.step")
+        if error is not None:
+            return env.failed(error)
+        if reply is None:
+            return Step()
+        if not isinstance(reply, str):
+            return env.failed(f"{env.label}.step returned {type(reply).__name__}; return the next user message (a "
+                              f"str) or None to end the episode")
+        return Step(observation=env.turns.message(truncate(reply, env.max_output_chars), turn_closed))
+
+    def close(self) -> None:
+        close = getattr(self.episode, "close", None)
+        if close is not None:
+            close()
+
+
+class Retry:
+    """env.name=retry: a wrong (or missing) stated answer is told so and the policy tries again;
+    the episode ends at a right answer (as verl's GSM8K interaction). The verifier reads the last
+    stated answer, so a run learns to get there in fewer turns only if its reward says so."""
+
+    def __init__(self, problem):
+        if problem is None or not getattr(problem, "answer", None):
+            raise ValueError("env.name=retry needs each problem's answer")
+        self.truth = problem.answer
+
+    def step(self, turn: str) -> Optional[str]:
+        stated = extract_final_answer(turn)
+        if stated is None:
+            return "You did not state a final answer. End with: The answer is <number>."
+        if answers_match(stated, self.truth):
+            return None
+        return f"{stated} is not right. Check your work, then state the final answer again."
+
+
+@ENVIRONMENTS.register("retry")
+def retry(cfg, tokenizer, use_chat_template: bool = True) -> ConversationEnvironment:
+    return ConversationEnvironment(Retry, "retry", UserTurns(tokenizer, use_chat_template), cfg.max_output_chars,
+                                   cfg.tool_timeout_s)
+
+
+def load_user_environment(spec: str) -> Callable[[Any], Any]:
+    """The class (or function) `env.name=path/to/file.py:Name` names; ConfigError when it is missing
+    or a class without a `step` method."""
+    factory, path = load_object(spec, "env.name")
+    if inspect.isclass(factory) and not callable(getattr(factory, "step", None)):
+        raise ConfigError(f"env.name={spec!r}: class {factory.__name__} in {path} has no step(self, turn) method; "
+                          f"it must return the next user message (str) or None to end the episode")
+    return factory
+
+
+def check_env_config(cfg) -> None:
+    """env.name at start-up: none, a registered environment, or a file's class."""
+    if cfg.name == "none" or cfg.name in ENVIRONMENTS:
+        return
+    if split_spec(cfg.name) is None:
+        raise ConfigError(f"env.name={cfg.name!r} is not one of {['none', *ENVIRONMENTS.names()]} or a file's class "
+                          f"as path/to/file.py:Name")
+    load_user_environment(cfg.name)
+
+
+def build_environment(cfg, tokenizer, use_chat_template: bool = True) -> Optional[Environment]:
+    """The configured environment (`cfg` is the `env` config group), or None for env.name=none."""
+    if cfg.name == "none":
+        return None
+    if split_spec(cfg.name) is not None:
+        label = split_spec(cfg.name)[1]
+        return ConversationEnvironment(load_user_environment(cfg.name), label, UserTurns(tokenizer, use_chat_template),
+                                       cfg.max_output_chars, cfg.tool_timeout_s)
+    return ENVIRONMENTS.get(cfg.name)(cfg, tokenizer, use_chat_template)
