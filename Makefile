@@ -70,7 +70,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py $(ARGS)
 
-# Multi-turn GRPO with a calculator tool on harder arithmetic (README "Multi-turn rollouts with tools").
+# Multi-turn GRPO with a calculator tool on harder arithmetic (README "Multi-turn rollouts").
 demo-tools: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py env=calculator data=arithmetic_hard $(ARGS)
 
