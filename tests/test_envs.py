@@ -154,7 +154,7 @@ def test_environment_adds_the_tool_instructions_to_the_prompt():
     assert msgs[3]["content"] == ("What is 2+2?\nTo use a tool, write <calculator>EXPRESSION</calculator>; its result "
                                   "follows in <result></result>. Example: <calculator>12 * 34</calculator>"
                                   "<result>408</result>")
-    json_env = ENVIRONMENTS.get("calculator")(CFG, SimpleNamespace(chat_template=QWEN_LIKE))  # renders the tools
+    json_env = ToolEnvironment([TOOLS.get("calculator")(CFG)], "auto", QWEN_LIKE, 64)  # the template renders tools
     assert json_env.first_messages([{"role": "user", "content": "q"}]) == [{"role": "user", "content": "q"}]
     assert json_env.chat_template_kwargs()["tools"][0]["function"]["name"] == "calculator"
 
@@ -216,6 +216,15 @@ def test_user_messages_are_written_by_the_models_chat_template():
                             apply_chat_template=lambda msgs, **kw: _render(LLAMA3_LIKE, msgs, **kw))
     assert UserTurns(llama, True).message("No.", turn_closed=True) == \
         "<|start_header_id|>user<|end_header_id|>\n\nNo.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    # a tool's result is a user turn the same way (json format), or opens one after an EOS (tags)
+    json_fmt = choose_format("json", None, tools("calculator"), UserTurns(llama, True))
+    assert json_fmt.observation("408", turn_closed=False) == (
+        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n408\n</tool_response><|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    chatml_tags = choose_format("tags", None, tools("calculator"), UserTurns(tok, True))
+    assert chatml_tags.observation("408", turn_closed=True) == \
+        "\n<|im_start|>user\n<result>408</result><|im_end|>\n<|im_start|>assistant\n"
+    assert chatml_tags.observation("408", turn_closed=False) == "<result>408</result>"  # inline
     assert UserTurns(tok, use_chat_template=False).message("No.", turn_closed=True) == "\nNo.\n"
     drops = SimpleNamespace(chat_template="x", eos_token="", apply_chat_template=lambda msgs, **kw: "only the last")
     with pytest.raises(ConfigError, match="set data.use_chat_template=false"):

@@ -223,7 +223,14 @@ class CharTokenizer:
 
 
 class AnswerEveryTurn:
-    """Answers every policy turn with an observation: episodes of env.max_turns turns."""
+    """Answers every policy turn with an observation: episodes of env.max_turns turns (its own
+    session: the character tokenizer has no chat template for colo_rl's conversation environments)."""
+
+    def start(self, problem):
+        return self
+
+    def close(self):
+        pass
 
     def parse(self, text):
         from colo_rl.envs.calls import ParsedTurn

@@ -2,8 +2,8 @@
 
 from colo_rl.envs.calls import ParsedTurn, ToolCall, choose_format
 from colo_rl.envs.environment import ENVIRONMENTS, Environment, Session, Step, ToolEnvironment, ToolSession
-from colo_rl.envs.conversation import (ConversationEnvironment, Retry, UserTurns, build_environment,
-                                       check_env_config)
+from colo_rl.envs.conversation import ConversationEnvironment, Retry, build_environment, check_env_config
+from colo_rl.envs.turns import UserTurns
 from colo_rl.envs.tools import TOOLS, Tool, ToolError, run_python, safe_arithmetic
 
 __all__ = ["ENVIRONMENTS", "TOOLS", "ConversationEnvironment", "Environment", "ParsedTurn", "Retry", "Session", "Step",

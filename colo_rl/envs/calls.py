@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from colo_rl.envs.tools import Tool
-
-IM_END, IM_START = "<|im_end|>", "<|im_start|>"
+from colo_rl.envs.turns import UserTurns
 
 
 @dataclass
@@ -47,8 +46,9 @@ class JsonCallFormat:
     name = "json"
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, tools: dict[str, Tool]):
+    def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
         self.tools = tools
+        self.turns = turns or UserTurns(None)  # how the chat template writes a user turn (default ChatML)
 
     def instructions(self) -> str:
         """Used only when the chat template cannot render tools itself."""
@@ -91,9 +91,8 @@ class JsonCallFormat:
 
     def observation(self, result: str, turn_closed: bool) -> str:
         """Text appended after the policy's turn: close its message (unless it ended with EOS), the
-        result as a user message, and the next assistant header."""
-        return ((IM_END if not turn_closed else "") + f"\n{IM_START}user\n<tool_response>\n{result}\n"
-                f"</tool_response>{IM_END}\n{IM_START}assistant\n")
+        result as a user message, and the next assistant header, as the chat template writes them."""
+        return self.turns.message(f"<tool_response>\n{result}\n</tool_response>", turn_closed)
 
 
 class TagCallFormat(JsonCallFormat):
@@ -137,7 +136,7 @@ class TagCallFormat(JsonCallFormat):
 
     def observation(self, result: str, turn_closed: bool) -> str:
         if turn_closed:  # the message ended with EOS after the call: the result opens a new exchange
-            return f"\n{IM_START}user\n<result>{result}</result>{IM_END}\n{IM_START}assistant\n"
+            return self.turns.message(f"<result>{result}</result>", turn_closed=True)
         return f"<result>{result}</result>"
 
 
@@ -149,8 +148,9 @@ def template_declares_tools(chat_template: Optional[str]) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def choose_format(name: str, chat_template: Optional[str], tools: dict[str, Tool]) -> JsonCallFormat:
+def choose_format(name: str, chat_template: Optional[str], tools: dict[str, Tool],
+                  turns: Optional[UserTurns] = None) -> JsonCallFormat:
     """env.format: auto = json where the template declares tools, tags otherwise."""
     if name == "auto":
         name = "json" if template_declares_tools(chat_template) else "tags"
-    return FORMATS[name](tools)
+    return FORMATS[name](tools, turns)

@@ -26,43 +26,12 @@ from typing import Any, Callable, Optional
 from colo_rl.envs.calls import ParsedTurn
 from colo_rl.envs.environment import ENVIRONMENTS, Environment, Step, call_with_timeout
 from colo_rl.envs.tools import truncate
+from colo_rl.envs.turns import UserTurns
 from colo_rl.errors import ConfigError
 from colo_rl.rewards.verifiers import answers_match, extract_final_answer
 from colo_rl.user_files import load_object, split_spec
 
 log = logging.getLogger("colo_rl")
-
-_ASSISTANT, _USER = "\x1fCOLO_RL_ASSISTANT\x1f", "\x1fCOLO_RL_USER\x1f"  # sentinels, never in real text
-
-
-class UserTurns:
-    """The text that follows a policy turn to hand the conversation back to the user with a new
-    message and open the next assistant turn, as the chat template writes it (read off one
-    rendered conversation, so any template works: ChatML, Llama 3, ...)."""
-
-    def __init__(self, tokenizer, use_chat_template: bool):
-        template = getattr(tokenizer, "chat_template", None)
-        self.eos = getattr(tokenizer, "eos_token", None)
-        if not (use_chat_template and template):
-            self.close_and_open, self.after = "\n", "\n"
-            return
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT},
-             {"role": "user", "content": _USER}], tokenize=False, add_generation_prompt=True)
-        if text.count(_ASSISTANT) != 1 or text.count(_USER) != 1:
-            raise ConfigError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} does not write an "
-                              f"assistant turn followed by a user turn as given, so an environment's message cannot "
-                              f"be rendered with it; set data.use_chat_template=false")
-        tail = text[text.index(_ASSISTANT) + len(_ASSISTANT):]
-        self.close_and_open, self.after = tail.split(_USER)
-
-    def message(self, text: str, turn_closed: bool) -> str:
-        """`turn_closed`: the policy's turn already ends with its EOS (the template's end of turn)."""
-        head = self.close_and_open
-        if turn_closed and self.eos and head.startswith(self.eos):
-            head = head[len(self.eos):]
-        return head + text + self.after
-
 
 class ConversationEnvironment:
     answers_every_turn = True

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from colo_rl.envs.calls import ParsedTurn, choose_format, template_declares_tools
 from colo_rl.envs.tools import TOOLS, Tool, ToolError, truncate
+from colo_rl.envs.turns import UserTurns
 from colo_rl.registry import Registry
 
 log = logging.getLogger("colo_rl")
@@ -101,10 +102,10 @@ class ToolEnvironment:
     answers_every_turn = False
 
     def __init__(self, tools: list[Tool], fmt: str, chat_template: Optional[str], max_output_chars: int,
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, turns: Optional[UserTurns] = None):
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
-        self.format = choose_format(fmt, chat_template, self.tools)
+        self.format = choose_format(fmt, chat_template, self.tools, turns)
         self.template_renders_tools = self.format.name == "json" and template_declares_tools(chat_template)
         self.max_output_chars = max_output_chars
 
@@ -170,8 +171,9 @@ def _tool_env(*names: str) -> Callable[[Any, Any, bool], ToolEnvironment]:
     def build(cfg, tokenizer, use_chat_template: bool = True) -> ToolEnvironment:
         # the python tool enforces cfg.tool_timeout_s itself (and kills its process); this is the backstop
         template = getattr(tokenizer, "chat_template", None)
+        turns = UserTurns(tokenizer, use_chat_template) if tokenizer is not None else None
         return ToolEnvironment([TOOLS.get(n)(cfg) for n in names], cfg.format, template, cfg.max_output_chars,
-                               timeout_s=cfg.tool_timeout_s + 2.0)
+                               timeout_s=cfg.tool_timeout_s + 2.0, turns=turns)
 
     return build
 
