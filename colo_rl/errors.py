@@ -20,6 +20,10 @@ class RewardError(RuntimeError):
     """Reward functions failed on more of a batch than reward.max_failure_rate allows."""
 
 
+class EnvError(RuntimeError):
+    """An environment (env.name) failed on every episode of a batch: a bug in it, most likely."""
+
+
 class PhaseError(RuntimeError):
     """An operation was attempted in the wrong phase (it would run on paged-out memory)."""
 

@@ -22,6 +22,7 @@ from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
 from colo_rl.data.files import DataError, resolve_data_path
+from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
 from colo_rl.models import resolve_dtype, resolve_model_path
 from colo_rl.rewards import RewardError
@@ -144,7 +145,7 @@ def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:
 
 
 # Failures with a message that says what to do: one line from rank 0, no traceback (debug=true adds it).
-CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, RewardError,
+CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, RewardError, EnvError,
                                                 FileNotFoundError)
 
 

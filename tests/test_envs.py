@@ -2,6 +2,7 @@
 tool's limits hold, malformed calls and faulty tools become observations; per-episode state (a
 notebook-like python tool, environment classes from a file, `retry`) and its failure modes."""
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -108,8 +109,8 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
     fmt = choose_format("tags", None, tools("calculator", "python"))
     parsed = fmt.parse("So <result>3</result> then 12*34 = <calculator>12*34</calculator> and more")
     assert parsed.call.name == "calculator" and parsed.call.arguments == {"expression": "12*34"}
-    assert fmt.observation("408", turn_closed=False) == "<result>408</result>"
-    assert fmt.observation("408", turn_closed=True).startswith("\n<|im_start|>user\n<result>408</result>")
+    assert fmt.observation("408", end_token=None) == "<result>408</result>"
+    assert fmt.observation("408", end_token="<|im_end|>").startswith("\n<|im_start|>user\n<result>408</result>")
     assert fmt.parse("no call here, <b>bold</b>?").error == "unknown tool <b>; available: ['calculator', 'python']"
     assert not fmt.parse("plain text 1 < 2 > 0").wants_tool
     assert fmt.stop_strings() == ("</calculator>", "</python>")  # where a call ends: the engine may stop there
@@ -118,13 +119,13 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
 # ------------------------------------------------------------------ environment: faults are observations
 def test_environment_answers_calls_and_turns_faults_into_observations():
     env = ENVIRONMENTS.get("calculator")(CFG, None).start(None)
-    ok = env.step("12*34 = <calculator>12*34</calculator>", turn_closed=False)
+    ok = env.step("12*34 = <calculator>12*34</calculator>", end_token=None)
     assert ok.observation == "<result>408</result>" and ok.tool == "calculator" and ok.error is None
-    bad = env.step("<calculator>12*</calculator>", turn_closed=False)
+    bad = env.step("<calculator>12*</calculator>", end_token=None)
     assert bad.observation.startswith("<result>error: not an arithmetic expression") and bad.error
-    malformed = env.step("<calculator>12*", turn_closed=True)
+    malformed = env.step("<calculator>12*", end_token="<|im_end|>")
     assert "error: unterminated <calculator>" in malformed.observation and malformed.tool is None
-    assert env.step("The answer is 408.", turn_closed=True).done
+    assert env.step("The answer is 408.", end_token="<|im_end|>").done
 
 
 def test_a_tool_that_raises_or_hangs_becomes_an_observation():
@@ -137,10 +138,10 @@ def test_a_tool_that_raises_or_hangs_becomes_an_observation():
     env = ToolEnvironment([Tool("boom", "raises", {"properties": {"x": {"description": "e.g. 1"}}}, "x", boom),
                            Tool("hang", "hangs", {"properties": {"x": {"description": "e.g. 1"}}}, "x", hang)],
                           "tags", None, 64, timeout_s=0.5).start(None)
-    step = env.step("<boom>1</boom>", turn_closed=False)
+    step = env.step("<boom>1</boom>", end_token=None)
     assert step.observation == "<result>error: the tool failed (RuntimeError: disk on fire)</result>"
     t0 = time.perf_counter()
-    step = env.step("<hang>1</hang>", turn_closed=False)
+    step = env.step("<hang>1</hang>", end_token=None)
     assert "timed out" in step.observation and step.error and time.perf_counter() - t0 < 3
 
 
@@ -191,6 +192,8 @@ def test_python_keep_state_reruns_the_episodes_earlier_successful_calls():
         first({"code": "y = 1 / 0"})  # a failing call is not kept: it would fail every later one
     assert first({"code": "def f(k):\n    return k * x"}) == ""
     assert first({"code": "print(f(7))"}) == "42"  # earlier calls' output is not repeated
+    assert first({"code": "import sys\nprint('bye')\nsys.exit(0)"}) == "bye"
+    assert first({"code": "print(f(2))"}) == "12"  # a call that exited early does not end the later ones
     with pytest.raises(ToolError, match="NameError: name 'x' is not defined"):
         second({"code": "print(x)"})  # another episode starts empty
     stateless = TOOLS.get("python")(EnvConfig(tool_timeout_s=5.0, tool_memory_mb=256)).start_episode()
@@ -199,43 +202,80 @@ def test_python_keep_state_reruns_the_episodes_earlier_successful_calls():
         stateless({"code": "print(x)"})
 
 
+# Written for these tests in the manner of real templates: Llama 3 trims every message, Gemma ends a
+# turn with <end_of_turn> while its eos_token is <eos>, Mistral v0.3 moves the system prompt into the
+# last user turn.
 LLAMA3_LIKE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-               "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
-               "<|end_header_id|>\n\n{% endif %}")
+               "{{ m['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>"
+               "assistant<|end_header_id|>\n\n{% endif %}")
+GEMMA_LIKE = ("{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+              "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+              "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+MISTRAL_LIKE = ("{% set sys = messages[0]['content'] if messages[0]['role'] == 'system' else '' %}"
+                "{% set msgs = messages[1:] if sys else messages %}{% set last_user = namespace(i=0) %}"
+                "{% for m in msgs %}{% if m['role'] == 'user' %}{% set last_user.i = loop.index0 %}{% endif %}"
+                "{% endfor %}{{ bos_token }}{% for m in msgs %}{% if m['role'] == 'user' %}[INST] "
+                "{% if sys and loop.index0 == last_user.i %}{{ sys }}\n\n{% endif %}{{ m['content'] }}[/INST]"
+                "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
-def test_user_messages_are_written_by_the_models_chat_template():
+def template_tokenizer(template: str, eos: str):
+    """The embedded tokenizer with another chat template and eos token (rendering only)."""
+    import copy
+
     from colo_rl.models import load_tokenizer
 
-    tok = load_tokenizer("embedded")  # ChatML
+    tok = copy.deepcopy(load_tokenizer("embedded"))
+    tok.chat_template, tok.eos_token = template, eos
+    return tok
+
+
+@pytest.mark.parametrize("template,eos,end_of_turn", [
+    (None, "<|im_end|>", "<|im_end|>"),  # the embedded tokenizer's own ChatML
+    (LLAMA3_LIKE, "<|eot_id|>", "<|eot_id|>"), (LLAMA3_LIKE, "<|end_of_text|>", "<|eot_id|>"),
+    (GEMMA_LIKE, "<eos>", "<end_of_turn>"), (MISTRAL_LIKE, "</s>", "</s>")])
+def test_a_user_message_continues_the_episode_as_the_template_writes_the_conversation(template, eos, end_of_turn):
+    """prompt + the policy's turn (ending at its EOS, or cut short) + UserTurns' text is exactly the
+    template's rendering of the conversation with the user's message added."""
+    from colo_rl.models import load_tokenizer
+
+    tok = template_tokenizer(template, eos) if template else load_tokenizer("embedded")
     turns = UserTurns(tok, use_chat_template=True)
-    assert turns.message("Try again.", turn_closed=True) == \
-        "\n<|im_start|>user\nTry again.<|im_end|>\n<|im_start|>assistant\n"
-    assert turns.message("Try again.", turn_closed=False).startswith("<|im_end|>\n<|im_start|>user\n")
-    llama = SimpleNamespace(chat_template=LLAMA3_LIKE, eos_token="<|eot_id|>",
-                            apply_chat_template=lambda msgs, **kw: _render(LLAMA3_LIKE, msgs, **kw))
-    assert UserTurns(llama, True).message("No.", turn_closed=True) == \
-        "<|start_header_id|>user<|end_header_id|>\n\nNo.<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-    # a tool's result is a user turn the same way (json format), or opens one after an EOS (tags)
-    json_fmt = choose_format("json", None, tools("calculator"), UserTurns(llama, True))
-    assert json_fmt.observation("408", turn_closed=False) == (
-        "<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n<tool_response>\n408\n</tool_response><|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    first = [{"role": "user", "content": "2+2?"}]
+    prompt = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    answer, message = "The answer is 4.", "4 is not right."
+    full = tok.apply_chat_template(first + [{"role": "assistant", "content": answer},
+                                            {"role": "user", "content": message}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert prompt + answer + end_of_turn + turns.message(message, end_token=end_of_turn) == full
+    assert prompt + answer + turns.message(message, end_token=None) == full  # a turn without its EOS
+    # a tool result that comes back as a user turn (json format) is written the same way
+    json_fmt = choose_format("json", None, tools("calculator"), turns)
+    assert json_fmt.observation("408", end_token=end_of_turn) == turns.message(
+        "<tool_response>\n408\n</tool_response>", end_token=end_of_turn)
+
+
+def test_user_turns_without_a_template_and_their_warnings(caplog):
+    from colo_rl.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")
+    assert UserTurns(tok, use_chat_template=False).message("No.", end_token="<|im_end|>") == "\nNo.\n"
+    assert UserTurns(None).message("No.", end_token=None) == "<|im_end|>\n<|im_start|>user\nNo.<|im_end|>\n" \
+                                                              "<|im_start|>assistant\n"  # ChatML by default
     chatml_tags = choose_format("tags", None, tools("calculator"), UserTurns(tok, True))
-    assert chatml_tags.observation("408", turn_closed=True) == \
+    assert chatml_tags.observation("408", end_token="<|im_end|>") == \
         "\n<|im_start|>user\n<result>408</result><|im_end|>\n<|im_start|>assistant\n"
-    assert chatml_tags.observation("408", turn_closed=False) == "<result>408</result>"  # inline
-    assert UserTurns(tok, use_chat_template=False).message("No.", turn_closed=True) == "\nNo.\n"
-    drops = SimpleNamespace(chat_template="x", eos_token="", apply_chat_template=lambda msgs, **kw: "only the last")
+    assert chatml_tags.observation("408", end_token=None) == "<result>408</result>"  # inline
+    drops = SimpleNamespace(chat_template="x", apply_chat_template=lambda msgs, **kw: "only the last")
     with pytest.raises(ConfigError, match="set data.use_chat_template=false"):
         UserTurns(drops, True)
-
-
-def _render(template, messages, add_generation_prompt=False, tokenize=False):
-    import jinja2
-
-    return jinja2.Template(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            bos_token="<|begin_of_text|>")
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        UserTurns(template_tokenizer(MISTRAL_LIKE, "</s>"), True)  # moves the system prompt: said
+        UserTurns(tok, True)  # ChatML keeps it: nothing said
+    said = [r.getMessage() for r in caplog.records if "earlier turns" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("writes earlier turns differently once a conversation goes on (e.g. "
+                                               "it moves the system prompt): multi-turn episodes keep what the policy "
+                                               "saw at each turn")
 
 
 def test_retry_tells_a_wrong_or_missing_answer_and_ends_at_the_right_one():
@@ -260,12 +300,12 @@ class Faulty:
 def test_a_faulty_environment_ends_its_episode_counted_and_logged_once(caplog):
     env = ConversationEnvironment(Faulty, "Faulty", UserTurns(None, False), 64, timeout_s=0.5)
     with caplog.at_level("WARNING", logger="colo_rl"):
-        boom = env.start("p").step("boom", True)
-        wrong_type = env.start("p").step("int", True)
+        boom = env.start("p").step("boom", None)
+        wrong_type = env.start("p").step("int", None)
         t0 = time.perf_counter()
-        hung = env.start("p").step("hang", True)
+        hung = env.start("p").step("hang", None)
         waited = time.perf_counter() - t0
-        no_episode = env.start("bad problem").step("boom", True)
+        no_episode = env.start("bad problem").step("boom", None)
     assert boom.done and boom.error == "Faulty.step failed (ZeroDivisionError: division by zero)"
     assert wrong_type.done and "Faulty.step returned int; return the next user message (a str) or None" in \
         wrong_type.error
@@ -280,15 +320,88 @@ def test_an_environment_file_is_checked_at_start_up(tmp_path):
 
     (tmp_path / "envs.py").write_text("class Good:\n    def __init__(self, problem): pass\n"
                                       "    def step(self, turn): return None\n\n"
-                                      "class NoStep:\n    def __init__(self, problem): pass\n")
+                                      "class NoStep:\n    def __init__(self, problem): pass\n\n"
+                                      "class NoProblem:\n    def step(self, turn): return None\n\n"
+                                      "class NoTurn:\n    def __init__(self, problem): pass\n"
+                                      "    def step(self): return None\n")
+    with pytest.raises(ConfigError, match=r"NoProblem\(\) in .*envs.py must take one argument, the episode's problem"):
+        validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoProblem")))
+    with pytest.raises(ConfigError, match=r"NoTurn.step\(self\) in .*envs.py must take the policy's turn"):
+        validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoTurn")))
     validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:Good")))
     with pytest.raises(ConfigError, match=r"class NoStep in .*envs.py has no step\(self, turn\) method"):
         validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoStep")))
     with pytest.raises(ConfigError, match=r"env.name: .*'Missing' is not defined in .*envs.py \(it defines: "
-                                          r"\['Good', 'NoStep'\]\)"):
+                                          r"\['Good', 'NoProblem', 'NoStep', 'NoTurn'\]\)"):
         validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:Missing")))
     with pytest.raises(ConfigError, match=r"env.name: 'nowhere/envs.py:Good': no file"):
         validate(RunConfig(env=EnvConfig(name="nowhere/envs.py:Good")))
     with pytest.raises(ConfigError, match=r"env.python_keep_state is not read by recipes/sft.py"):
         validate(RunConfig(recipe="sft", algo=RunConfig().algo.__class__(name="sft")),
                  overrides=["env.python_keep_state=true"])
+
+
+class Slow:
+    """Constructors that only finish when two run at once (a Barrier): serial construction would fail
+    them all. `close` raises for one problem, hangs for another."""
+
+    barrier = threading.Barrier(2, timeout=5)
+    closed: list = []
+
+    def __init__(self, problem):
+        if problem == "late":
+            time.sleep(1.0)  # outlives the environment's 0.5 s limit
+        else:
+            Slow.barrier.wait()
+        self.problem = problem
+
+    def step(self, turn):
+        return None
+
+    def close(self):
+        if self.problem == "raises":
+            raise OSError("sandbox already gone")
+        if self.problem == "hangs":
+            time.sleep(30)
+        Slow.closed.append(self.problem)
+
+
+def test_sessions_start_side_by_side_and_every_object_is_closed(caplog):
+    from colo_rl.rollout.base import Completion, SamplingParams
+    from colo_rl.rollout.multiturn import MultiTurnRollout
+
+    class OneTurn:
+        def generate(self, prompts, params):
+            return [Completion(list(p), [5], [-0.1], "length") for p in prompts for _ in range(params.n)]
+
+    env = ConversationEnvironment(Slow, "Slow", UserTurns(None), 64, timeout_s=0.5)
+    Slow.closed.clear()
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        eps = MultiTurnRollout(env, SimpleNamespace(decode=lambda ids, **kw: "x"), max_turns=2,
+                               max_total_tokens=10).generate(OneTurn(), [[1], [2], [3], [4]], SamplingParams(n=1),
+                                                             ["a", "raises", "hangs", "b"])
+    assert [e.tool_errors for e in eps] == [0, 0, 0, 0]  # all four were made (two at a time) and ended at once
+    assert sorted(Slow.closed) == ["a", "b"]
+    closing = [r.getMessage() for r in caplog.records if "close" in r.getMessage()]
+    assert closing == ["env.name=Slow: Slow.close failed (OSError: sandbox already gone) (only the first such error "
+                       "is logged)"]
+    late = env.start("late")  # gave up after 0.5 s; closed when it arrives
+    assert late.episode is None and late.step("x", None).error == "timed out after 0.5 s"
+    time.sleep(1.0)
+    assert "late" in Slow.closed
+
+
+def test_an_environment_that_fails_every_episode_stops_the_run():
+    from colo_rl.errors import EnvError
+    from colo_rl.rollout.base import Completion, SamplingParams
+    from colo_rl.rollout.multiturn import MultiTurnRollout
+
+    class OneTurn:
+        def generate(self, prompts, params):
+            return [Completion(list(p), [5], [-0.1], "length") for p in prompts for _ in range(params.n)]
+
+    env = ConversationEnvironment(Faulty, "Faulty", UserTurns(None), 64, timeout_s=0.5)
+    rollout = MultiTurnRollout(env, SimpleNamespace(decode=lambda ids, **kw: "boom"), max_turns=2, max_total_tokens=10)
+    with pytest.raises(EnvError, match=r"the environment failed on all 4 episodes of this batch; the latest failure: "
+                                       r"Faulty.step failed \(ZeroDivisionError"):
+        rollout.generate(OneTurn(), [[1], [2]], SamplingParams(n=2), ["p", "q"])

@@ -89,10 +89,11 @@ class JsonCallFormat:
             return ParsedTurn(error=f"unknown tool {call.name!r}; available: {sorted(self.tools)}", end=end)
         return ParsedTurn(call=call, end=end)
 
-    def observation(self, result: str, turn_closed: bool) -> str:
-        """Text appended after the policy's turn: close its message (unless it ended with EOS), the
-        result as a user message, and the next assistant header, as the chat template writes them."""
-        return self.turns.message(f"<tool_response>\n{result}\n</tool_response>", turn_closed)
+    def observation(self, result: str, end_token: Optional[str]) -> str:
+        """Text appended after the policy's turn: close its message (unless it ended with EOS: its
+        text is `end_token`), the result as a user message, and the next assistant header, as the
+        chat template writes them."""
+        return self.turns.message(f"<tool_response>\n{result}\n</tool_response>", end_token)
 
 
 class TagCallFormat(JsonCallFormat):
@@ -134,9 +135,9 @@ class TagCallFormat(JsonCallFormat):
                 {"role": "assistant", "content": f"<{t.name}>{t.example[0]}</{t.name}><result>{t.example[1]}</result> "
                                                  f"The answer is {t.example[1]}."}]
 
-    def observation(self, result: str, turn_closed: bool) -> str:
-        if turn_closed:  # the message ended with EOS after the call: the result opens a new exchange
-            return self.turns.message(f"<result>{result}</result>", turn_closed=True)
+    def observation(self, result: str, end_token: Optional[str]) -> str:
+        if end_token is not None:  # the message ended with EOS after the call: the result opens a new exchange
+            return self.turns.message(f"<result>{result}</result>", end_token)
         return f"<result>{result}</result>"
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from typing import Any, Callable, Optional
 
 from colo_rl.envs.calls import ParsedTurn
@@ -40,7 +41,8 @@ class ConversationEnvironment:
                  timeout_s: float):
         self.factory, self.label, self.turns = factory, label, turns
         self.max_output_chars, self.timeout_s = max_output_chars, timeout_s
-        self.logged_error = False
+        self.logged_error = self.logged_close_error = False
+        self.last_error: Optional[str] = None  # the latest failure (the driver quotes it if a whole batch fails)
 
     def first_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
         return messages
@@ -58,6 +60,7 @@ class ConversationEnvironment:
         return ConversationSession(self, problem)
 
     def failed(self, error: str) -> Step:
+        self.last_error = error
         if not self.logged_error:
             self.logged_error = True
             log.warning("env.name=%s: %s; that episode ends here (counted in env/tool_errors; only the first such "
@@ -66,11 +69,30 @@ class ConversationEnvironment:
 
 
 class ConversationSession:
+    """One episode's object. Its constructor, `step` and `close` run under env.tool_timeout_s; an
+    object whose constructor outlives the limit is closed as soon as it arrives."""
+
     def __init__(self, env: ConversationEnvironment, problem: Any):
         self.env = env
-        self.episode, self.error = call_with_timeout(lambda: env.factory(problem), env.timeout_s, env.label)
+        self._lock = threading.Lock()
+        self._gave_up, self._made = False, None
 
-    def step(self, turn_text: str, turn_closed: bool) -> Step:
+        def make():
+            episode = env.factory(problem)
+            with self._lock:
+                late = self._gave_up
+                if not late:
+                    self._made = episode
+            if late:  # nobody will use it: let it go as an episode's end would
+                _close_quietly(env, episode)
+            return episode
+
+        _, self.error = call_with_timeout(make, env.timeout_s, env.label)
+        with self._lock:
+            self._gave_up = True
+            self.episode = self._made  # it may have arrived just after the limit: then it is used
+
+    def step(self, turn_text: str, end_token: Optional[str]) -> Step:
         env = self.env
         if self.episode is None:  # its constructor failed
             return env.failed(self.error or f"{env.label}(problem) returned None")
@@ -82,12 +104,22 @@ class ConversationSession:
         if not isinstance(reply, str):
             return env.failed(f"{env.label}.step returned {type(reply).__name__}; return the next user message (a "
                               f"str) or None to end the episode")
-        return Step(observation=env.turns.message(truncate(reply, env.max_output_chars), turn_closed))
+        return Step(observation=env.turns.message(truncate(reply, env.max_output_chars), end_token))
 
     def close(self) -> None:
-        close = getattr(self.episode, "close", None)
-        if close is not None:
-            close()
+        _close_quietly(self.env, self.episode)
+
+
+def _close_quietly(env: ConversationEnvironment, episode: Any) -> None:
+    """`episode.close()` if it has one; a failure or a hang is logged (once), never raised: the
+    episode's data is complete by then."""
+    close = getattr(episode, "close", None)
+    if close is None:
+        return
+    _, error = call_with_timeout(close, env.timeout_s, f"{env.label}.close")
+    if error is not None and not env.logged_close_error:
+        env.logged_close_error = True
+        log.warning("env.name=%s: %s (only the first such error is logged)", env.label, error)
 
 
 class Retry:
@@ -119,10 +151,37 @@ def load_user_environment(spec: str) -> Callable[[Any], Any]:
     """The class (or function) `env.name=path/to/file.py:Name` names; ConfigError when it is missing
     or a class without a `step` method."""
     factory, path = load_object(spec, "env.name")
-    if inspect.isclass(factory) and not callable(getattr(factory, "step", None)):
-        raise ConfigError(f"env.name={spec!r}: class {factory.__name__} in {path} has no step(self, turn) method; "
-                          f"it must return the next user message (str) or None to end the episode")
+    name = getattr(factory, "__name__", spec)
+    if not _takes(factory, None):
+        raise ConfigError(f"env.name={spec!r}: {name}{_signature(factory)} in {path} must take one argument, the "
+                          f"episode's problem: {name}(problem)")
+    if inspect.isclass(factory):
+        step = getattr(factory, "step", None)
+        if not callable(step):
+            raise ConfigError(f"env.name={spec!r}: class {name} in {path} has no step(self, turn) method; it must "
+                              f"return the next user message (str) or None to end the episode")
+        if not _takes(step, None, ""):  # unbound: self, turn
+            raise ConfigError(f"env.name={spec!r}: {name}.step{_signature(step)} in {path} must take the policy's "
+                              f"turn: step(self, turn)")
     return factory
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
+def _takes(fn, *args) -> bool:
+    """Can `fn` be called with these positional arguments? (True where its signature cannot be read.)"""
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 def check_env_config(cfg) -> None:

@@ -45,8 +45,8 @@ class Step:
 class Session(Protocol):
     """One episode's side of the environment."""
 
-    def step(self, turn_text: str, turn_closed: bool) -> Step:
-        """Answer the policy's turn. `turn_closed`: the turn ended with EOS."""
+    def step(self, turn_text: str, end_token: Optional[str]) -> Step:
+        """Answer the policy's turn. `end_token`: the text of the EOS token it ended with (None: no EOS)."""
 
     def close(self) -> None:
         """The episode is over (called once, whatever ended it)."""
@@ -141,26 +141,26 @@ class ToolSession:
         self.env = env
         self.runners = {name: tool.start_episode() for name, tool in env.tools.items()}
 
-    def step(self, turn_text: str, turn_closed: bool) -> Step:
+    def step(self, turn_text: str, end_token: Optional[str]) -> Step:
         env = self.env
         parsed = env.format.parse(turn_text)
         if not parsed.wants_tool:
             return Step()
         if parsed.error is not None:
-            return self._answer(f"error: {parsed.error}", parsed, None, parsed.error, turn_closed)
+            return self._answer(f"error: {parsed.error}", parsed, None, parsed.error, end_token)
         call = parsed.call
         run = self.runners[call.name]
         result, error = call_with_timeout(lambda: str(run(call.arguments)), env.timeout_s, "the tool")
-        return self._answer(result if error is None else f"error: {error}", parsed, call.name, error, turn_closed)
+        return self._answer(result if error is None else f"error: {error}", parsed, call.name, error, end_token)
 
     def close(self) -> None:
         self.runners = {}
 
     def _answer(self, result: str, parsed: ParsedTurn, tool: Optional[str], error: Optional[str],
-                turn_closed: bool) -> Step:
-        closed = turn_closed and parsed.end is None  # a cut turn no longer ends with its EOS
+                end_token: Optional[str]) -> Step:
+        end = end_token if parsed.end is None else None  # a cut turn no longer ends with its EOS
         env = self.env
-        return Step(env.format.observation(truncate(result, env.max_output_chars), closed), parsed.end, tool, error)
+        return Step(env.format.observation(truncate(result, env.max_output_chars), end), parsed.end, tool, error)
 
 
 # A factory per name: (the env config group, the policy's tokenizer, data.use_chat_template) -> Environment.

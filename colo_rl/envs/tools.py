@@ -151,7 +151,10 @@ del sys.argv[1:], mem, cpu, resource
 scope = {"__name__": "__main__"}
 for k, cell in enumerate(cells[:-1]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        exec(compile(cell, f"<earlier call {k + 1}>", "exec"), scope)
+        try:
+            exec(compile(cell, f"<earlier call {k + 1}>", "exec"), scope)
+        except SystemExit:  # it ended its own call early; the calls after it still run
+            pass
 exec(compile(cells[-1], "<tool>", "exec"), scope)
 """
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from colo_rl.envs import Environment, Step
+from colo_rl.errors import EnvError
 from colo_rl.rollout.base import Completion, SamplingParams
 
 
@@ -70,12 +71,14 @@ class MultiTurnRollout:
         n = params.n
         episodes = [Episode(list(p), [], [], "stop") for p in prompts for _ in range(n)]
         contexts = [list(p) for p in prompts for _ in range(n)]
-        sessions = [self.env.start(problems[k // n] if problems is not None else None) for k in range(len(episodes))]
+        starts = [problems[k // n] if problems is not None else None for k in range(len(episodes))]
         active = list(range(len(episodes)))
         lockstep = getattr(engine, "lockstep_generate", False)
         every_turn = getattr(self.env, "answers_every_turn", False)
+        sessions = []
         try:
             with ThreadPoolExecutor(self.tool_workers, thread_name_prefix="colo_rl-tool") as pool:
+                sessions = list(pool.map(self.env.start, starts))  # side by side: a constructor may be slow
                 for turn in range(self.max_turns):
                     if not active and not lockstep:
                         break
@@ -88,12 +91,12 @@ class MultiTurnRollout:
                     last = turn + 1 == self.max_turns
                     steps = {}
                     for i, out in zip(active, outs):
-                        wants_tool, closed = self._take_turn(episodes[i], out)
+                        wants_tool, end_token = self._take_turn(episodes[i], out)
                         if wants_tool and last:  # a call in the last turn is not run
                             episodes[i].hit_limit = "max_turns"
                             episodes[i].finish_reason = "length"
                         elif wants_tool or (every_turn and not episodes[i].hit_limit):
-                            steps[i] = pool.submit(sessions[i].step, episodes[i].policy_texts[-1], closed)
+                            steps[i] = pool.submit(sessions[i].step, episodes[i].policy_texts[-1], end_token)
                     next_active = []
                     for i in active:
                         if i in steps and self._observe(episodes[i], contexts[i], steps[i].result(), last):
@@ -102,10 +105,16 @@ class MultiTurnRollout:
         finally:
             for session in sessions:
                 session.close()
+        if every_turn and len(episodes) > 1 and all(e.tool_errors for e in episodes):
+            # An environment that answers every turn fails only through a bug of its own: not a run to go on with.
+            raise EnvError(f"the environment failed on all {len(episodes)} episodes of this batch; the latest "
+                           f"failure: {getattr(self.env, 'last_error', None)}. Fix it (README, 'Your own "
+                           f"environment': Name(problem), step(self, turn) -> str | None)")
         return episodes
 
-    def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, bool]:
-        """Append the policy's turn, cut past its first tool call. Returns (asks for a tool, ended with EOS)."""
+    def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, Optional[str]]:
+        """Append the policy's turn, cut past its first tool call. Returns (asks for a tool, the text
+        of the EOS token it ended with or None)."""
         room = self.max_total_tokens - len(ep.token_ids)
         tokens, logps, finish = out.token_ids[:room], out.logprobs[:room], out.finish_reason
         if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS. Counted
@@ -129,7 +138,7 @@ class MultiTurnRollout:
             ep.tool_calls += 1
         elif finish == "length" and len(ep.token_ids) >= self.max_total_tokens:
             ep.hit_limit = "max_total_tokens"
-        return parsed.wants_tool, finish == "stop"
+        return parsed.wants_tool, self.tokenizer.decode(tokens[-1:]) if finish == "stop" and tokens else None
 
     def _observe(self, ep: Episode, context: list[int], step: Step, last_turn: bool = False) -> bool:
         """Append the environment's observation; False when the episode ends here."""
