@@ -81,13 +81,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def sample_counts(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
-                  params: SamplingParams) -> list[tuple[int, int, int]]:
+                  params: SamplingParams, multiturn=None, problems: Optional[list] = None) -> list[tuple[int, int, int]]:
     """(samples, correct, response tokens) per problem, in the order given, on every rank: each rank
-    samples params.n completions of its share and scores them with the verifiers (strict accuracy)."""
+    samples params.n completions (episodes, with `multiturn`) of its share and scores them with the
+    verifiers (strict accuracy)."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     n = params.n
-    completions = engine.generate(local_ids, params)[:len(local_ids) * n]  # every rank calls it (TP groups)
-    texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True) if completions else []
+    if multiturn is None:
+        completions = engine.generate(local_ids, params)
+    else:
+        completions = multiturn.generate(engine, local_ids, params, dist.shard(problems) if problems else None)
+    completions = completions[:len(local_ids) * n]  # every rank calls it (TP groups)
+    texts = policy_texts(tokenizer, completions) if completions else []
     correct = scorer.score(texts, [a for a in local_answers for _ in range(n)]).correct
     mine = [(n, sum(correct[i * n:(i + 1) * n]), sum(len(c.token_ids) for c in completions[i * n:(i + 1) * n]))
             for i in range(len(local_ids))]

@@ -9,8 +9,10 @@ ZeRO-3 copy of the model through the weight handoff, prompts are built by the da
 are checked by the verifiers (strict: the stated final answer is right). Every rank takes its share
 of the problems. Greedy: one completion per problem (rollout.eval_max_new_tokens). Sampled:
 eval.samples completions per problem at rollout.temperature / rollout.top_p; pass@k per problem
-by the unbiased estimator, averaged. Writes <run_dir>/eval.json and eval.md, and the figures to
-every logger (logger=[...]).
+by the unbiased estimator, averaged. With an environment (env=calculator, env=retry,
+env.name=path/to/file.py:Name) every completion is an episode, as in training, and the greedy
+figures are also given without it (eval_no_tools/...). Writes <run_dir>/eval.json and eval.md, and
+the figures to every logger (logger=[...]).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from colo_rl.checkpoint import hf_model_dir
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, file_problems, load_problems
+from colo_rl.envs import build_environment
 from colo_rl.evaluation import evaluate, pass_at_k_metrics, sample_counts
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.rollout.base import SamplingParams
+from colo_rl.rollout.multiturn import MultiTurnRollout
 
 log = logging.getLogger("colo_rl")
 
@@ -43,31 +47,43 @@ def run_eval(ctx) -> dict:
     tokenizer = load_tokenizer(cfg.model.path)
     from_file = cfg.data.path is not None and cfg.eval.all_records
     problems = file_problems(cfg.data.path) if from_file else load_problems(cfg.data)[1]
-    builder = PromptBuilder(tokenizer, cfg.data)
+    env = build_environment(cfg.env, tokenizer, cfg.data.use_chat_template)
+    multiturn = None if env is None else MultiTurnRollout(env, tokenizer, cfg.env.max_turns, cfg.env.max_total_tokens)
+    builder = PromptBuilder(tokenizer, cfg.data, env=env)
     kept = [(p, ids) for p in problems if (ids := builder.encode(p)) is not None]
     if not kept:
         raise ConfigError("no problems to evaluate: raise data.eval_size (the embedded task), or pass data.path "
                           "with records (over-length prompts are dropped: data.max_prompt_tokens)")
-    prompt_ids, answers = [ids for _, ids in kept], [p.answer for p, _ in kept]
+    prompt_ids, answers, kept_problems = [ids for _, ids in kept], [p.answer for p, _ in kept], [p for p, _ in kept]
     colo = build_colocated(cfg, tokenizer, ctx.dtype, ctx.run_dir, total_steps=1, grad_accum=1, with_optimizer=False)
     scorer = RewardScorer(cfg.reward)
     seconds = {"setup": time.perf_counter() - t0}
     with colo.switch.generation():  # the handoff gives the engine the model's weights
         t1 = time.perf_counter()
-        greedy = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, cfg.rollout.eval_max_new_tokens)
+        greedy = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, cfg.rollout.eval_max_new_tokens,
+                          multiturn, kept_problems)
         seconds["greedy"] = time.perf_counter() - t1
         figures = {k: v for k, v in greedy.items() if k != "eval/samples"}
+        if env is not None:  # the same problems answered once, without the environment
+            plain = PromptBuilder(tokenizer, cfg.data)
+            alone = [(p, ids) for p, _ in kept if (ids := plain.encode(p)) is not None]
+            once = evaluate(colo.engine, tokenizer, [ids for _, ids in alone], [p.answer for p, _ in alone], scorer,
+                            cfg.rollout.eval_max_new_tokens)
+            figures.update({"eval_no_tools/" + k.removeprefix("eval/"): v for k, v in once.items()
+                            if k != "eval/samples"})
         if cfg.eval.samples:
             t2 = time.perf_counter()
             params = SamplingParams(max_new_tokens=cfg.rollout.eval_max_new_tokens, temperature=cfg.rollout.temperature,
                                     top_p=cfg.rollout.top_p, n=cfg.eval.samples)
-            counts = sample_counts(colo.engine, tokenizer, prompt_ids, answers, scorer, params)
+            counts = sample_counts(colo.engine, tokenizer, prompt_ids, answers, scorer, params, multiturn,
+                                   kept_problems)
             figures.update(pass_at_k_metrics(counts, list(cfg.eval.pass_k)))
             seconds["sampled"] = time.perf_counter() - t2
     seconds["total"] = time.perf_counter() - t0
     report = {"model": cfg.model.path, "data": cfg.data.path or "embedded arithmetic (held-out split)",
               "problems": len(kept), "over_length_dropped": builder.stats.dropped, "ranks": dist.world_size(),
               "engine": cfg.rollout.engine, "max_new_tokens": cfg.rollout.eval_max_new_tokens,
+              "environment": cfg.env.name,
               "samples": cfg.eval.samples, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
               "verifiers": list(cfg.reward.functions), "figures": figures, "seconds": seconds,
               "examples": greedy["eval/samples"]}
@@ -82,11 +98,15 @@ def markdown(report: dict) -> str:
     lines = [f"# Evaluation of {report['model']}", "",
              f"{report['problems']} problems ({report['data']}), {report['ranks']} rank(s), "
              f"engine {report['engine']}, up to {report['max_new_tokens']} new tokens, verifiers "
-             f"{', '.join(report['verifiers'])}.", "", "| metric | value |", "|---|---|",
+             f"{', '.join(report['verifiers'])}"
+             + (f", environment {report['environment']} (episodes)" if report["environment"] != "none" else "")
+             + ".", "", "| metric | value |", "|---|---|",
              f"| greedy accuracy (stated answer right) | {f['eval/accuracy']:.4f} |",
              f"| greedy accuracy, lenient (last number right) | {f['eval/accuracy_lenient']:.4f} |",
              f"| greedy answers in the required format | {f['eval/format_rate']:.4f} |",
              f"| greedy mean response length (tokens) | {f['eval/response_len']:.1f} |"]
+    if "eval_no_tools/accuracy" in f:
+        lines += [f"| greedy accuracy without the environment (one answer) | {f['eval_no_tools/accuracy']:.4f} |"]
     if report["samples"]:
         lines += [f"| pass@{k.split('@')[1]} ({report['samples']} samples, T={report['temperature']}, "
                   f"top_p={report['top_p']}) | {v:.4f} |" for k, v in f.items() if k.startswith("eval/pass@")]

@@ -179,7 +179,7 @@ def test_env_options_are_checked_at_start_up():
         validate(RunConfig(env=EnvConfig(name="search")))
     with pytest.raises(ConfigError, match="env.max_turns=0 must be a positive integer"):
         validate(RunConfig(env=EnvConfig(max_turns=0)))
-    with pytest.raises(ConfigError, match=r"env.name is not read by recipes/sft.py \(multi-turn rollouts are GRPO"):
+    with pytest.raises(ConfigError, match=r"env.name is not read by recipes/sft.py \(multi-turn rollouts are for GRPO and "):
         validate(RunConfig(recipe="sft", algo=RunConfig().algo.__class__(name="sft")), overrides=["env.name=python"])
 
 

@@ -103,3 +103,20 @@ def test_evaluating_a_run_directory_of_the_embedded_model(tmp_path):
     assert "| pass@4 (4 samples" in (out / "eval.md").read_text()
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["eval/pass@4"] == f["eval/pass@4"]
+
+
+def test_evaluating_with_an_environment_gives_episodes_and_the_single_answer_figures(tmp_path):
+    """env=retry: greedy episodes (a wrong answer is told so and tried again), beside the same problems
+    answered once. Greedy first turns are the same in both, and the verifier reads the last stated
+    answer, so a retry can only add right answers."""
+    out = tmp_path / "eval"
+    run_torchrun(ROOT / "recipes" / "eval.py",
+                 ["model.dtype=fp32", "env=retry", "data.eval_size=8", "rollout.eval_max_new_tokens=40",
+                  "logger=[jsonl]", f"run_dir={out}"], timeout=900)
+    report = json.loads((out / "eval.json").read_text())
+    f = report["figures"]
+    assert report["environment"] == "retry" and report["problems"] == 8
+    assert f["eval/accuracy"] >= f["eval_no_tools/accuracy"]
+    assert f["eval_no_tools/response_len"] <= 40 < f["eval/response_len"]  # one turn is capped at 40: episodes went on
+    assert f["eval/sampled_response_len"] > 40 and 0 <= f["eval/pass@1"] <= 1  # pass@k samples episodes too
+    assert "environment retry (episodes)" in (out / "eval.md").read_text()

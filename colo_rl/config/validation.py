@@ -56,7 +56,7 @@ _GRPO_ONLY = {
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
     "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
     "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
-    **{f"env.{f.name}": "multi-turn rollouts are GRPO only" for f in fields(EnvConfig)},
+    **{f"env.{f.name}": "multi-turn rollouts are for GRPO and recipes/eval.py" for f in fields(EnvConfig)},
 }
 # SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
 _NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases"}
