@@ -33,7 +33,7 @@ from colo_rl.envs import build_environment
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
 from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
-from colo_rl.rewards import RewardScorer, model_weight
+from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, policy_texts
 from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
@@ -194,6 +194,9 @@ class GRPORecipe:
                 texts = policy_texts(self.tokenizer, completions)
                 scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],
                                            [p.fields for p, _ in problems for _ in range(G)])
+                env_scores = [getattr(c, "env_reward", None) for c in completions]
+                if any(v is not None for v in env_scores):  # an environment class's own reward()
+                    add_source(scored, "env", [v or 0.0 for v in env_scores], cfg.env.reward_weight)
             if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
                 log.warning("rank %d: %d reward call(s) failed this round; first: %s", dist.rank(), scored.failures,
                             scored.failure_messages[0])

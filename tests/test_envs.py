@@ -323,7 +323,11 @@ def test_an_environment_file_is_checked_at_start_up(tmp_path):
                                       "class NoStep:\n    def __init__(self, problem): pass\n\n"
                                       "class NoProblem:\n    def step(self, turn): return None\n\n"
                                       "class NoTurn:\n    def __init__(self, problem): pass\n"
-                                      "    def step(self): return None\n")
+                                      "    def step(self): return None\n\n"
+                                      "class BadReward(Good):\n    def reward(self, turns): return 1.0\n")
+    with pytest.raises(ConfigError, match=r"BadReward.reward\(self, turns\) in .*envs.py must take no argument but "
+                                          r"self"):
+        validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:BadReward")))
     with pytest.raises(ConfigError, match=r"NoProblem\(\) in .*envs.py must take one argument, the episode's problem"):
         validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoProblem")))
     with pytest.raises(ConfigError, match=r"NoTurn.step\(self\) in .*envs.py must take the policy's turn"):
@@ -332,7 +336,7 @@ def test_an_environment_file_is_checked_at_start_up(tmp_path):
     with pytest.raises(ConfigError, match=r"class NoStep in .*envs.py has no step\(self, turn\) method"):
         validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:NoStep")))
     with pytest.raises(ConfigError, match=r"env.name: .*'Missing' is not defined in .*envs.py \(it defines: "
-                                          r"\['Good', 'NoProblem', 'NoStep', 'NoTurn'\]\)"):
+                                          r"\['BadReward', 'Good', 'NoProblem', 'NoStep', 'NoTurn'\]\)"):
         validate(RunConfig(env=EnvConfig(name=f"{tmp_path}/envs.py:Missing")))
     with pytest.raises(ConfigError, match=r"env.name: 'nowhere/envs.py:Good': no file"):
         validate(RunConfig(env=EnvConfig(name="nowhere/envs.py:Good")))
@@ -405,3 +409,33 @@ def test_an_environment_that_fails_every_episode_stops_the_run():
     with pytest.raises(EnvError, match=r"the environment failed on all 4 episodes of this batch; the latest failure: "
                                        r"Faulty.step failed \(ZeroDivisionError"):
         rollout.generate(OneTurn(), [[1], [2]], SamplingParams(n=2), ["p", "q"])
+
+
+class Scored:
+    def __init__(self, problem):
+        self.value = problem
+
+    def step(self, turn):
+        return None
+
+    def reward(self):
+        if self.value == "raise":
+            raise ValueError("no score")
+        return self.value
+
+
+def test_an_environments_reward_is_a_finite_number_or_a_counted_failure(caplog):
+    env = ConversationEnvironment(Scored, "Scored", UserTurns(None), 64, timeout_s=0.5)
+    assert env.start(1.5).reward() == (1.5, None) and env.start(2).reward() == (2.0, None)
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        failures = [env.start(v).reward() for v in ("raise", float("nan"), True, "3")]
+    assert [value for value, _ in failures] == [0.0] * 4
+    assert [why for _, why in failures] == ["Scored.reward failed (ValueError: no score)",
+                                            "Scored.reward returned nan; return a finite float",
+                                            "Scored.reward returned True; return a finite float",
+                                            "Scored.reward returned '3'; return a finite float"]
+    assert len(caplog.records) == 1  # the first failure, with its cause
+    no_reward = ConversationEnvironment(Faulty, "Faulty", UserTurns(None), 64, timeout_s=0.5)
+    assert no_reward.start("p").reward() == (None, None)
+    tools_only = ENVIRONMENTS.get("calculator")(CFG, None).start(None)
+    assert tools_only.reward() == (None, None)

@@ -187,6 +187,9 @@ class Counter:
         self.count += 1
         return f"turn {self.count} of {self.problem}"
 
+    def reward(self):
+        return 10.0 * self.count
+
     def close(self):
         Counter.closed.append((self.problem, self.count))
 
@@ -203,6 +206,7 @@ def test_each_episode_has_its_own_state_and_is_closed_once(tok):
     # the second turn is answered too, which env.max_turns=2 does not allow: the episode hits the limit
     assert all((e.turns, e.hit_limit, e.finish_reason) == (2, "max_turns", "length") for e in eps)
     assert sorted(Counter.closed) == [("p", 2), ("p", 2), ("q", 2), ("q", 2)]
+    assert [e.env_reward for e in eps] == [20.0] * 4  # reward() after the last turn, before close()
 
 
 def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):

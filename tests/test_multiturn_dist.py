@@ -2,7 +2,7 @@
 file (env.name=path/to/file.py:Name) whose episodes differ per rank: rank 0's end after their first
 turn, rank 1's are answered every turn up to env.max_turns. The run must neither hang nor fail the
 engine-vs-trainer log-prob check over the policy tokens, and every episode must get its own object,
-made from its own problem and closed once."""
+made from its own problem and closed once, whose reward() is added to the verifiers'."""
 
 import json
 
@@ -29,6 +29,9 @@ class RankTurns:
             return None
         return f"turn {self.turns} of {self.answer}" + " more" * 8
 
+    def reward(self):
+        return float(self.turns)  # the environment's own score, added to the verifiers' (env.reward_weight)
+
     def close(self):
         with open(Path(__file__).parent / f"sessions.rank{self.rank}.jsonl", "a") as fh:
             fh.write(json.dumps({"answer": self.answer, "turns": self.turns}) + "\\n")
@@ -49,7 +52,8 @@ def test_zero3_two_ranks_with_different_episode_lengths(tmp_path):
                   f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}", "rollout.max_new_tokens=6",
                   "rollout.eval_max_new_tokens=6", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
                   f"reward.functions=[{tmp_path}/my_env.py:policy_letters]", "reward.format_weight=0",
-                  "colocate.handoff_check_max_mean_abs=0.001", "plots=false", "logger=[jsonl]", f"run_dir={d}"],
+                  "colocate.handoff_check_max_mean_abs=0.001", "env.reward_weight=0.5", "plots=false", "logger=[jsonl]",
+                  f"run_dir={d}"],
                  timeout=600)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -57,6 +61,9 @@ def test_zero3_two_ranks_with_different_episode_lengths(tmp_path):
         # rank 0: 1 turn per episode; rank 1: 3 turns, the third one answered too, so at env.max_turns
         assert r["env/turns"] == 2.0 and r["env/hit_max_turns"] == 0.5
         assert r["env/tool_errors"] == 0.0 and r["env/tool_calls"] == 0.0 and "env/tool_error_rate" not in r
+        # reward(): each episode's turns (1 on rank 0, 3 on rank 1), weighted 0.5 beside the verifier's
+        assert r["reward_source/env"] == 2.0
+        assert r["reward/mean"] == pytest.approx(r["reward_source/my_env:policy_letters"] + 0.5 * 2.0, rel=1e-6)
         assert r["handoff/logprob_diff_mean"] < 1e-3 and r["train/grad_norm"] > 0
         # responses: rank 0's 1..6 tokens, rank 1's 3 turns plus two user messages of ~20 tokens
         assert r["response/len_mean"] > 20

@@ -167,6 +167,9 @@ class EnvConfig:
     # variables and functions persist within an episode, as in a notebook.
     python_keep_state: bool = False
     max_output_chars: int = 256  # an observation (a tool's output, an environment's message) is cut to this
+    # An environment class's own score of each episode (its reward() method), times this, is added to
+    # the verifiers' reward (metric reward_source/env).
+    reward_weight: float = 1.0
 
 
 @dataclass

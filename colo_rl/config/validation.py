@@ -4,6 +4,7 @@ registries, value ranges, cross-key rules, keys a recipe does not read), run bef
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import fields
 from typing import Any, Callable, Iterable, Optional
 
@@ -144,6 +145,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),
     "env.tool_memory_mb": (lambda v: v >= 64, "must be >= 64 (a Python interpreter needs that much to start)"),
     "env.max_output_chars": (lambda v: v > 0, "must be a positive integer"),
+    "env.reward_weight": (lambda v: math.isfinite(v), "must be a finite number"),
 }
 
 # Optional keys whose null is a setting (off), not a missing value.

@@ -7,12 +7,14 @@ episode's):
     class Name:
         def __init__(self, problem): ...            # problem.answer, .question, .fields (the record)
         def step(self, turn: str) -> str | None: ... # the policy's turn -> the next user message; None ends
+        def reward(self) -> float: ...               # optional: its own score of the finished episode
         def close(self): ...                         # optional: the episode is over
 
 Every policy turn goes to `step`; its message is appended as a user turn written by the policy
 model's own chat template (data.use_chat_template=false: on its own lines), then the policy answers
 again, up to env.max_turns turns and env.max_total_tokens tokens. The reward is the configured
-verifiers' on the policy's turns (`retry`'s: the last stated answer). A `step` or constructor that
+verifiers' on the policy's turns (`retry`'s: the last stated answer), plus env.reward_weight x
+`reward()` where the object has one. A `step` or constructor that
 raises, times out (env.tool_timeout_s) or returns something other than str / None ends that
 episode; it is counted in env/tool_errors and the first such error is logged with its cause.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import numbers
 import threading
 from typing import Any, Callable, Optional
 
@@ -106,6 +110,22 @@ class ConversationSession:
                               f"str) or None to end the episode")
         return Step(observation=env.turns.message(truncate(reply, env.max_output_chars), end_token))
 
+    def reward(self) -> tuple[Optional[float], Optional[str]]:
+        """The object's `reward()` if it has one (after its last turn): (value, None), (None, None)
+        without one, or (0.0, why) when it fails or is not a finite number (counted, logged once)."""
+        env = self.env
+        score = getattr(self.episode, "reward", None)
+        if score is None:
+            return None, None
+        value, error = call_with_timeout(score, env.timeout_s, f"{env.label}.reward")
+        if error is None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not math.isfinite(value)):
+            error = f"{env.label}.reward returned {value!r}; return a finite float"
+        if error is not None:
+            env.failed(error)
+            return 0.0, error
+        return float(value), None
+
     def close(self) -> None:
         _close_quietly(self.env, self.episode)
 
@@ -163,6 +183,10 @@ def load_user_environment(spec: str) -> Callable[[Any], Any]:
         if not _takes(step, None, ""):  # unbound: self, turn
             raise ConfigError(f"env.name={spec!r}: {name}.step{_signature(step)} in {path} must take the policy's "
                               f"turn: step(self, turn)")
+        reward = getattr(factory, "reward", None)
+        if reward is not None and not (callable(reward) and _takes(reward, None)):
+            raise ConfigError(f"env.name={spec!r}: {name}.reward{_signature(reward)} in {path} must take no argument "
+                              f"but self and return the episode's score: reward(self) -> float")
     return factory
 
 

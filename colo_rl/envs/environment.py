@@ -48,6 +48,9 @@ class Session(Protocol):
     def step(self, turn_text: str, end_token: Optional[str]) -> Step:
         """Answer the policy's turn. `end_token`: the text of the EOS token it ended with (None: no EOS)."""
 
+    def reward(self) -> tuple[Optional[float], Optional[str]]:
+        """The environment's own score of the finished episode (None: it gives none), or why it failed."""
+
     def close(self) -> None:
         """The episode is over (called once, whatever ended it)."""
 
@@ -152,6 +155,9 @@ class ToolSession:
         run = self.runners[call.name]
         result, error = call_with_timeout(lambda: str(run(call.arguments)), env.timeout_s, "the tool")
         return self._answer(result if error is None else f"error: {error}", parsed, call.name, error, end_token)
+
+    def reward(self) -> tuple[Optional[float], Optional[str]]:
+        return None, None  # tools score nothing: the verifiers do
 
     def close(self) -> None:
         self.runners = {}

@@ -31,6 +31,13 @@ class RewardResult:
     per_source: dict[str, list[float]] = field(default_factory=dict)  # metric name -> unweighted scores
 
 
+def add_source(result: RewardResult, name: str, values: list[float], weight: float) -> None:
+    """Add `weight` x `values` to the rewards, as a source of its own (metric reward_source/<name>):
+    a score that comes from outside the verifiers (an environment's own)."""
+    result.per_source[name] = list(values)
+    result.rewards = [r + weight * v for r, v in zip(result.rewards, values)]
+
+
 def source_metric(source: RewardSource) -> str:
     """The source's name in metrics: the registered name, or `<file stem>:<function>`."""
     if source.file is None:

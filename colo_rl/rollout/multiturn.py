@@ -33,6 +33,7 @@ class Episode(Completion):
     hit_limit: str = ""  # "" | "max_turns" | "max_total_tokens"
     engine_stops: int = 0  # turns the engine itself ended at a tool's closing tag (SamplingParams.stop)
     policy_texts: list[str] = field(default_factory=list)  # each policy turn's text (the verifier reads these)
+    env_reward: Optional[float] = None  # the environment's own score of the episode (a user class's reward())
 
     @property
     def policy_text(self) -> str:
@@ -102,6 +103,9 @@ class MultiTurnRollout:
                         if i in steps and self._observe(episodes[i], contexts[i], steps[i].result(), last):
                             next_active.append(i)
                     active = next_active
+                for ep, session in zip(episodes, sessions):  # once the episode is over, before it is closed
+                    ep.env_reward, error = session.reward()
+                    ep.tool_errors += error is not None
         finally:
             for session in sessions:
                 session.close()
