@@ -8,7 +8,7 @@ from typing import Optional
 
 from colo_rl import dist
 from colo_rl.rollout.base import SamplingParams
-from colo_rl.rollout.multiturn import policy_texts
+from colo_rl.rollout.multiturn import generate_completions, policy_texts
 
 log = logging.getLogger("colo_rl")
 
@@ -21,10 +21,7 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     `problems` (one per prompt) are what its sessions start from."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
-    if multiturn is None:
-        completions = engine.generate(local_ids, params)
-    else:
-        completions = multiturn.generate(engine, local_ids, params, dist.shard(problems) if problems else None)
+    completions = generate_completions(engine, local_ids, params, multiturn, dist.shard(problems) if problems else None)
     # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
     completions = completions[:len(local_ids)]
     texts = policy_texts(tokenizer, completions) if completions else []
@@ -81,17 +78,15 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def sample_counts(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
-                  params: SamplingParams, multiturn=None, problems: Optional[list] = None) -> list[tuple[int, int, int]]:
+                  params: SamplingParams, multiturn=None,
+                  problems: Optional[list] = None) -> list[tuple[int, int, int]]:
     """(samples, correct, response tokens) per problem, in the order given, on every rank: each rank
     samples params.n completions (episodes, with `multiturn`) of its share and scores them with the
     verifiers (strict accuracy)."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     n = params.n
-    if multiturn is None:
-        completions = engine.generate(local_ids, params)
-    else:
-        completions = multiturn.generate(engine, local_ids, params, dist.shard(problems) if problems else None)
-    completions = completions[:len(local_ids) * n]  # every rank calls it (TP groups)
+    completions = generate_completions(engine, local_ids, params, multiturn,
+                                       dist.shard(problems) if problems else None)[:len(local_ids) * n]
     texts = policy_texts(tokenizer, completions) if completions else []
     correct = scorer.score(texts, [a for a in local_answers for _ in range(n)]).correct
     mine = [(n, sum(correct[i * n:(i + 1) * n]), sum(len(c.token_ids) for c in completions[i * n:(i + 1) * n]))

@@ -35,7 +35,7 @@ from colo_rl.metrics import Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
-from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, policy_texts
+from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
 from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
 from colo_rl.train.packing import pack_groups
 
@@ -187,9 +187,8 @@ class GRPORecipe:
             problems = [self.train[i] for i in self.sampler.next_local(cfg.rollout.prompts_per_step)]
             with self.timer("generation"):  # tool calls included: they run between an episode's turns
                 prompts = [ids for _, ids in problems]
-                completions = (self.colo.engine.generate(prompts, self.sampling) if self.multiturn is None
-                               else self.multiturn.generate(self.colo.engine, prompts, self.sampling,
-                                                            [p for p, _ in problems]))
+                completions = generate_completions(self.colo.engine, prompts, self.sampling, self.multiturn,
+                                                   [p for p, _ in problems])
             with self.timer("reward"):
                 texts = policy_texts(self.tokenizer, completions)
                 scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],

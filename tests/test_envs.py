@@ -345,6 +345,15 @@ def test_an_environment_file_is_checked_at_start_up(tmp_path):
                  overrides=["env.python_keep_state=true"])
 
 
+class OneTurn:
+    """An engine whose every turn is one token, cut at the limit (the environment decides the rest)."""
+
+    def generate(self, prompts, params):
+        from colo_rl.rollout.base import Completion
+
+        return [Completion(list(p), [5], [-0.1], "length") for p in prompts for _ in range(params.n)]
+
+
 class Slow:
     """Constructors that only finish when two run at once (a Barrier): serial construction would fail
     them all. `close` raises for one problem, hangs for another."""
@@ -371,12 +380,8 @@ class Slow:
 
 
 def test_sessions_start_side_by_side_and_every_object_is_closed(caplog):
-    from colo_rl.rollout.base import Completion, SamplingParams
+    from colo_rl.rollout.base import SamplingParams
     from colo_rl.rollout.multiturn import MultiTurnRollout
-
-    class OneTurn:
-        def generate(self, prompts, params):
-            return [Completion(list(p), [5], [-0.1], "length") for p in prompts for _ in range(params.n)]
 
     env = ConversationEnvironment(Slow, "Slow", UserTurns(None), 64, timeout_s=0.5)
     Slow.closed.clear()
@@ -397,12 +402,8 @@ def test_sessions_start_side_by_side_and_every_object_is_closed(caplog):
 
 def test_an_environment_that_fails_every_episode_stops_the_run():
     from colo_rl.errors import EnvError
-    from colo_rl.rollout.base import Completion, SamplingParams
+    from colo_rl.rollout.base import SamplingParams
     from colo_rl.rollout.multiturn import MultiTurnRollout
-
-    class OneTurn:
-        def generate(self, prompts, params):
-            return [Completion(list(p), [5], [-0.1], "length") for p in prompts for _ in range(params.n)]
 
     env = ConversationEnvironment(Faulty, "Faulty", UserTurns(None), 64, timeout_s=0.5)
     rollout = MultiTurnRollout(env, SimpleNamespace(decode=lambda ids, **kw: "boom"), max_turns=2, max_total_tokens=10)

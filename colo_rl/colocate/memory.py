@@ -84,7 +84,7 @@ class _Transition:
 class MemoryManager:
     def __init__(self, actor, engine, handoff, ledger: Ledger, owns_engine: bool = True, frozen: tuple = ()):
         self.actor = actor
-        self.frozen = tuple(frozen)  # frozen models paged with the trainer (the reward model): name, *_states
+        self.frozen = tuple(frozen)  # frozen models paged with the trainer (FrozenModelPaging): name, *_states
         self.engine = engine
         self.handoff = handoff
         self.ledger = ledger

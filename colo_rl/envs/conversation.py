@@ -161,10 +161,16 @@ class Retry:
         return f"{stated} is not right. Check your work, then state the final answer again."
 
 
+def conversation(factory: Callable[[Any], Any], label: str, cfg, tokenizer,
+                 use_chat_template: bool) -> ConversationEnvironment:
+    """A ConversationEnvironment of `factory` with the env config's limits (`cfg`: the env group)."""
+    return ConversationEnvironment(factory, label, UserTurns(tokenizer, use_chat_template), cfg.max_output_chars,
+                                   cfg.tool_timeout_s)
+
+
 @ENVIRONMENTS.register("retry")
 def retry(cfg, tokenizer, use_chat_template: bool = True) -> ConversationEnvironment:
-    return ConversationEnvironment(Retry, "retry", UserTurns(tokenizer, use_chat_template), cfg.max_output_chars,
-                                   cfg.tool_timeout_s)
+    return conversation(Retry, "retry", cfg, tokenizer, use_chat_template)
 
 
 def load_user_environment(spec: str) -> Callable[[Any], Any]:
@@ -222,8 +228,7 @@ def build_environment(cfg, tokenizer, use_chat_template: bool = True) -> Optiona
     """The configured environment (`cfg` is the `env` config group), or None for env.name=none."""
     if cfg.name == "none":
         return None
-    if split_spec(cfg.name) is not None:
-        label = split_spec(cfg.name)[1]
-        return ConversationEnvironment(load_user_environment(cfg.name), label, UserTurns(tokenizer, use_chat_template),
-                                       cfg.max_output_chars, cfg.tool_timeout_s)
+    spec = split_spec(cfg.name)
+    if spec is not None:  # the user's class: its name labels its errors
+        return conversation(load_user_environment(cfg.name), spec[1], cfg, tokenizer, use_chat_template)
     return ENVIRONMENTS.get(cfg.name)(cfg, tokenizer, use_chat_template)

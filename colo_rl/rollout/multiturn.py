@@ -40,6 +40,15 @@ class Episode(Completion):
         return "\n".join(self.policy_texts)
 
 
+def generate_completions(engine, prompts: list[list[int]], params: SamplingParams, multiturn=None,
+                         problems: Optional[Sequence[Any]] = None) -> list[Completion]:
+    """Completions of `prompts`: the engine's own (single-turn), or episodes of `multiturn`'s
+    environment, each session started from its prompt's problem."""
+    if multiturn is None:
+        return engine.generate(prompts, params)
+    return multiturn.generate(engine, prompts, params, problems)
+
+
 def policy_texts(tokenizer, completions: list[Completion]) -> list[str]:
     """What the verifier reads: the policy's own text (an episode's turns; a completion's tokens)."""
     if completions and isinstance(completions[0], Episode):
