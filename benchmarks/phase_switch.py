@@ -245,4 +245,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from colo_rl import dist
+
+    dist.run_and_exit(main)

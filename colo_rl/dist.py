@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import signal
 import sys
+import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -210,6 +212,44 @@ def cleanup() -> None:
         except Exception:
             pass
         dist.destroy_process_group()
+
+
+def run_and_exit(main: Callable[[], Any]) -> NoReturn:
+    """Run a process's `main`, then exit as Python would but without the interpreter's teardown.
+    The status is what `sys.exit(main())` would give.
+
+    Why: gloo runs collectives on its own C++ threads, and such a thread drops a finished
+    collective (and the tensors it holds) just after the waiting rank has been released. If that
+    lands while the interpreter finalizes, the thread's request for the GIL ends it with
+    pthread_exit, and the process aborts after its work is done: `terminate called without an
+    active exception` (SIGABRT, so torchrun reports the run failed). destroy_process_group cannot
+    join those threads first, since DeepSpeed's ZeRO-3 parameters keep the groups referenced.
+    So everything Python's exit does for the program still happens (threads joined, atexit hooks:
+    logging, TensorBoard, W&B, child processes), then os._exit skips only the teardown. An
+    exception other than SystemExit propagates as usual.
+    """
+    try:
+        status = _exit_status(main())
+    except SystemExit as e:
+        status = _exit_status(e.code)
+    threading._shutdown()  # what Python's exit does first: join non-daemon threads (and executors)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def _exit_status(code: Any) -> int:
+    """The status Python gives `sys.exit(code)`: None is 0, an int itself, anything else printed and 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
 
 
 class StopSignal:

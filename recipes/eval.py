@@ -135,4 +135,4 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    main()
+    dist.run_and_exit(main)

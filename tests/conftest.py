@@ -42,7 +42,9 @@ def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: i
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     # The inherited PYTHONPATH stays: on the GPU machine it is where `make gpu-install` put the carry.
-    full_env = child_env(**{"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", **(env or {})})
+    # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack.
+    full_env = child_env(**{"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+                            **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")

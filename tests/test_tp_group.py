@@ -210,4 +210,6 @@ def test_weight_payloads_reach_the_owner_in_group_order_and_failures_raise_every
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    worker(Path(sys.argv[1]))
+    from colo_rl import dist
+
+    dist.run_and_exit(lambda: worker(Path(sys.argv[1])))

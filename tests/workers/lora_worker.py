@@ -150,4 +150,4 @@ def main(out_path: str, run_dir: str, handoff: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3]))

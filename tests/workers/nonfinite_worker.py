@@ -75,4 +75,4 @@ def main(out: str, stages: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))

@@ -56,4 +56,4 @@ def main(out: Path, rm_dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    dist.run_and_exit(lambda: main(Path(sys.argv[1]), sys.argv[2:]))

@@ -142,4 +142,6 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
+    from colo_rl import dist
+
+    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
