@@ -440,3 +440,22 @@ def test_an_environments_reward_is_a_finite_number_or_a_counted_failure(caplog):
     assert no_reward.start("p").reward() == (None, None)
     tools_only = ENVIRONMENTS.get("calculator")(CFG, None).start(None)
     assert tools_only.reward() == (None, None)
+
+
+def test_the_engine_gets_its_tokenizer_exactly_for_environments_whose_turns_end_at_a_string(tmp_path):
+    """SGLang starts with its tokenizer (and a detokenizer decoding every output) only where a turn
+    may end at a string: the tool environments. Conversations end their turns at EOS."""
+    from colo_rl.envs import build_environment, turns_end_at_strings
+    from colo_rl.models import load_tokenizer
+
+    tok = load_tokenizer("embedded")
+    user = tmp_path / "my_env.py"
+    user.write_text("class Echo:\n    def __init__(self, problem):\n        pass\n\n"
+                    "    def step(self, turn):\n        return None\n")
+    names = [*ENVIRONMENTS.names(), f"{user}:Echo"]
+    assert {"calculator", "python", "retry"} <= set(names)
+    for name in names:
+        cfg = EnvConfig(name=name)
+        env = build_environment(cfg, tok)
+        assert turns_end_at_strings(cfg) == bool(env.stop_strings()), name
+    assert not turns_end_at_strings(EnvConfig(name="none"))

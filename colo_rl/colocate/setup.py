@@ -14,6 +14,7 @@ from colo_rl import dist
 from colo_rl.colocate.handoff import WeightHandoff, choose_lora_handoff
 from colo_rl.colocate.memory import Ledger, MemoryManager
 from colo_rl.colocate.switch import PhaseSwitcher
+from colo_rl.envs import turns_end_at_strings
 from colo_rl.lora import apply_lora, lora_enabled
 from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import PhaseGuard
@@ -66,8 +67,9 @@ def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     if cfg.rollout.engine == "sglang":
-        # multi-turn: the engine stops a turn at a call's closing tag, which needs its tokenizer
-        return SGLangEngine.create(cfg, tokenizer, dtype, guard, stop_strings=cfg.env.name != "none")
+        # tool calls: the engine stops a turn at a call's closing tag, which needs its tokenizer (and a
+        # detokenizer decoding every output); other runs stay token ids in, token ids out
+        return SGLangEngine.create(cfg, tokenizer, dtype, guard, stop_strings=turns_end_at_strings(cfg.env))
     model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
     if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
         model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)

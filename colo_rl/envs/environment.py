@@ -184,6 +184,13 @@ def _tool_env(*names: str) -> Callable[[Any, Any, bool], ToolEnvironment]:
     return build
 
 
-ENVIRONMENTS.register("calculator")(_tool_env("calculator"))
-ENVIRONMENTS.register("python")(_tool_env("python"))
-ENVIRONMENTS.register("calculator_python")(_tool_env("calculator", "python"))
+# The tool environments, whose turns may end at a call's closing tag (a conversation's end at EOS).
+TOOL_ENVIRONMENTS = {"calculator": ("calculator",), "python": ("python",), "calculator_python": ("calculator", "python")}
+for _name, _tools in TOOL_ENVIRONMENTS.items():
+    ENVIRONMENTS.register(_name)(_tool_env(*_tools))
+
+
+def turns_end_at_strings(env_cfg) -> bool:
+    """Whether the configured environment's turns may end at a string (a tool call's closing tag):
+    then the engine needs its tokenizer to match it (SGLang matches stop strings on decoded text)."""
+    return env_cfg.name in TOOL_ENVIRONMENTS
