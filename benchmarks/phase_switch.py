@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -216,6 +217,7 @@ def run(args) -> dict:
     if colo.engine is not None:
         colo.engine.shutdown()
     dist.cleanup()
+    shutil.rmtree(work, ignore_errors=True)  # the random model and run dir: every figure is in `result`
     return result
 
 
