@@ -149,6 +149,9 @@ CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, D
                                                 FileNotFoundError)
 
 
+RANK0_SPEAKS_FIRST_S = 5.0  # how long other ranks wait before exiting on a clean error (torchrun SIGTERMs them sooner)
+
+
 def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
     """Wrap a recipe's main: a CLEAN_ERRORS failure prints `error: <message>` once (rank 0) and
     exits with status 2; with debug=true every rank's traceback is printed as well."""
@@ -163,6 +166,9 @@ def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]
                 traceback.print_exc()
             if dist.rank() == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
+            else:
+                # torchrun stops every rank once one has exited: the one that prints goes first
+                time.sleep(RANK0_SPEAKS_FIRST_S)
             sys.exit(2)
 
     return wrapper
