@@ -219,6 +219,16 @@ MISTRAL_LIKE = ("{% set sys = messages[0]['content'] if messages[0]['role'] == '
                 "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
+# Llama 3.1's custom-tools behaviour (hand-written): tools declared, an `ipython` role whose content
+# goes through tojson (a string is iterable in Jinja), other contents trimmed.
+LLAMA31_LIKE = ("{{ bos_token }}{% if tools %}Respond in the format {\"name\": function name, \"parameters\": ...}"
+                "{% for t in tools %}{{ t | tojson }}{% endfor %}{% endif %}{% for m in messages %}"
+                "{% if m['role'] in ('tool', 'ipython') %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+                "{{ m['content'] | tojson }}<|eot_id|>{% else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+                "\n\n{{ m['content'] | trim }}<|eot_id|>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+
 def template_tokenizer(template: str, eos: str):
     """The embedded tokenizer with another chat template and eos token (rendering only)."""
     import copy
@@ -459,3 +469,69 @@ def test_the_engine_gets_its_tokenizer_exactly_for_environments_whose_turns_end_
         env = build_environment(cfg, tok)
         assert turns_end_at_strings(cfg) == bool(env.stop_strings()), name
     assert not turns_end_at_strings(EnvConfig(name="none"))
+
+
+# ------------------------------------------------------------------ llama format (Llama 3.1+ custom tools)
+def test_auto_picks_llamas_own_calls_for_a_template_with_an_ipython_role():
+    assert choose_format("auto", LLAMA31_LIKE, tools("calculator")).name == "llama"
+    assert choose_format("auto", QWEN_LIKE, tools("calculator")).name == "json"
+    assert choose_format("llama", None, tools("calculator")).stop_strings() == ()  # the call ends at EOS
+
+
+@pytest.mark.parametrize("text, name, args, whole", [
+    ('{"name": "calculator", "parameters": {"expression": "2*3"}}<|eot_id|>', "calculator", {"expression": "2*3"}, True),
+    ('<|python_tag|>{"name": "calculator", "parameters": {"expression": "1"}}', "calculator", {"expression": "1"}, True),
+    (' {"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"} \n', "calculator", {"expression": "4"},
+     True),
+    ('{"name": "calculator", "parameters": {"expression": "5"}} and so on', "calculator", {"expression": "5"}, False),
+])
+def test_llama_format_reads_a_bare_json_call(text, name, args, whole):
+    parsed = choose_format("llama", None, tools("calculator")).parse(text)
+    assert parsed.call.name == name and parsed.call.arguments == args
+    if whole:  # the call fills the turn: kept whole, its EOS too
+        assert parsed.end is None
+    else:  # text after the call is cut
+        assert text[:parsed.end].endswith('"5"}}')
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"name": "calculator", "parameters": {"expression": "2*', "not valid JSON"),
+    ('{"name": "search", "parameters": {}}', "unknown tool 'search'"),
+    ('{"parameters": {}}', 'with a "name"'),
+    ('{"name": "calculator", "parameters": [1]}', '"parameters" must be a JSON object'),
+])
+def test_llama_format_names_what_is_wrong_with_a_malformed_call(text, error):
+    parsed = choose_format("llama", None, tools("calculator")).parse(text)
+    assert parsed.call is None and error in parsed.error
+    assert not choose_format("llama", None, tools("calculator")).parse("The answer is {6}.").wants_tool
+
+
+def test_llama_tool_results_come_back_as_the_template_writes_a_tool_message():
+    """prompt + the policy's call and EOS + the observation is exactly the template's rendering of
+    the conversation with the tool's message (its content through tojson: quotes and newlines
+    escaped), and the policy's turn stays whole."""
+    tok = template_tokenizer(LLAMA31_LIKE, "<|eot_id|>")
+    env = ToolEnvironment(list(tools("calculator").values()), "auto", tok.chat_template, 64, turns=UserTurns(tok))
+    assert env.format.name == "llama" and env.template_renders_tools  # the template lists the tools itself
+    first = [{"role": "user", "content": "2*3?"}]
+    prompt = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True, **env.chat_template_kwargs())
+    assert '"parameters"' in prompt and '"calculator"' in prompt
+    call = '{"name": "calculator", "parameters": {"expression": "2*3"}}'
+    step = env.start(None).step(call, end_token="<|eot_id|>")
+    assert (step.tool, step.error, step.cut) == ("calculator", None, None)
+    result = 'said "6"\nok'
+    full = tok.apply_chat_template(first + [{"role": "assistant", "content": call}, {"role": "tool", "content": result}],
+                                   tokenize=False, add_generation_prompt=True, **env.chat_template_kwargs())
+    assert prompt + call + "<|eot_id|>" + env.format.observation(result, "<|eot_id|>") == full
+    assert step.observation == env.format.observation("6", "<|eot_id|>") == env.format.observation("6", "<|eom_id|>")
+    assert step.observation.startswith("<|start_header_id|>ipython")  # the call's EOS closed the message
+    assert '\\"6\\"\\nok' in full  # the escaping came from the template, per message
+
+
+def test_llama_format_refuses_a_template_without_a_tool_message():
+    """Gemma's template raises on any role but user / assistant."""
+    strict = GEMMA_LIKE.replace("{% set role", "{% if m['role'] not in ('user', 'assistant') %}"
+                                "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}{% set role")
+    turns = UserTurns(template_tokenizer(strict, "<eos>"))  # a user message is fine
+    with pytest.raises(ConfigError, match="roles must alternate.*set env.format=json or env.format=tags"):
+        choose_format("llama", strict, tools("calculator"), turns)

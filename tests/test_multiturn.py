@@ -131,6 +131,24 @@ def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
         assert ep.engine_stops == int(honour)  # the engine's stop counts though the token ran past the tag
 
 
+def test_a_llama_call_keeps_its_eos_and_the_result_comes_as_the_templates_tool_message(tok):
+    """env.format=llama: the call is the whole turn, ended by EOS, so nothing is cut (the policy's
+    EOS stays its own token and is trained); the tool's message follows as the template writes it
+    (the embedded ChatML template: a `tool` turn), then the policy answers."""
+    env = ENVIRONMENTS.get("calculator")(EnvConfig(format="llama", max_output_chars=64), tok)
+    call = '{"name": "calculator", "parameters": {"expression": "12*34"}}<|im_end|>'
+    engine = ScriptedEngine(tok, [[call, "The answer is 7.<|im_end|>"], ["The answer is 408.<|im_end|>"]])
+    prompt = encode(tok, "<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n")
+    a, b = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=200).generate(
+        engine, [prompt], SamplingParams(max_new_tokens=40, n=2))
+    assert all(p.stop == () for p in engine.params)  # no closing tag to stop at
+    turn1, turn2 = encode(tok, call), encode(tok, "The answer is 408.<|im_end|>")
+    obs = encode(tok, "\n<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
+    assert a.token_ids == turn1 + obs + turn2
+    assert a.policy_mask == [1] * len(turn1) + [0] * len(obs) + [1] * len(turn2)
+    assert (a.turns, a.tool_calls, a.tool_errors, b.turns, b.tool_calls) == (2, 1, 0, 1, 0)
+
+
 def test_limits_end_episodes(tok):
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     call = "<calculator>1+1</calculator>"

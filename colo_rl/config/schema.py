@@ -158,8 +158,9 @@ class EnvConfig:
     # Response tokens per episode, policy turns and observations together (each turn is also
     # capped at rollout.max_new_tokens).
     max_total_tokens: int = 256
-    # Tool-call format: auto = JSON in <tool_call> tags where the chat template declares tools,
-    # plain tags (<calculator>...</calculator>) otherwise; json | tags force one.
+    # Tool-call format: auto = Llama 3.1+'s bare JSON calls where the template declares tools and an
+    # ipython role, JSON in <tool_call> tags where it declares tools otherwise (Qwen, Hermes), plain
+    # tags (<calculator>...</calculator>) where it declares none; llama | json | tags force one.
     format: str = "auto"
     tool_timeout_s: float = 5.0  # wall-clock limit per call (python: also its CPU-time limit)
     tool_memory_mb: int = 512  # python tool: address-space limit of its subprocess

@@ -23,7 +23,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.lora.handoff": ("auto", "merged"),
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
-    "env.format": ("auto", "json", "tags"),
+    "env.format": ("auto", "json", "tags", "llama"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
     "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
     "algo.policy_loss": tuple(POLICY_LOSSES.names()),

@@ -6,6 +6,9 @@ formatted in one place.
   comes back as a user turn `<tool_response>...</tool_response>`, then a new assistant turn.
 - `tags`: for templates without tools (SmolLM2): the call is inline, `<calculator>12*34</calculator>`,
   and the result follows inline, `<result>408</result>`, inside the same assistant message.
+- `llama`: Llama 3.1 / 3.2 / 3.3's own JSON calls: the assistant's message is the call alone,
+  `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` at times), ended by EOS, and the result
+  comes back as the template's tool message (an `ipython` turn).
 
 A policy turn ends at its first complete call (the driver cuts what was sampled after it, so the
 policy never writes its own "result") or at EOS.
@@ -31,7 +34,8 @@ class ToolCall:
 @dataclass
 class ParsedTurn:
     """What a policy turn asked for: a call, a malformed call (`error` says why), or nothing.
-    `end`: the character offset just past the call's closing tag (None when no call was opened)."""
+    `end`: the character offset just past the call's closing tag, where the driver cuts the turn
+    (None when no call was opened, or when a call fills the turn: it is kept whole, its EOS too)."""
 
     call: Optional[ToolCall] = None
     error: Optional[str] = None
@@ -44,6 +48,7 @@ class ParsedTurn:
 
 class JsonCallFormat:
     name = "json"
+    template_writes_tools = True  # the chat template may declare the tools itself (its `tools` argument)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
@@ -72,16 +77,20 @@ class JsonCallFormat:
             obj = json.loads(body)
         except json.JSONDecodeError as e:
             return ParsedTurn(error=f"the call is not valid JSON ({e.msg})", end=end)
+        return self._call(obj, "arguments", end)
+
+    def _call(self, obj: Any, args_key: str, end: Optional[int]) -> ParsedTurn:
+        """A decoded call object: {"name": ..., args_key: {...}} naming a known tool."""
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return ParsedTurn(error='the call must be a JSON object with a "name"', end=end)
-        args = obj.get("arguments", {})
+        args = obj.get(args_key, {})
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 pass
         if not isinstance(args, dict):
-            return ParsedTurn(error='"arguments" must be a JSON object', end=end)
+            return ParsedTurn(error=f'"{args_key}" must be a JSON object', end=end)
         return self._known(ToolCall(obj["name"], args), end)
 
     def _known(self, call: ToolCall, end: int) -> ParsedTurn:
@@ -98,6 +107,7 @@ class JsonCallFormat:
 
 class TagCallFormat(JsonCallFormat):
     name = "tags"
+    template_writes_tools = False
     _OPEN = re.compile(r"<([A-Za-z_][\w-]*)>")
 
     def instructions(self) -> str:
@@ -141,7 +151,49 @@ class TagCallFormat(JsonCallFormat):
         return f"<result>{result}</result>"
 
 
-FORMATS = {"json": JsonCallFormat, "tags": TagCallFormat}
+class LlamaCallFormat(JsonCallFormat):
+    """Llama 3.1+'s custom tools: the call is the whole message, so nothing marks where it closes
+    (no stop string); the turn ends at EOS, which stays the policy's own token."""
+
+    name = "llama"
+    PYTHON_TAG = "<|python_tag|>"
+    _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
+
+    def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
+        super().__init__(tools, turns)
+        self.turns.check_role("tool")
+
+    def instructions(self) -> str:
+        specs = "\n".join(json.dumps(t.schema()["function"]) for t in self.tools.values())
+        return (f"You can call these functions:\n{specs}\nTo call one, respond with only the JSON "
+                f'{{"name": function name, "parameters": {{argument name: value}}}}; its result comes back '
+                f"in the next message.")
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    def parse(self, text: str) -> ParsedTurn:
+        start = len(text) - len(text.lstrip())
+        if text.startswith(self.PYTHON_TAG, start):
+            start += len(self.PYTHON_TAG)
+            start += len(text[start:]) - len(text[start:].lstrip())
+        if not text.startswith("{", start):
+            return ParsedTurn()  # an answer, not a call
+        try:
+            obj, end = json.JSONDecoder().raw_decode(text, start)
+        except json.JSONDecodeError as e:  # cut short, or not JSON after all: the turn runs to its end
+            return ParsedTurn(error=f"the call is not valid JSON ({e.msg})")
+        keep_whole = self._AFTER_CALL.fullmatch(text, end) is not None  # the call fills the turn, EOS included
+        args_key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
+        return self._call(obj, args_key, None if keep_whole else end)
+
+    def observation(self, result: str, end_token: Optional[str]) -> str:
+        if end_token == "<|eom_id|>":  # Llama's "end of message, a tool answers next" closes it as <|eot_id|> does
+            end_token = "<|eot_id|>"
+        return self.turns.message(result, end_token, role="tool")
+
+
+FORMATS = {"json": JsonCallFormat, "tags": TagCallFormat, "llama": LlamaCallFormat}
 
 
 def template_declares_tools(chat_template: Optional[str]) -> bool:
@@ -151,7 +203,11 @@ def template_declares_tools(chat_template: Optional[str]) -> bool:
 
 def choose_format(name: str, chat_template: Optional[str], tools: dict[str, Tool],
                   turns: Optional[UserTurns] = None) -> JsonCallFormat:
-    """env.format: auto = json where the template declares tools, tags otherwise."""
+    """env.format: auto = llama where the template declares tools and an `ipython` role (Llama 3.1+),
+    json where it declares tools otherwise (Qwen, Hermes), tags where it declares none."""
     if name == "auto":
-        name = "json" if template_declares_tools(chat_template) else "tags"
+        if not template_declares_tools(chat_template):
+            name = "tags"
+        else:
+            name = "llama" if "ipython" in chat_template else "json"
     return FORMATS[name](tools, turns)

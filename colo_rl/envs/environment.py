@@ -109,7 +109,7 @@ class ToolEnvironment:
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
         self.format = choose_format(fmt, chat_template, self.tools, turns)
-        self.template_renders_tools = self.format.name == "json" and template_declares_tools(chat_template)
+        self.template_renders_tools = self.format.template_writes_tools and template_declares_tools(chat_template)
         self.max_output_chars = max_output_chars
 
     def first_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]:
@@ -192,5 +192,6 @@ for _name, _tools in TOOL_ENVIRONMENTS.items():
 
 def turns_end_at_strings(env_cfg) -> bool:
     """Whether the configured environment's turns may end at a string (a tool call's closing tag):
-    then the engine needs its tokenizer to match it (SGLang matches stop strings on decoded text)."""
-    return env_cfg.name in TOOL_ENVIRONMENTS
+    then the engine needs its tokenizer to match it (SGLang matches stop strings on decoded text).
+    env.format=auto may still pick `llama`, whose calls end at EOS: the tokenizer is then unused."""
+    return env_cfg.name in TOOL_ENVIRONMENTS and env_cfg.format != "llama"

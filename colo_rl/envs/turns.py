@@ -11,7 +11,7 @@ from colo_rl.errors import ConfigError
 log = logging.getLogger("colo_rl")
 
 # ChatML (SmolLM2, Qwen), for callers without a tokenizer.
-CHATML_USER = "<|im_end|>\n<|im_start|>user\n"
+CHATML_TURN = "<|im_end|>\n<|im_start|>{role}\n"
 CHATML_ASSISTANT = "<|im_end|>\n<|im_start|>assistant\n"
 
 # Sentinels: no whitespace or markup, so templates that `|trim` messages (Llama 3, Gemma) keep them.
@@ -19,27 +19,47 @@ _ASSISTANT, _USER = "COLORLASSISTANTTURN7F3A", "COLORLUSERTURN7F3A"
 
 
 class UserTurns:
-    """The text that follows a policy turn to hand the conversation back to the user with a new
-    message and open the next assistant turn, as the chat template writes it: read off one
-    rendered conversation (ChatML, Llama 3, Gemma, Mistral, ...). `tokenizer=None`: ChatML."""
+    """The text that follows a policy turn to hand the conversation back with a new message (the
+    user's, or a tool's with role="tool") and open the next assistant turn, as the chat template
+    writes it: the template renders each message (ChatML, Llama 3, Gemma, Mistral, ...).
+    `tokenizer=None`: ChatML."""
 
     def __init__(self, tokenizer, use_chat_template: bool = True):
+        self.tokenizer = None
         if tokenizer is None:
-            self.close_and_open, self.after = CHATML_USER, CHATML_ASSISTANT
+            self.close_and_open, self.after = CHATML_TURN, CHATML_ASSISTANT
             return
         if not (use_chat_template and getattr(tokenizer, "chat_template", None)):
             self.close_and_open, self.after = "\n", "\n"
             return
-        conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT},
-                        {"role": "user", "content": _USER}]
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        if text.count(_ASSISTANT) != 1 or text.count(_USER) != 1:
-            raise ConfigError(f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} does not write an "
-                              f"assistant turn followed by a user turn as given, so tool results and environment "
-                              f"messages cannot be written with it; set data.use_chat_template=false")
-        tail = text[text.index(_ASSISTANT) + len(_ASSISTANT):]
-        self.close_and_open, self.after = tail.split(_USER)
+        self.tokenizer = tokenizer
+        self.check_role("user")
         self._warn_if_earlier_turns_change(tokenizer)
+
+    def check_role(self, role: str) -> None:
+        """Refuse, naming the fix, a template that cannot write a `role` message after an assistant turn."""
+        if self.tokenizer is None:
+            return
+        try:
+            tail = self._tail(role, _USER)
+        except Exception as e:  # noqa: BLE001 - a template that raises on the role (Gemma: user/assistant only)
+            tail = f"{type(e).__name__}: {e}"
+        if tail.count(_USER) != 1:
+            fix = "set data.use_chat_template=false" if role == "user" else "set env.format=json or env.format=tags"
+            raise ConfigError(f"the chat template of {getattr(self.tokenizer, 'name_or_path', '?')!r} does not write an "
+                              f"assistant turn followed by a {role} turn as given, so "
+                              f"{'environment messages' if role == 'user' else 'tool results'} cannot be written "
+                              f"with it ({tail[:200]!r}); {fix}")
+
+    def _tail(self, role: str, content: str) -> str:
+        """What the template writes after an assistant turn's text: its close, the `role` message, and
+        the next assistant header."""
+        conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _ASSISTANT},
+                        {"role": role, "content": content}]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        if text.count(_ASSISTANT) != 1:
+            return text  # refused by check_role
+        return text[text.index(_ASSISTANT) + len(_ASSISTANT):]
 
     def _warn_if_earlier_turns_change(self, tokenizer) -> None:
         """An episode keeps the tokens the policy saw; a template that writes earlier turns
@@ -59,10 +79,13 @@ class UserTurns:
                         "it moves the system prompt): multi-turn episodes keep what the policy saw at each turn",
                         getattr(tokenizer, "name_or_path", "?"))
 
-    def message(self, text: str, end_token: Optional[str]) -> str:
+    def message(self, text: str, end_token: Optional[str], role: str = "user") -> str:
         """`end_token`: the text of the EOS token the policy's turn ended with (None: it did not). The
         template's own end of turn is left out when the turn already ends with it."""
-        head = self.close_and_open
-        if end_token and head.startswith(end_token):
-            head = head[len(end_token):]
-        return head + text + self.after
+        if self.tokenizer is not None:
+            tail = self._tail(role, text)
+        else:
+            tail = self.close_and_open.format(role=role) + text + self.after
+        if end_token and tail.startswith(end_token):
+            tail = tail[len(end_token):]
+        return tail
