@@ -76,7 +76,7 @@ def init(timeout_minutes: Optional[float] = None) -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     import deepspeed
@@ -108,7 +108,8 @@ def _exit_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it)."""
     import socket
 
     with socket.socket() as s:

@@ -13,6 +13,7 @@ import dataclasses
 import multiprocessing
 import pickle
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -636,3 +637,19 @@ def test_logprob_agreement_raises_when_engine_and_trainer_disagree():
     nan.add(torch.full_like(trainer, float("nan")), trainer, mask)
     with pytest.raises(HandoffError):
         nan.check(0.2)
+
+
+def test_shutdown_removes_the_config_dir_written_for_a_random_model(tmp_path):
+    """A shrunk random model's config is written to a temporary directory for SGLang to read at
+    start-up; the engine removes it at shutdown (every test run used to leave one under /tmp)."""
+    from colo_rl.config import ModelConfig
+    from colo_rl.rollout.sglang.engine import engine_model_dir
+
+    cfg = ModelConfig(random_init=True, hidden_size=64, num_layers=2)
+    written = Path(engine_model_dir(cfg))
+    assert (written / "config.json").exists()
+    engine = make_engine(FakeNewSGLang())
+    engine.temp_dir = str(written)
+    engine.shutdown()
+    assert not written.exists() and engine.engine is None
+    assert engine_model_dir(ModelConfig(path="embedded")) != str(written)  # a real model is read in place

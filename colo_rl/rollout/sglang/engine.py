@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from typing import Iterable, Optional
@@ -124,20 +125,13 @@ class EngineMemoryState:
 
 def engine_model_dir(model_cfg) -> str:
     """The directory SGLang reads the architecture from (weights are dummy: never read). A
-    shrunk random model gets its config written to a temporary directory."""
+    shrunk random model gets its config written to a temporary directory (removed at shutdown)."""
     if not model_cfg.random_init:
         return str(resolve_model_path(model_cfg.path))
     out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
     model_config(model_cfg).save_pretrained(out)
     return out
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class SGLangEngine:
@@ -157,6 +151,7 @@ class SGLangEngine:
         self.guard = guard
         self.api = api
         self.child_failure = child_failure
+        self.temp_dir: Optional[str] = None
         self.state = EngineMemoryState(supported_tags)
         self.session = weight_session_api(engine, getattr(api, "begin_req", None), getattr(api, "end_req", None))
         self.model_cfg = None  # set when the engine was started with room for colo_rl's LoRA adapter
@@ -193,7 +188,7 @@ class SGLangEngine:
             model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
             mem_fraction_static=fraction, enable_memory_saver=memory_saver_for(device), load_format="dummy",
             skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
-            port=_free_port(), nccl_port=_free_port(), log_level="error",
+            port=dist.free_port(), nccl_port=dist.free_port(), log_level="error",
             custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
         if stop_strings:  # the tokenizer colo_rl uses (model.path's; a shrunk random model's config dir has none)
@@ -211,12 +206,15 @@ class SGLangEngine:
         if device == "cuda":
             prepare_jit_builds()  # the schedulers JIT-build SGLang's kernels: CUDA_HOME, headers
         t0 = time.perf_counter()
+        temp_dir = model_dir if cfg.model.random_init else None
         try:
             with engine_environment():
                 engine = sglang.Engine(**kwargs)
             take_over_sigquit(engine, child_failure)
         except BaseException:
             child_failure.restore()
+            if temp_dir is not None:
+                shutil.rmtree(temp_dir, ignore_errors=True)
             raise
         log.info("SGLang engine up in %.1fs", time.perf_counter() - t0)
         out = cls(engine, rollout.tp_size, eos_token_ids(tokenizer, model_dir), guard=guard,
@@ -224,6 +222,7 @@ class SGLangEngine:
                   device=device)
         out.model_cfg = cfg.model if takes_adapters else None
         out.stop_strings = stop_strings
+        out.temp_dir = temp_dir
         return out
 
     def _alive(self) -> None:
@@ -368,3 +367,6 @@ class SGLangEngine:
         finally:
             if self.child_failure is not None:  # the handler that was there before the engine
                 self.child_failure.restore()
+            if self.temp_dir is not None:  # a random model's config, written for the engine alone
+                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                self.temp_dir = None
