@@ -7,7 +7,9 @@ import functools
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -149,12 +151,16 @@ CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, D
                                                 FileNotFoundError)
 
 
-RANK0_SPEAKS_FIRST_S = 5.0  # how long other ranks wait before exiting on a clean error (torchrun SIGTERMs them sooner)
+# On a clean error the other ranks wait this long before exiting, so that rank 0 says it first:
+# torchrun stops every rank once one has exited (and SIGTERMs the waiting ones at once).
+RANK0_SPEAKS_FIRST_S = 5.0
 
 
 def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:
-    """Wrap a recipe's main: a CLEAN_ERRORS failure prints `error: <message>` once (rank 0) and
-    exits with status 2; with debug=true every rank's traceback is printed as well."""
+    """Wrap a recipe's main: a CLEAN_ERRORS failure prints `error: <message>` once and exits with
+    status 2. Rank 0 prints at once; another rank prints `error (rank N): ...` only if the run is
+    still going RANK0_SPEAKS_FIRST_S later (rank 0 did not meet that error), so an error of one
+    rank's own is never silent. With debug=true every rank's traceback is printed as well."""
 
     @functools.wraps(fn)
     def wrapper(hydra_cfg: DictConfig) -> Any:
@@ -167,8 +173,10 @@ def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]
             if dist.rank() == 0:
                 print(f"error: {e}", file=sys.stderr, flush=True)
             else:
-                # torchrun stops every rank once one has exited: the one that prints goes first
+                if threading.current_thread() is threading.main_thread():
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM ends the wait, not StopSignal
                 time.sleep(RANK0_SPEAKS_FIRST_S)
+                print(f"error (rank {dist.rank()}): {e}", file=sys.stderr, flush=True)
             sys.exit(2)
 
     return wrapper

@@ -329,6 +329,17 @@ def test_the_launcher_ends_a_refused_run_with_one_line_and_its_code():
     assert lines == ["error: trainer.lr=0.0 must be > 0"], lines  # no torchrun report, no banner
 
 
+def test_an_error_only_one_rank_meets_is_said_by_that_rank():
+    """Only rank 1 fails while rank 0 works on: rank 1 says it (no rank 0 line to wait for), and the
+    launcher ends with its code."""
+    proc = subprocess.run([sys.executable, "-m", "colo_rl.launch", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests/workers/clean_error_worker.py"), "1", "60"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=child_env())
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    assert proc.returncode == 2, lines
+    assert lines == ["error (rank 1): data shard 1 holds no records"], lines
+
+
 def test_launcher_exit_code_prefers_a_ranks_own_error_over_the_agents_sigterm():
     from types import SimpleNamespace
 
