@@ -130,7 +130,11 @@ def engine_model_dir(model_cfg) -> str:
         return str(resolve_model_path(model_cfg.path))
     out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
     model_config(model_cfg).save_pretrained(out)
+    _WRITTEN_MODEL_DIRS.add(out)
     return out
+
+
+_WRITTEN_MODEL_DIRS: set[str] = set()  # what engine_model_dir wrote: the only directories shutdown removes
 
 
 
@@ -206,7 +210,7 @@ class SGLangEngine:
         if device == "cuda":
             prepare_jit_builds()  # the schedulers JIT-build SGLang's kernels: CUDA_HOME, headers
         t0 = time.perf_counter()
-        temp_dir = model_dir if cfg.model.random_init else None
+        temp_dir = model_dir if model_dir in _WRITTEN_MODEL_DIRS else None
         try:
             with engine_environment():
                 engine = sglang.Engine(**kwargs)
@@ -369,4 +373,5 @@ class SGLangEngine:
                 self.child_failure.restore()
             if self.temp_dir is not None:  # a random model's config, written for the engine alone
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
+                _WRITTEN_MODEL_DIRS.discard(self.temp_dir)
                 self.temp_dir = None
