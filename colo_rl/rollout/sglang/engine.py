@@ -3,6 +3,7 @@ machine (see colo_rl/colocate/NOTES.md for the layout, the transition order and 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -227,6 +228,8 @@ class SGLangEngine:
         out.model_cfg = cfg.model if takes_adapters else None
         out.stop_strings = stop_strings
         out.temp_dir = temp_dir
+        if temp_dir is not None:  # also when the engine is left to SGLang's own exit hook (the recipes)
+            atexit.register(shutil.rmtree, temp_dir, True)
         return out
 
     def _alive(self) -> None:
