@@ -235,6 +235,12 @@ def run_and_exit(main: Callable[[], Any]) -> NoReturn:
         status = _exit_status(e.code)
     threading._shutdown()  # what Python's exit does first: join non-daemon threads (and executors)
     atexit._run_exitfuncs()
+    exit_skipping_teardown(status)
+
+
+def exit_skipping_teardown(status: int) -> NoReturn:
+    """Flush stdout and stderr, then end the process now: no interpreter teardown (run_and_exit says
+    why), and none of Python's exit duties either, so call it once they are done."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

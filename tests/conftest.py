@@ -38,8 +38,9 @@ def hydra_dict(d: dict) -> str:
 
 
 def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: int = 600,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `script` under real torchrun (gloo on CPU); fail the test with the output on error."""
+                 env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `script` under real torchrun (gloo on CPU); fail the test with the output on error
+    (check=False: return it, for a test of the failure itself)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     # The inherited PYTHONPATH stays: on the GPU machine it is where `make gpu-install` put the carry.
@@ -47,7 +48,7 @@ def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: i
     full_env = child_env(**{"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
                             **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
 
@@ -74,9 +75,9 @@ def _exit_before_teardown() -> None:
     except OSError:
         return
     if gloo_alive and _session_status:
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(_session_status[-1])
+        from colo_rl import dist
+
+        dist.exit_skipping_teardown(_session_status[-1])
 
 
 def pytest_collection_modifyitems(config, items):

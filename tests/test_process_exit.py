@@ -5,18 +5,14 @@ paging and LoRA recipe workers, after their work was written)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
-from tests.conftest import ROOT, WORKERS, child_env, python_path
+from tests.conftest import WORKERS, run_torchrun
 
 RUNS = 3  # with Python's own exit the worker aborted in 9 of 12 runs here; 3 passing by luck: ~0.02
 
 
 def torchrun_exit_worker(out, mode: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(WORKERS / "exit_worker.py"), str(out), mode]
-    env = child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_torchrun(WORKERS / "exit_worker.py", [str(out), mode], nproc=nproc, timeout=300, check=False)
 
 
 def test_ranks_exit_cleanly_with_gloo_work_in_flight(tmp_path):
