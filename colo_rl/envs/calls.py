@@ -156,7 +156,7 @@ class LlamaCallFormat(JsonCallFormat):
     (no stop string); the turn ends at EOS, which stays the policy's own token."""
 
     name = "llama"
-    PYTHON_TAG = "<|python_tag|>"
+    _BEFORE_CALL = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")  # whitespace, then Llama's code-call tag at times
     _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
@@ -173,10 +173,7 @@ class LlamaCallFormat(JsonCallFormat):
         return ()
 
     def parse(self, text: str) -> ParsedTurn:
-        start = len(text) - len(text.lstrip())
-        if text.startswith(self.PYTHON_TAG, start):
-            start += len(self.PYTHON_TAG)
-            start += len(text[start:]) - len(text[start:].lstrip())
+        start = self._BEFORE_CALL.match(text).end()
         if not text.startswith("{", start):
             return ParsedTurn()  # an answer, not a call
         try:

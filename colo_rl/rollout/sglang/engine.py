@@ -126,17 +126,18 @@ class EngineMemoryState:
 
 def engine_model_dir(model_cfg) -> str:
     """The directory SGLang reads the architecture from (weights are dummy: never read). A
-    shrunk random model gets its config written to a temporary directory (removed at shutdown)."""
+    shrunk random model gets its config written to a temporary directory, removed at the engine's
+    shutdown, or at exit where the engine is left to SGLang's own exit hook (the recipes)."""
     if not model_cfg.random_init:
         return str(resolve_model_path(model_cfg.path))
     out = tempfile.mkdtemp(prefix="colo_rl-sglang-config-")
     model_config(model_cfg).save_pretrained(out)
     _WRITTEN_MODEL_DIRS.add(out)
+    atexit.register(shutil.rmtree, out, True)
     return out
 
 
 _WRITTEN_MODEL_DIRS: set[str] = set()  # what engine_model_dir wrote: the only directories shutdown removes
-
 
 
 class SGLangEngine:
@@ -228,8 +229,6 @@ class SGLangEngine:
         out.model_cfg = cfg.model if takes_adapters else None
         out.stop_strings = stop_strings
         out.temp_dir = temp_dir
-        if temp_dir is not None:  # also when the engine is left to SGLang's own exit hook (the recipes)
-            atexit.register(shutil.rmtree, temp_dir, True)
         return out
 
     def _alive(self) -> None:
