@@ -1,0 +1,114 @@
+"""The README's commands and option names are the ones colo_rl accepts: every recipe command line and
+`make ... ARGS="..."` example composes with its recipe's config and passes the start-up validation
+(with the README's own example files, written where the command expects them), and every config key
+named in backticks exists in the schema. A renamed key or group fails here, not in a user's first run."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from colo_rl.config import RunConfig, register_configs
+from colo_rl.config.validation import FREE_KEYS, validate
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+register_configs()
+
+# `make <target> ARGS="..."`: the recipe each target runs and the overrides the Makefile adds
+MAKE_TARGETS = {"demo": ("grpo", []), "demo-tools": ("grpo", ["env=calculator", "data=arithmetic_hard"]),
+                "sft": ("sft", []), "dpo": ("dpo", []), "eval": ("eval", [])}
+# The README's example of a misspelled key: it must keep failing, with the message the README shows.
+TYPO_EXAMPLE = "trainer.lrr=1e-5"
+OVERRIDE = re.compile(r"^[+~]?[a-z_][\w.]*=")
+FILE_SUFFIX = re.compile(r"\.(md|py|json|jsonl|yaml|png|txt|db)$")
+
+
+def readme_commands() -> list[tuple[int, str, list[str]]]:
+    """(README line, recipe, overrides) for each command line, `\\` continuations joined."""
+    lines, out, i = README.splitlines(), [], 0
+    while i < len(lines):
+        number, line = i + 1, lines[i]
+        while line.rstrip().endswith("\\") and i + 1 < len(lines):
+            i += 1
+            line = line.rstrip()[:-1] + " " + lines[i].strip()
+        i += 1
+        line = line.split("  #")[0]  # a trailing comment
+        recipe_call = re.search(r"recipes/(\w+)\.py(.*)", line)
+        make_call = re.search(r'make ([\w-]+) ARGS="([^"]*)"', line)
+        if recipe_call:
+            recipe, extra, args = recipe_call.group(1), [], recipe_call.group(2)
+        elif make_call and make_call.group(1) in MAKE_TARGETS:
+            (recipe, extra), args = MAKE_TARGETS[make_call.group(1)], make_call.group(2)
+        else:
+            continue
+        # placeholders (`<timestamp>`, `$lr`) stand for a value; the shell's `;` ends the command
+        args = re.sub(r"<[\w-]+>|\$\w+", "1", args.replace("`", " ")).split(";")[0]
+        out.append((number, recipe, extra + [t for t in shlex.split(args) if OVERRIDE.match(t)]))
+    return out
+
+
+def config_name(recipe: str) -> str:
+    source = (ROOT / "recipes" / f"{recipe}.py").read_text()
+    return re.search(r'@hydra\.main\([^)]*config_name="(\w+)"', source).group(1)
+
+
+def compose_for(recipe: str, overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name=config_name(recipe), overrides=overrides)
+
+
+def write_readme_examples(where: Path) -> None:
+    """The files the README's commands name: its environment class (the code block under
+    `# my_env.py`), a reward function of the documented shape, and the data files."""
+    block = README.split("    # my_env.py\n", 1)[1].split("\n\n    torchrun", 1)[0]
+    (where / "my_env.py").write_text("\n".join(line[4:] for line in block.splitlines()) + "\n")
+    (where / "rewards").mkdir()
+    (where / "rewards" / "my_rewards.py").write_text(
+        "def score(completion: str, truth: str, **fields) -> float:\n    return float(truth in completion)\n")
+
+
+COMMANDS = readme_commands()
+
+
+def test_the_readme_has_commands_to_check():
+    recipes = {recipe for _, recipe, _ in COMMANDS}
+    assert recipes == {"grpo", "sft", "dpo", "eval"}, recipes
+    assert len(COMMANDS) >= 30, len(COMMANDS)
+
+
+@pytest.mark.parametrize("number,recipe,overrides", [c for c in COMMANDS if TYPO_EXAMPLE not in c[2]],
+                         ids=[f"README:{c[0]}" for c in COMMANDS if TYPO_EXAMPLE not in c[2]])
+def test_readme_command_is_accepted(number, recipe, overrides, tmp_path, monkeypatch):
+    write_readme_examples(tmp_path)
+    monkeypatch.chdir(tmp_path)  # relative paths in the commands are read from the launch directory
+    validate(compose_for(recipe, overrides), recipe, overrides)
+
+
+def test_readme_typo_example_fails_as_shown():
+    shown = README.split(f"$ python recipes/grpo.py {TYPO_EXAMPLE}\n", 1)[1].split("\n\n", 1)[0]
+    with pytest.raises(Exception) as err:
+        compose_for("grpo", [TYPO_EXAMPLE])
+    printed = f"{err.value}\n{err.value.__cause__}"  # what Hydra prints: the error, then its cause
+    for line in shown.splitlines():
+        assert line.strip() in printed, (line, printed)
+
+
+def test_config_keys_named_in_the_readme_exist():
+    schema = OmegaConf.structured(RunConfig)
+    sections = set(schema.keys())
+    missing = []
+    for span in re.finditer(r"`([^`\n]+)`", README):
+        for token in span.group(1).split():
+            key = re.match(r"^\+?([a-z_]+(?:\.[a-z_0-9]+)+)", token)
+            if (not key or key.group(1).split(".")[0] not in sections or FILE_SUFFIX.search(key.group(1))
+                    or key.group(1).startswith(FREE_KEYS) or TYPO_EXAMPLE.split("=")[0] in token):
+                continue
+            if OmegaConf.select(schema, key.group(1), default=KeyError) is KeyError:
+                missing.append(f"README:{README[:span.start()].count(chr(10)) + 1}: {key.group(1)}")
+    assert not missing, missing
