@@ -195,7 +195,7 @@ def run(args) -> dict:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, n=args.n)
     t0 = time.perf_counter()
     for step in range(args.steps):
-        colo.switch.step = step
+        colo.switch.begin_step(step)
         prompts = torch.randint(3, dims["vocab_size"], (args.prompts, args.prompt_len), generator=generator).tolist()
         with colo.switch.generation():
             completions = colo.engine.generate(prompts, sampling)

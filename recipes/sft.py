@@ -106,7 +106,7 @@ class SFTRecipe:
         t0 = time.perf_counter()
         tr = self.cfg.trainer
         if self.colo is not None:
-            self.colo.switch.step = step  # the ledger's records name the step they belong to
+            self.colo.switch.begin_step(step)
         examples = [self.train[i] for i in self.sampler.next_local(tr.batch_size)]
         with self.update_phase():
             out = sft_step(self.actor, self.micro(examples), self.pad, examples)

@@ -76,7 +76,7 @@ def test_hf_engine_under_the_memory_manager_frees_device_memory(tmp_path):
     cfg, colo = build(tmp_path, "hf", HF_DIMS)
     params = SamplingParams(max_new_tokens=8, n=2)
     for step in range(2):
-        colo.switch.step = step
+        colo.switch.begin_step(step)
         with colo.switch.generation():
             completions = colo.engine.generate(random_prompts(4, seed=step), params)
         with colo.switch.update():

@@ -135,7 +135,7 @@ def test_engine_starts_on_cpu_released_without_the_memory_saver(colo):
 def test_sleep_and_wake_run_the_real_release_and_resume_calls_in_order(colo):
     from colo_rl.rollout.base import SamplingParams
 
-    colo.switch.step = 0
+    colo.switch.begin_step(0)
     with Spy(colo.engine) as spy:
         with colo.switch.generation():
             completions = colo.engine.generate(prompts(2, seed=0), SamplingParams(max_new_tokens=4, n=2))
@@ -175,7 +175,7 @@ def test_greedy_generation_equals_the_hf_engine_on_the_same_weights(colo):
 
     params = SamplingParams(max_new_tokens=8, greedy=True)
     batch = prompts(4, seed=1)
-    colo.switch.step = 1
+    colo.switch.begin_step(1)
     with colo.switch.generation():
         sgl = colo.engine.generate(batch, params)
     with colo.switch.update():
@@ -192,7 +192,7 @@ def test_handoff_after_a_zero3_step_gives_the_engine_the_trainers_logprobs(colo)
     from colo_rl.rollout.base import SamplingParams
 
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
-    colo.switch.step = 2
+    colo.switch.begin_step(2)
     with colo.switch.generation():
         before = colo.engine.generate(prompts(4, seed=2), params)
     with colo.switch.update():
@@ -201,7 +201,7 @@ def test_handoff_after_a_zero3_step_gives_the_engine_the_trainers_logprobs(colo)
         hf.generator.manual_seed(0)
         hf_samples = hf.generate(prompts(4, seed=3), params)
         hf_gap = agreement(colo, hf_samples)
-    colo.switch.step = 3
+    colo.switch.begin_step(3)
     with colo.switch.generation():
         after = colo.engine.generate(prompts(4, seed=3), params)
     with colo.switch.update():
@@ -250,7 +250,7 @@ def test_multi_turn_episodes_agree_with_the_trainer_over_policy_tokens(colo):
     from colo_rl.rollout.base import Completion, SamplingParams
     from colo_rl.rollout.multiturn import MultiTurnRollout
 
-    colo.switch.step = 4
+    colo.switch.begin_step(4)
     rollout = MultiTurnRollout(AnswerEveryTurn(), CharTokenizer(), max_turns=3, max_total_tokens=60)
     with colo.switch.generation():
         episodes = rollout.generate(colo.engine, prompts(2, seed=4), SamplingParams(max_new_tokens=6, n=2))
@@ -271,7 +271,7 @@ def test_a_skipped_or_garbled_update_fails_the_handoff_check(colo, kind):
     from colo_rl.rollout.base import SamplingParams
 
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2)
-    colo.switch.step = 10
+    colo.switch.begin_step(10)
     with colo.switch.generation():
         samples = colo.engine.generate(prompts(4, seed=4), params)
     with colo.switch.update():
@@ -289,7 +289,7 @@ def test_a_skipped_or_garbled_update_fails_the_handoff_check(colo, kind):
 
     colo.engine.load_weights = broken
     try:
-        colo.switch.step = 11
+        colo.switch.begin_step(11)
         with colo.switch.generation():
             samples = colo.engine.generate(prompts(4, seed=5), params)
     finally:
@@ -298,7 +298,7 @@ def test_a_skipped_or_garbled_update_fails_the_handoff_check(colo, kind):
         with pytest.raises(HandoffError, match="not on the trainer's weights"):
             agreement(colo, samples, THRESHOLD)
     # The next (intact) handoff repairs the engine.
-    colo.switch.step = 12
+    colo.switch.begin_step(12)
     with colo.switch.generation():
         samples = colo.engine.generate(prompts(4, seed=6), params)
     with colo.switch.update():

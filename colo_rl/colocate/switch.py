@@ -17,12 +17,15 @@ class PhaseSwitcher:
     def __init__(self, manager: MemoryManager, guard: PhaseGuard):
         self.manager = manager
         self.guard = guard
-        self.step = 0
-        self.switch_seconds = 0.0  # phase-switch time (excluding the handoff) since last reset
+        self.step = 0  # the ledger's records name the step they belong to
+        self.switch_seconds = 0.0  # phase-switch time (excluding the handoff) since begin_step
         self.handoff_seconds = 0.0
         self._inside = False
 
-    def reset_timers(self) -> None:
+    def begin_step(self, step: int) -> None:
+        """A new training step: the transitions that follow are recorded under `step`, and
+        `timed_phase_seconds` counts from zero."""
+        self.step = step
         self.switch_seconds = 0.0
         self.handoff_seconds = 0.0
 

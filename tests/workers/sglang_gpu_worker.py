@@ -96,7 +96,7 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
         params = SamplingParams(max_new_tokens=16, temperature=cfg.rollout.temperature, n=2)
         steps = []
         for step in range(4):  # before training and after each of 3 optimizer steps
-            colo.switch.step = step
+            colo.switch.begin_step(step)
             with colo.switch.generation():
                 completions = colo.engine.generate(random_prompts(4, seed=step), params)
             stats = colo.switch.manager.last_handoff
@@ -119,7 +119,7 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
                       for n, t in named_tensors])
 
         colo.engine.load_weights = perturbed
-        colo.switch.step = 100
+        colo.switch.begin_step(100)
         with colo.switch.generation():
             completions = colo.engine.generate(random_prompts(4, seed=7), SamplingParams(max_new_tokens=16, n=2))
         with colo.switch.update():

@@ -1,0 +1,79 @@
+"""The phase switcher's state machine: which transitions it asks the memory manager for, under which
+step, and how it splits their time into handoff and phase switch. The manager here only records the
+calls; the real one (paging, handoff, ledger) runs under torchrun in test_colocated_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from colo_rl.colocate.switch import PhaseSwitcher
+from colo_rl.phase import Phase, PhaseError, PhaseGuard
+
+
+class RecordingManager:
+    """Answers each transition with a ledger-shaped record: 1.0 s in all, 0.25 s of it the handoff."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _record(self, name: str, step: int, moves: list[dict]) -> dict:
+        self.calls.append((name, step))
+        return {"step": step, "transition": name, "seconds": 1.0, "moves": moves}
+
+    def to_generation(self, step: int) -> dict:
+        return self._record("update->generation", step, [{"what": "weights handoff", "seconds": 0.25},
+                                                         {"what": "trainer states", "seconds": 0.5}])
+
+    def to_train(self, step: int) -> dict:
+        return self._record("generation->update", step, [{"what": "trainer states", "seconds": 0.75}])
+
+
+@pytest.fixture
+def switch():
+    return PhaseSwitcher(RecordingManager(), PhaseGuard())
+
+
+def test_transitions_are_recorded_under_the_step_begun(switch):
+    switch.begin_step(7)
+    with switch.generation():
+        assert switch.guard.phase is Phase.GENERATION
+    with switch.update():
+        assert switch.guard.phase is Phase.UPDATE
+    switch.begin_step(8)
+    with switch.generation():
+        pass
+    assert switch.manager.calls == [("update->generation", 7), ("generation->update", 7), ("update->generation", 8)]
+
+
+def test_handoff_time_is_split_from_switch_time_and_begin_step_restarts_both(switch):
+    switch.begin_step(0)
+    with switch.generation():
+        pass
+    with switch.update():
+        pass
+    assert switch.timed_phase_seconds() == {"time/handoff": 0.25, "time/phase_switch": 1.75}
+    switch.begin_step(1)
+    assert switch.timed_phase_seconds() == {"time/handoff": 0.0, "time/phase_switch": 0.0}
+
+
+def test_no_transition_when_already_in_the_phase(switch):
+    with switch.update():  # start-up (idle) -> update: the trainer already holds its states
+        pass
+    with switch.update():
+        pass
+    assert switch.manager.calls == []
+    with switch.generation():
+        pass
+    with switch.generation():
+        pass
+    assert [name for name, _ in switch.manager.calls] == ["update->generation"]
+
+
+def test_phases_do_not_nest(switch):
+    with switch.generation():
+        with pytest.raises(PhaseError, match="switch.update.. entered inside the generation phase"):
+            with switch.update():
+                pass
+    with switch.update():  # the refused entry left the switcher usable
+        pass
+    assert switch.guard.phase is Phase.UPDATE
