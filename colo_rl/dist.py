@@ -139,8 +139,12 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a list of floats over ranks (float64 on CPU: exact enough for counts and sums)."""
+def all_reduce_sum(values: list[float] | dict[str, float]) -> list[float] | dict[str, float]:
+    """Sum floats over ranks (float64: exact enough for counts and sums). A dict is summed key by key
+    (every rank must pass the same keys; the order does not matter) and comes back as a dict."""
+    if isinstance(values, dict):
+        keys = sorted(values)
+        return dict(zip(keys, all_reduce_sum([values[k] for k in keys])))
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and world_size() > 1:
         if dist.get_backend() == "nccl":

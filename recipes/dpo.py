@@ -142,7 +142,7 @@ class DPORecipe:
 
     def train_step(self, step: int) -> dict[str, float]:
         if self.colo is not None:
-            self.colo.switch.step = step  # the ledger's records name the step they belong to
+            self.colo.switch.begin_step(step)
         indices = self.sampler.next_local(self.cfg.trainer.batch_size)
         with self.update_phase():
             out = dpo_step(self.cfg, self.actor, self.ref, [self.train[i] for i in indices], indices,
@@ -199,8 +199,7 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
     algo, n_pairs = cfg.algo, float(cfg.trainer.batch_size)
     batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype),
                           pad_id, make=lambda: ([], empty_batch(pad_id)))
-    keys = ("loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs")
-    sums = dict.fromkeys(keys, 0.0)
+    sums = dict.fromkeys(("loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs"), 0.0)
     for j, (rows, batch) in enumerate(batches):
         logp, _ = actor.response_logprobs(batch)
         ref_logp = ref.response_logprobs(batch, grad=False)[0] if ref is not None else None  # every rank: collectives
@@ -220,7 +219,7 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
             sums[k] += float(v.sum())
         sums["pairs"] += len(rows)
     stats = actor.step()
-    totals = dict(zip(keys, dist.all_reduce_sum([sums[k] for k in keys])))
+    totals = dist.all_reduce_sum(sums)
     n = max(totals["pairs"], 1.0)
     return {"train/loss": totals["loss"] / n, "rewards/chosen": totals["chosen"] / n,
             "rewards/rejected": totals["rejected"] / n, "rewards/margins": (totals["chosen"] - totals["rejected"]) / n,

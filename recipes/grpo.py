@@ -117,8 +117,7 @@ class GRPORecipe:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, colo = self.cfg, self.colo
-        colo.switch.step = step  # the ledger's records name the step they belong to
-        colo.switch.reset_timers()
+        colo.switch.begin_step(step)  # the ledger's records name it; the phase timers start from zero
         # Entering the generation phase pages the trainer's states out and hands the engine the
         # weights of the last update (the weight handoff), then wakes its KV cache.
         with colo.switch.generation():
@@ -240,26 +239,29 @@ class GRPORecipe:
         """Reward, response and sampling metrics of the step's training batch, over all ranks."""
         completions, raw, sources = rollout["completions"], rollout["rewards"], rollout["sources"]
         n_tok = sum(len(c.token_ids) for c in completions)
-        r_sum, r_sq, n, acc, acc_len, fmt, gen_tok, n_stop, fails, shaped, filled, *source_sums = dist.all_reduce_sum([
-            float(raw.sum()), float((raw ** 2).sum()), float(len(raw)), sum(rollout["correct"]),
-            sum(rollout["lenient"]), sum(rollout["formatted"]), n_tok,
-            sum(c.finish_reason == "stop" for c in completions), rollout["failures"], float(rewards.sum()),
-            rollout["filled"], *(float(sum(v)) for v in sources.values())])
-        out = {"reward/mean": r_sum / n, "reward/std": max(0.0, r_sq / n - (r_sum / n) ** 2) ** 0.5,
-               "reward/accuracy": acc / n, "reward/accuracy_lenient": acc_len / n, "reward/format_rate": fmt / n,
-               "reward/failures": fails, "response/len_mean": gen_tok / n, "response/stop_rate": n_stop / n,
-               "throughput/gen_tokens_per_s": gen_tok / max(self.timer.seconds.get("generation", 1e-9), 1e-9),
-               **{f"reward_source/{name}": total / n for name, total in zip(sources, source_sums)}}
+        sums = dist.all_reduce_sum({
+            "reward": float(raw.sum()), "reward_sq": float((raw ** 2).sum()), "n": float(len(raw)),
+            "correct": sum(rollout["correct"]), "lenient": sum(rollout["lenient"]),
+            "formatted": sum(rollout["formatted"]), "gen_tokens": n_tok,
+            "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout["failures"],
+            "shaped_reward": float(rewards.sum()), "filled": rollout["filled"],
+            **{f"source:{name}": float(sum(v)) for name, v in sources.items()}})
+        n, mean, gen_seconds = sums["n"], sums["reward"] / sums["n"], self.timer.seconds.get("generation", 0.0)
+        out = {"reward/mean": mean, "reward/std": max(0.0, sums["reward_sq"] / n - mean ** 2) ** 0.5,
+               "reward/accuracy": sums["correct"] / n, "reward/accuracy_lenient": sums["lenient"] / n,
+               "reward/format_rate": sums["formatted"] / n, "reward/failures": sums["failures"],
+               "response/len_mean": sums["gen_tokens"] / n, "response/stop_rate": sums["stopped"] / n,
+               "throughput/gen_tokens_per_s": sums["gen_tokens"] / max(gen_seconds, 1e-9),
+               **{f"reward_source/{name}": sums[f"source:{name}"] / n for name in sources}}
         if self.cfg.algo.overlong_buffer_len:
-            out["reward/overlong_penalty"] = (shaped - r_sum) / n
+            out["reward/overlong_penalty"] = (sums["shaped_reward"] - sums["reward"]) / n
         if self.cfg.algo.dynamic_sampling:
-            out.update({"sampling/rounds": float(rollout["rounds"]), "sampling/filled_groups": filled})
+            out.update({"sampling/rounds": float(rollout["rounds"]), "sampling/filled_groups": sums["filled"]})
         if self.env is not None:  # per episode: turns, tool calls, ...; tool_error_rate per call
-            env = episode_metrics(completions)
-            sums = dict(zip(env, dist.all_reduce_sum(list(env.values()))))
-            out.update({k: v / n for k, v in sums.items()})
+            env = dist.all_reduce_sum(episode_metrics(completions))
+            out.update({k: v / n for k, v in env.items()})
             if not self.env.answers_every_turn:  # tools: per call (a conversation's failures: env/tool_errors)
-                out["env/tool_error_rate"] = sums["env/tool_errors"] / max(sums["env/tool_calls"], 1.0)
+                out["env/tool_error_rate"] = env["env/tool_errors"] / max(env["env/tool_calls"], 1.0)
         return out
 
     # ------------------------------------------------------------------ update phase
@@ -299,7 +301,8 @@ class GRPORecipe:
         losses normalised by global token / sequence counts (all ranks)."""
         cfg, algo, actor, ref = self.cfg, self.cfg.algo, self.colo.actor, self.colo.ref
         plan = self.plan_micro_batches(batch.response_mask.sum(-1).tolist())
-        assert len(plan) == self.n_micro, (len(plan), self.n_micro)  # equal on every rank: ZeRO-3 gathers are collectives
+        # equal on every rank: ZeRO-3's gathers are collectives
+        assert len(plan) == self.n_micro, (len(plan), self.n_micro)
         on_policy = cfg.trainer.mini_batches_per_step == 1 and cfg.trainer.ppo_epochs == 1
         agreement = LogprobAgreement()  # engine vs trainer on the same weights: did the handoff work?
         with self.timer("logprobs"):
@@ -349,7 +352,7 @@ class GRPORecipe:
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
-        totals = dict(zip(sums, dist.all_reduce_sum(list(sums.values()))))  # same keys, same order on every rank
+        totals = dist.all_reduce_sum(sums)
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch
