@@ -18,7 +18,7 @@ from colo_rl.envs import turns_end_at_strings
 from colo_rl.lora import apply_lora, lora_enabled
 from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import PhaseGuard
-from colo_rl.rollout.base import ALL_TAGS
+from colo_rl.rollout.base import ALL_TAGS, RolloutEngine
 from colo_rl.rollout.hf import HFEngine
 from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
@@ -35,7 +35,7 @@ log = logging.getLogger("colo_rl")
 class Colocated:
     actor: DeepSpeedActor
     ref: Optional[DeepSpeedActor | BaseReference]
-    engine: object
+    engine: Optional[RolloutEngine]  # None on ranks of a TP group that do not own its engine
     switch: PhaseSwitcher
     guard: PhaseGuard
     ledger: Ledger

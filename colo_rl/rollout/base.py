@@ -49,7 +49,19 @@ class HandoffStats:
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    """What the colocated loop asks of an engine (HFEngine, SGLangEngine, TPGroupEngine; each is
+    checked against this in tests/test_engine_protocol.py).
+
+    Optional, found by feature where used:
+    - `supports_adapters() -> bool` + `load_adapter(named_tensors)`: LoRA adapters applied unmerged,
+      every adapter tensor (adapter-file names) at once (colocate/handoff.py choose_lora_handoff);
+    - `rng_state()` / `set_rng_state(state)`: the sampling RNG, saved in checkpoints (checkpoint/compat.py);
+    - `lockstep_generate = True`: `generate` is a collective every rank of a group calls the same
+      number of times (rollout/multiturn.py);
+    - `inner`: the engine a wrapper drives (TPGroupEngine), searched for the features above."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Completions for each prompt's token ids, `params.n` per prompt, contiguous."""
 
     def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
         """Release the memory behind `tags`; returns bytes released (0 where nothing is held)."""
@@ -63,8 +75,5 @@ class RolloutEngine(Protocol):
     def finish_weight_update(self) -> None:
         """Called after the last bucket (flush caches, close an update session)."""
 
-    # Optional (LoRA, found by feature: colo_rl.colocate.handoff.choose_lora_handoff):
-    # supports_adapters() -> bool: the engine holds LoRA adapters it applies unmerged;
-    # load_adapter(named_tensors) takes every adapter tensor (adapter-file names) at once.
-
-    def shutdown(self) -> None: ...
+    def shutdown(self) -> None:
+        """Stop the engine and release everything it holds."""
