@@ -87,6 +87,27 @@ def test_chat_prompt_without_template_is_refused(tokenizer):
     assert "<|im_start|>" not in text  # and no chat markup
 
 
+def test_a_template_that_refuses_a_record_names_it(tmp_path, tokenizer):
+    # Llama / Mistral-style templates raise on a role order they do not allow: a GRPO prompt from a
+    # file says which record, as SFT / DPO records do, instead of a bare jinja traceback
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant/user/...') }}"
+                            "{% endif %}{{ m['content'] }}{% endfor %}")
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}], "answer": "1"}) + "\n"
+                 + json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
+                               "answer": "2"}) + "\n")
+    problems, _ = load_problems(DataConfig(path=str(p), eval_size=0))
+    builder = PromptBuilder(strict, DataConfig())
+    assert strict.decode(builder.encode(problems[0])) == "Hi"
+    with pytest.raises(DataError, match=r"p\.jsonl:2: the chat template cannot render this conversation "
+                                        r"\(Conversation roles must alternate"):
+        builder.encode(problems[1])
+
+
 def test_sampler_is_seeded_and_resumable():
     a = EpochSampler(10, seed=3)
     first = [a.next_global(4) for _ in range(4)]  # crosses an epoch boundary

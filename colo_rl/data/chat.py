@@ -59,27 +59,47 @@ def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, str]]
     return [{"role": m["role"], "content": str(m["content"])} for m in messages]
 
 
+def require_chat_template(tokenizer, data_cfg) -> None:
+    """data.use_chat_template=true needs a tokenizer that has one (GRPO prompts, SFT / DPO records)."""
+    if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, but "
+            "data.use_chat_template=true: set data.use_chat_template=false (plain strings), or use a model "
+            "directory whose tokenizer_config.json / chat_template.jinja defines one")
+
+
+def user_turn(content: str, system_prompt: Optional[str]) -> list[dict[str, str]]:
+    """A string prompt as messages: the user turn, after data.system_prompt when one is set."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return system + [{"role": "user", "content": content}]
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]], generation_prompt: bool, origin: str,
+                **template_kwargs: Any) -> str:
+    """The chat template's text for `messages`; a template that refuses them (a role order it does
+    not allow, a missing variable) is a DataError naming the record."""
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                             **template_kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja errors: say which record
+        raise DataError(f"{origin}: the chat template cannot render this conversation ({e}); fix the record's "
+                        "messages (roles, order) or use another template") from None
+
+
 class ChatEncoder:
     """Token ids + loss masks for prompt/response records, with or without a chat template."""
 
     def __init__(self, tokenizer, data_cfg):
         self.tokenizer = tokenizer
         self.cfg = data_cfg
-        if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, but "
-                "data.use_chat_template=true: set data.use_chat_template=false (plain prompt + completion "
-                "strings), or use a model directory whose tokenizer defines one")
+        require_chat_template(tokenizer, data_cfg)
 
     # ------------------------------------------------------------------ building conversations
     def prompt_messages(self, prompt: Any, origin: str, key: str = "prompt") -> list[dict[str, str]]:
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise DataError(f"{origin}: key {key!r} is empty")
-            msgs = [{"role": "user", "content": prompt}]
-            if self.cfg.system_prompt:
-                msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
-            return msgs
+            return user_turn(prompt, self.cfg.system_prompt)
         return check_messages(prompt, origin, key)
 
     @staticmethod
@@ -95,11 +115,7 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------ rendering
     def _template(self, messages: list[dict[str, str]], generation_prompt: bool, origin: str) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                      tokenize=False)
-        except Exception as e:  # noqa: BLE001 - jinja errors: say which record
-            raise DataError(f"{origin}: the chat template cannot render this conversation ({e})") from None
+        return render_chat(self.tokenizer, messages, generation_prompt, origin)
 
     def segments(self, messages: list[dict[str, str]], train_from: int, origin: str) -> list[tuple[str, bool]]:
         """(text, trained) segments whose concatenation is the rendered conversation; assistant

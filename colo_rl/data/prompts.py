@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
+from colo_rl.data.chat import render_chat, require_chat_template, user_turn
 from colo_rl.data.files import DataError, Record, read_records
 
 log = logging.getLogger("colo_rl")
@@ -42,12 +43,7 @@ class PromptBuilder:
         self.cfg = data_cfg
         self.env = env
         self.stats = PromptStats()
-        if data_cfg.use_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat template, but "
-                "data.use_chat_template=true: set data.use_chat_template=false, or use a model "
-                "directory whose tokenizer_config.json / chat_template.jinja defines one"
-            )
+        require_chat_template(tokenizer, data_cfg)
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         if problem.messages is not None:
@@ -55,17 +51,13 @@ class PromptBuilder:
         content = problem.question
         if self.cfg.instruction:
             content = f"{content}\n{self.cfg.instruction}"
-        msgs = [{"role": "user", "content": content}]
-        if self.cfg.system_prompt:
-            msgs.insert(0, {"role": "system", "content": self.cfg.system_prompt})
+        msgs = user_turn(content, self.cfg.system_prompt)
         return msgs if self.env is None else self.env.first_messages(msgs)
 
     def text(self, problem: Problem) -> str:
         if self.cfg.use_chat_template:
             extra = self.env.chat_template_kwargs() if self.env is not None else {}
-            return self.tokenizer.apply_chat_template(
-                self.messages(problem), add_generation_prompt=True, tokenize=False, **extra
-            )
+            return render_chat(self.tokenizer, self.messages(problem), True, problem.origin or problem.id, **extra)
         msgs = self.messages(problem)
         return "\n".join(m["content"] for m in msgs) + "\n"
 
