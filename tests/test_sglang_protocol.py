@@ -561,6 +561,8 @@ def test_expandable_segments_are_stripped_for_the_engine():
     assert changes["PYTORCH_CUDA_ALLOC_CONF"] is None
     assert changes["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"
     assert changes["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+    assert changes["NCCL_GRAPH_REGISTER"] == "0"  # graph-captured NCCL buffers are paused and resumed
+    assert "NCCL_GRAPH_REGISTER" not in sg.engine_env_overrides({"NCCL_GRAPH_REGISTER": "1"})  # the user's wins
 
 
 def test_engine_environment_applies_then_restores():
@@ -569,12 +571,12 @@ def test_engine_environment_applies_then_restores():
     try:
         with sg.engine_environment(env):
             assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
-            assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+            assert env["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1" and env["NCCL_GRAPH_REGISTER"] == "0"
             assert multiprocessing.get_start_method() == "spawn"
             env["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang does when it starts
             env["NCCL_DEBUG"] = "INFO"
         assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
-        assert env["NCCL_DEBUG"] == "WARN" and "NCCL_CUMEM_ENABLE" not in env
+        assert env["NCCL_DEBUG"] == "WARN" and "NCCL_CUMEM_ENABLE" not in env and "NCCL_GRAPH_REGISTER" not in env
         assert env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"  # the engine's children read it later too
     finally:
         multiprocessing.set_start_method(method, force=True)

@@ -121,6 +121,12 @@ def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = 
     (sglang#36533). The directory of the runtime this process loaded goes first (it matches
     torch); pip's nvidia/*/lib directories are the fallback. `maps_text` / `site_dirs` are for tests."""
     changes: dict[str, Optional[str]] = dict(ENGINE_ENV)
+    # TP > 1: NCCL registers the buffers of collectives captured in CUDA graphs, which live in the
+    # memory saver's pausable graph pool; resume maps new memory at the same addresses, and replay
+    # through the stale registration can hang (torch_memory_saver#88, sglang#40648). Only the
+    # engine's children see it (NCCL_* are restored after start); an explicit setting wins.
+    if "NCCL_GRAPH_REGISTER" not in environ:
+        changes["NCCL_GRAPH_REGISTER"] = "0"
     for var in TRAINER_ONLY_VARS:
         if var in environ:
             changes[var] = None
