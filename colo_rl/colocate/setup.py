@@ -74,6 +74,8 @@ def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
         model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
     model = model.to(dist.device())
+    # each rank samples its own stream; the prime stride keeps a sweep's neighbouring rollout.seed
+    # values from sharing a stream across ranks (seed s on rank 1 is not seed s+1 on rank 0)
     return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
                     tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
                     seed=cfg.rollout.seed + 7919 * dist.rank(), tokenizer=tokenizer)

@@ -56,7 +56,7 @@ def make_arithmetic_splits(task: ArithmeticTask, train_size: int, eval_size: int
     The held-out split is drawn first from its own stream, so it does not change when
     `train_size` changes: step-0 and final evaluations of different runs are comparable.
     """
-    eval_rng = random.Random(seed * 1_000_003 + 17)
+    eval_rng = random.Random(seed * 1_000_003 + 17)  # not the training stream (Random(seed)) of any usual seed
     held_out: dict[str, int] = {}
     tries = 0
     while len(held_out) < eval_size:
