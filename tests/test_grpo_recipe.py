@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, WORKERS, run_torchrun
+from conftest import WORKERS, run_torchrun
 
 pytestmark = pytest.mark.slow
 
