@@ -181,31 +181,33 @@ class GRPORecipe:
         missing are filled with set-aside ones (counted). Every rank keeps the same number of
         groups, so the update's collective passes line up."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
-        kept, spare, rounds = [], [], 0
+        kept, spare, rounds, failures = [], [], 0, 0
         while True:
             problems = [self.train[i] for i in self.sampler.next_local(cfg.rollout.prompts_per_step)]
             with self.timer("generation"):  # tool calls included: they run between an episode's turns
                 prompts = [ids for _, ids in problems]
                 completions = generate_completions(self.colo.engine, prompts, self.sampling, self.multiturn,
                                                    [p for p, _ in problems])
+            of_completion = [p for p, _ in problems for _ in range(G)]  # each completion's problem
             with self.timer("reward"):
                 texts = policy_texts(self.tokenizer, completions)
-                scored = self.scorer.score(texts, [p.answer for p, _ in problems for _ in range(G)],
-                                           [p.fields for p, _ in problems for _ in range(G)])
-                env_scores = [getattr(c, "env_reward", None) for c in completions]
-                if any(v is not None for v in env_scores):  # an environment class's own reward()
-                    add_source(scored, "env", [v or 0.0 for v in env_scores], cfg.env.reward_weight)
+                scored = self.scorer.score(texts, [p.answer for p in of_completion], [p.fields for p in of_completion])
+                if self.env is not None and self.env.answers_every_turn:  # your class: its reward() where it has one
+                    # a source on every rank and round whatever the episodes gave (the sums over ranks go by
+                    # key, and a rank whose episodes all failed would otherwise lack it); 0 where none
+                    add_source(scored, "env", [getattr(c, "env_reward", None) or 0.0 for c in completions],
+                               cfg.env.reward_weight)
             if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
                 log.warning("rank %d: %d reward call(s) failed this round; first: %s", dist.rank(), scored.failures,
                             scored.failure_messages[0])
-            groups = [{"completions": completions[j * G:(j + 1) * G], "rewards": scored.rewards[j * G:(j + 1) * G],
-                       "correct": scored.correct[j * G:(j + 1) * G],
-                       "lenient": scored.correct_lenient[j * G:(j + 1) * G],
-                       "formatted": scored.formatted[j * G:(j + 1) * G], "texts": texts[j * G:(j + 1) * G],
-                       "problems": [problems[j][0]] * G,
-                       **{f"source:{k}": v[j * G:(j + 1) * G] for k, v in scored.per_source.items()}}
+            per_sample = {"completions": completions, "rewards": scored.rewards, "correct": scored.correct,
+                          "lenient": scored.correct_lenient, "formatted": scored.formatted, "texts": texts,
+                          "problems": of_completion,
+                          **{f"source:{k}": v for k, v in scored.per_source.items()}}
+            # the engine returns each prompt's G completions contiguously: group j is rows j*G .. j*G+G-1
+            groups = [{key: values[j * G:(j + 1) * G] for key, values in per_sample.items()}
                       for j in range(len(problems))]
-            failures = scored.failures
+            failures += scored.failures  # every round's, not only the last one's
             rounds += 1
             if not cfg.algo.dynamic_sampling:
                 kept = groups

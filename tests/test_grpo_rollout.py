@@ -1,0 +1,119 @@
+"""GRPO's rollout (recipes/grpo.py GRPORecipe.rollout) on one rank with a scripted engine and scorer:
+how the G completions of each prompt stay together with their problem, rewards and sources, and
+what DAPO's dynamic sampling keeps and counts over its rounds. The recipe under torchrun with the
+real engine and verifiers: test_grpo_recipe.py."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from colo_rl.config import RunConfig
+from colo_rl.data import Problem
+from colo_rl.data.sampler import EpochSampler
+from colo_rl.metrics import Timer
+from colo_rl.rewards import RewardResult
+from colo_rl.rollout.base import Completion, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+G = 2
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GRPORecipe
+
+
+class EchoEngine:
+    """Completion k of a prompt [i] is the tokens [i, k]."""
+
+    def generate(self, prompts, params):
+        return [Completion(p, [p[0], k], [0.0, 0.0], "stop") for p in prompts for k in range(params.n)]
+
+
+class Tokenizer:
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [f"{i} {k}" for i, k in ids]
+
+
+class ScriptedScorer:
+    """Round r: problem i's completion k scores rewards[r][i][k]; `failures[r]` calls failed."""
+
+    def __init__(self, rewards, failures):
+        self.rewards, self.failures, self.round = rewards, failures, 0
+
+    def score(self, texts, truths, fields):
+        table = self.rewards[self.round]
+        values = [float(table[int(t.split()[0])][int(t.split()[1])]) for t in texts]
+        result = RewardResult(values, [v > 0 for v in values], [v > 0 for v in values], [True] * len(values),
+                              failures=self.failures[self.round],
+                              failure_messages=["boom"] * self.failures[self.round],
+                              per_source={"verifier": [2 * v for v in values]})
+        self.round += 1
+        return result
+
+
+def recipe(problems: int, prompts_per_step: int, scorer: ScriptedScorer, env=None, **algo):
+    cfg = RunConfig()
+    cfg.rollout.group_size, cfg.rollout.prompts_per_step = G, prompts_per_step
+    for key, value in algo.items():
+        setattr(cfg.algo, key, value)
+    cls = load_recipe()
+    r = cls.__new__(cls)  # the attributes rollout() reads, without __init__'s model and engine
+    r.cfg, r.tokenizer, r.scorer, r.timer, r.multiturn, r.env = cfg, Tokenizer(), scorer, Timer(), None, env
+    r.train = [(Problem(id=str(i), question=f"q{i}", answer=str(i)), [i]) for i in range(problems)]
+    r.sampler = EpochSampler(problems, seed=0, shuffle=False)
+    r.colo = type("Colocated", (), {"engine": EchoEngine()})()
+    r.sampling = SamplingParams(n=G)
+    r.prompts_per_rank = prompts_per_step
+    return r
+
+
+def test_each_group_keeps_its_problem_rewards_and_sources():
+    scorer = ScriptedScorer([{0: [1, 0], 1: [0, 0]}], failures=[1])
+    out = recipe(2, 2, scorer).rollout()
+    assert [(c.prompt_ids, c.token_ids) for c in out["completions"]] == [([0], [0, 0]), ([0], [0, 1]),
+                                                                          ([1], [1, 0]), ([1], [1, 1])]
+    assert [p.id for p in out["problems"]] == ["0", "0", "1", "1"]
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 0.0]}
+    assert out["texts"] == ["0 0", "0 1", "1 0", "1 1"]
+    assert (out["failures"], out["rounds"], out["filled"]) == (1, 1, 0)
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_counts_every_rounds_failures():
+    # round 1: problem 0 informative, 1 not; round 2: 2 not, 3 informative -> groups of problems 0 and 3
+    scorer = ScriptedScorer([{0: [1, 0], 1: [1, 1]}, {2: [0, 0], 3: [0, 1]}], failures=[2, 1])
+    out = recipe(4, 2, scorer, dynamic_sampling=True, max_sampling_rounds=3).rollout()
+    assert [p.id for p in out["problems"]] == ["0", "0", "3", "3"]
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 2.0]}
+    assert (out["failures"], out["rounds"], out["filled"]) == (3, 2, 0)
+
+
+def test_dynamic_sampling_fills_with_set_aside_groups_when_rounds_run_out():
+    scorer = ScriptedScorer([{0: [1, 0], 1: [1, 1]}, {0: [0, 0], 1: [1, 1]}], failures=[0, 0])
+    out = recipe(2, 2, scorer, dynamic_sampling=True, max_sampling_rounds=1).rollout()
+    assert [p.id for p in out["problems"]] == ["0", "0", "1", "1"]  # the kept group, then the first set aside
+    assert (out["rounds"], out["filled"]) == (2, 1)
+
+
+def test_your_environments_reward_is_a_source_on_every_rank_even_when_no_episode_gave_one():
+    # a rank whose episodes all failed (or whose class has no reward()) still sums the same sources
+    # as the others: the sums over ranks go by key
+    env = type("ConversationEnvironment", (), {"answers_every_turn": True})()
+    out = recipe(2, 2, ScriptedScorer([{0: [1, 0], 1: [0, 0]}], failures=[0]), env=env).rollout()
+    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 0.0], "env": [0.0, 0.0, 0.0, 0.0]}
+    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.fixture(autouse=True)
+def one_rank(monkeypatch):
+    from colo_rl import dist
+
+    monkeypatch.setattr(dist, "world_size", lambda: 1)
+    monkeypatch.setattr(dist, "rank", lambda: 0)
