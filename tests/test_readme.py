@@ -90,6 +90,14 @@ def test_readme_command_is_accepted(number, recipe, overrides, tmp_path, monkeyp
     validate(compose_for(recipe, overrides), recipe, overrides)
 
 
+@pytest.mark.parametrize("target", MAKE_TARGETS)
+def test_make_targets_run_the_recipe_and_overrides_assumed_here(target):
+    makefile = (ROOT / "Makefile").read_text()
+    body = re.search(rf"^{re.escape(target)}: .*\n\t(.*)$", makefile, re.M).group(1)
+    recipe, extra = MAKE_TARGETS[target]
+    assert body == " ".join(["$(TORCHRUN)", f"recipes/{recipe}.py", *extra, "$(ARGS)"]), body
+
+
 def test_readme_typo_example_fails_as_shown():
     shown = README.split(f"$ python recipes/grpo.py {TYPO_EXAMPLE}\n", 1)[1].split("\n\n", 1)[0]
     with pytest.raises(Exception) as err:

@@ -35,7 +35,7 @@ log = logging.getLogger("colo_rl")
 class Colocated:
     actor: DeepSpeedActor
     ref: Optional[DeepSpeedActor | BaseReference]
-    engine: Optional[RolloutEngine]  # None on ranks of a TP group that do not own its engine
+    engine: RolloutEngine  # with rollout.tp_size > 1, a TPGroupEngine on every rank of the group
     switch: PhaseSwitcher
     guard: PhaseGuard
     ledger: Ledger

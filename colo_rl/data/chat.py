@@ -82,8 +82,9 @@ def render_chat(tokenizer, messages: list[dict[str, str]], generation_prompt: bo
         return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
                                              **template_kwargs)
     except Exception as e:  # noqa: BLE001 - jinja errors: say which record
-        raise DataError(f"{origin}: the chat template cannot render this conversation ({e}); fix the record's "
-                        "messages (roles, order) or use another template") from None
+        tools = ", the environment's tool definitions" if template_kwargs else ""
+        raise DataError(f"{origin}: the chat template cannot render this conversation ({e}); check the record's "
+                        f"messages (roles, order){tools}, or use another template") from None
 
 
 class ChatEncoder:

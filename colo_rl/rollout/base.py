@@ -58,7 +58,8 @@ class RolloutEngine(Protocol):
     - `rng_state()` / `set_rng_state(state)`: the sampling RNG, saved in checkpoints (checkpoint/compat.py);
     - `lockstep_generate = True`: `generate` is a collective every rank of a group calls the same
       number of times (rollout/multiturn.py);
-    - `inner`: the engine a wrapper drives (TPGroupEngine), searched for the features above."""
+    - `inner`: the engine a wrapper drives (TPGroupEngine; None on the ranks that do not own it),
+      where a checkpoint looks for the sampling RNG."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions for each prompt's token ids, `params.n` per prompt, contiguous."""
