@@ -506,6 +506,31 @@ def test_llama_format_names_what_is_wrong_with_a_malformed_call(text, error):
     assert not choose_format("llama", None, tools("calculator")).parse("The answer is {6}.").wants_tool
 
 
+@pytest.mark.parametrize("text, code", [
+    ("<|python_tag|>print(12 * 34)<|eom_id|>", "print(12 * 34)"),
+    ("<|python_tag|>x = 2\nprint(x)\n<|eot_id|>", "x = 2\nprint(x)"),
+])
+def test_llama_code_interpreter_calls_run_the_python_tool(text, code):
+    """Llama's code interpreter: <|python_tag|> then the code, up to EOS; the turn is kept whole."""
+    parsed = choose_format("llama", None, tools("calculator", "python")).parse(text)
+    assert parsed.call.name == "python" and parsed.call.arguments == {"code": code} and parsed.end is None
+
+
+def test_llama_code_interpreter_call_runs_and_answers_as_the_tool_message():
+    tok = template_tokenizer(LLAMA31_LIKE, "<|eot_id|>")
+    env = ToolEnvironment(list(tools("python").values()), "auto", tok.chat_template, 64, turns=UserTurns(tok))
+    step = env.start(None).step("<|python_tag|>print(6 * 7)<|eom_id|>", end_token="<|eom_id|>")
+    assert (step.tool, step.error, step.cut) == ("python", None, None)
+    assert step.observation == env.format.observation("42", "<|eot_id|>")
+
+
+def test_llama_code_interpreter_call_without_the_python_tool_says_which_tools_there_are():
+    parsed = choose_format("llama", None, tools("calculator")).parse("<|python_tag|>print(1)<|eom_id|>")
+    assert parsed.call is None and "not offered here" in parsed.error and "['calculator']" in parsed.error
+    assert "no code" in choose_format("llama", None, tools("python")).parse("<|python_tag|> <|eom_id|>").error
+    assert not choose_format("llama", None, tools("python")).parse("print(1) is the code.").wants_tool
+
+
 def test_llama_tool_results_come_back_as_the_template_writes_a_tool_message():
     """prompt + the policy's call and EOS + the observation is exactly the template's rendering of
     the conversation with the tool's message (its content through tojson: quotes and newlines

@@ -8,7 +8,9 @@ formatted in one place.
   and the result follows inline, `<result>408</result>`, inside the same assistant message.
 - `llama`: Llama 3.1 / 3.2 / 3.3's own JSON calls: the assistant's message is the call alone,
   `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` at times), ended by EOS, and the result
-  comes back as the template's tool message (an `ipython` turn).
+  comes back as the template's tool message (an `ipython` turn). `<|python_tag|>` followed by code
+  (Llama's code interpreter, which its template announces as "Environment: ipython") is a call of
+  the `python` tool.
 
 A policy turn ends at its first complete call (the driver cuts what was sampled after it, so the
 policy never writes its own "result") or at EOS.
@@ -156,8 +158,10 @@ class LlamaCallFormat(JsonCallFormat):
     (no stop string); the turn ends at EOS, which stays the policy's own token."""
 
     name = "llama"
+    PYTHON_TAG = "<|python_tag|>"
     _BEFORE_CALL = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")  # whitespace, then Llama's code-call tag at times
     _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
+    _TRAILING = re.compile(r"(?:\s|<\|[\w.-]+\|>)*\Z")
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
         super().__init__(tools, turns)
@@ -175,6 +179,8 @@ class LlamaCallFormat(JsonCallFormat):
     def parse(self, text: str) -> ParsedTurn:
         start = self._BEFORE_CALL.match(text).end()
         if not text.startswith("{", start):
+            if self.PYTHON_TAG in text[:start]:  # the code interpreter: the code itself, up to EOS
+                return self._code_call(text[start:self._TRAILING.search(text, start).start()])
             return ParsedTurn()  # an answer, not a call
         try:
             obj, end = json.JSONDecoder().raw_decode(text, start)
@@ -183,6 +189,16 @@ class LlamaCallFormat(JsonCallFormat):
         keep_whole = self._AFTER_CALL.fullmatch(text, end) is not None  # the call fills the turn, EOS included
         args_key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
         return self._call(obj, args_key, None if keep_whole else end)
+
+    def _code_call(self, code: str) -> ParsedTurn:
+        python = self.tools.get("python")
+        if python is None:
+            return ParsedTurn(error=f"{self.PYTHON_TAG} starts code for a Python interpreter, which is not "
+                                    f'offered here; call a tool with {{"name": ..., "parameters": {{...}}}}: '
+                                    f"{sorted(self.tools)}")
+        if not code.strip():
+            return ParsedTurn(error=f"no code after {self.PYTHON_TAG}")
+        return ParsedTurn(call=ToolCall("python", {python.main_arg: code}))  # the turn is kept whole, EOS too
 
     def observation(self, result: str, end_token: Optional[str]) -> str:
         if end_token == "<|eom_id|>":  # Llama's "end of message, a tool answers next" closes it as <|eot_id|> does
