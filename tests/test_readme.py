@@ -37,6 +37,9 @@ def readme_commands() -> list[tuple[int, str, list[str]]]:
         while line.rstrip().endswith("\\") and i + 1 < len(lines):
             i += 1
             line = line.rstrip()[:-1] + " " + lines[i].strip()
+        while 'ARGS="' in line and line.split('ARGS="', 1)[1].count('"') == 0 and i + 1 < len(lines):
+            i += 1  # a quoted ARGS that prose wraps onto the next line
+            line = line + " " + lines[i].strip()
         i += 1
         line = line.split("  #")[0]  # a trailing comment
         recipe_call = re.search(r"recipes/(\w+)\.py(.*)", line)
