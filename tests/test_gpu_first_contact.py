@@ -2,9 +2,9 @@
 
 Fakes stand for SGLang's objects only, written from the 0.5.17 sources: the engine installs
 `custom_sigquit_handler` with signal.signal while it starts (engine.py `_set_envs_and_config`), its
-tokenizer manager adds an asyncio SIGQUIT handler that kills the process tree on its first request
-(tokenizer_manager.py `auto_create_handle_loop`), and a failing scheduler sends SIGQUIT to the
-parent (scheduler.py).
+tokenizer manager adds asyncio SIGQUIT and SIGTERM handlers that kill the process tree on its first
+request (tokenizer_manager.py `auto_create_handle_loop`; SGLang runs uvloop), and a failing scheduler
+sends SIGQUIT to the parent (scheduler.py).
 """
 
 from __future__ import annotations
@@ -160,13 +160,14 @@ def _deliver_sigquit():
 
 @pytest.fixture
 def sigquit_state():
-    before = signal.getsignal(signal.SIGQUIT)
+    before, term_before = signal.getsignal(signal.SIGQUIT), signal.getsignal(signal.SIGTERM)
     saved = sg_failure._CHILD_FAILURE
     sg_failure._CHILD_FAILURE = None
     try:
         yield before
     finally:
         signal.signal(signal.SIGQUIT, before)
+        signal.signal(signal.SIGTERM, term_before)
         sg_failure._CHILD_FAILURE = saved
 
 
@@ -181,8 +182,8 @@ def test_sigquit_from_a_child_raises_engine_error_and_restores(sigquit_state):
 
 
 class FakeTokenizerManager:
-    """SGLang 0.5.17's: the first request creates the handle loop and adds the running-phase
-    SIGQUIT handler, which kills the process tree."""
+    """SGLang 0.5.17's: the first request creates the handle loop on the running loop and adds the
+    running-phase SIGQUIT handler and the SIGTERM one, both ending in a kill of the process tree."""
 
     def __init__(self, loop):
         self.loop = loop
@@ -192,8 +193,9 @@ class FakeTokenizerManager:
     def auto_create_handle_loop(self):
         if self.event_loop is not None:
             return
-        self.event_loop = self.loop
-        self.loop.add_signal_handler(signal.SIGQUIT, lambda: self.killed_tree.append(True))
+        self.event_loop = asyncio.get_running_loop()
+        for sig in (signal.SIGQUIT, signal.SIGTERM):
+            self.event_loop.add_signal_handler(sig, lambda s=sig: self.killed_tree.append(signal.Signals(s).name))
 
 
 class FakeEngine:
@@ -206,7 +208,7 @@ class FakeEngine:
         # _set_envs_and_config: the custom handler, else one that kills the tree
         signal.signal(signal.SIGQUIT, handler if handler is not None else (lambda *a: self.killed.append(True)))
         self.killed = []
-        self.loop = asyncio.new_event_loop()
+        self.loop = FakeEngine.new_loop()
         self.tokenizer_manager = FakeTokenizerManager(self.loop)
         self.shut = False
         FakeEngine.instances.append(self)
@@ -215,7 +217,12 @@ class FakeEngine:
         self.shut = True
 
 
-def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state):
+def _uvloop():
+    return pytest.importorskip("uvloop", reason="SGLang's event loop (uvloop) is not installed").new_event_loop()
+
+
+@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, _uvloop], ids=["asyncio", "uvloop"])
+def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state, new_loop):
     api = SimpleNamespace(server_args_cls=FakeServerArgs, memory_tags=["kv_cache", "weights", "cuda_graph"],
                           begin_req=None, end_req=None)
     monkeypatch.setattr(sg_engine, "sglang_api", lambda: api)
@@ -230,6 +237,9 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     cfg = SimpleNamespace(rollout=rollout, colocate=colocate, model=SimpleNamespace(lora=LoraConfig()))
     method = multiprocessing.get_start_method(allow_none=True)
     FakeEngine.instances.clear()
+    monkeypatch.setattr(FakeEngine, "new_loop", staticmethod(new_loop), raising=False)
+    stops = []
+    signal.signal(signal.SIGTERM, lambda *a: stops.append(True))  # the trainer's StopSignal
     try:
         engine = sg.SGLangEngine.create(cfg, tokenizer=None, dtype=torch.bfloat16, free_bytes=40 << 30)
     finally:
@@ -241,11 +251,16 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
         assert fake.kwargs["custom_sigquit_handler"] is sg_failure._sigquit_from_child
         assert fake.ld_library_path == f"{PIP_CUDART}:/usr/lib/site"  # what the schedulers inherit
         assert os.environ["LD_LIBRARY_PATH"] == "/usr/lib/site"  # the trainer's own, restored
-        # A scheduler fails after the tokenizer manager's loop exists: ours, not SGLang's, runs.
+        # torchrun's SIGTERM after the tokenizer manager's loop exists: the trainer's handler, not SGLang's
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stops == [True]
+        # A scheduler fails: ours, not SGLang's, runs.
         with pytest.raises(sg.SGLangEngineError, match="SIGQUIT from a child"):
             _deliver_sigquit()
-        fake.loop.run_until_complete(asyncio.sleep(0))  # an asyncio handler would run now
+        fake.loop.run_until_complete(asyncio.sleep(0.05))  # an asyncio handler would run now (uvloop re-arms them)
         assert fake.tokenizer_manager.killed_tree == [] and fake.killed == []
+        _deliver_sigquit()  # a second rank's SIGQUIT: recorded, not raised again in the middle of cleanup
         with pytest.raises(sg.SGLangEngineError, match="earlier"):
             engine.sleep([WEIGHTS])
         engine.shutdown()

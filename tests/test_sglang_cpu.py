@@ -186,6 +186,47 @@ def test_greedy_generation_equals_the_hf_engine_on_the_same_weights(colo):
     record("tiny_greedy_max_abs_logprob_gap_sglang_vs_hf", gap)
 
 
+def test_sigterm_reaches_the_trainer_not_sglangs_exit_handler(colo):
+    """SGLang's tokenizer manager adds (uvloop) SIGTERM / SIGQUIT handlers that end in a kill of the
+    process tree; colo_rl drops them inside the running loop at start. A SIGTERM (torchrun, a
+    scheduler's preemption) then reaches the trainer's StopSignal, and SGLang never starts draining
+    to exit, even once its loop runs again for the next generate."""
+    import signal
+    import time
+
+    from colo_rl.rollout.base import SamplingParams
+
+    tm = colo.engine.engine.tokenizer_manager
+    assert tm.event_loop is not None  # created at start, with its handlers dropped there
+    stops, before = [], signal.signal(signal.SIGTERM, lambda *a: stops.append(True))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside the loop: uvloop does not see it
+        time.sleep(0.05)
+        # inside the running loop (the engine's calls run it): where uvloop dispatches its own handlers
+        colo.engine.engine.loop.call_soon(os.kill, os.getpid(), signal.SIGTERM)
+        colo.switch.begin_step(5)
+        with colo.switch.generation():
+            out = colo.engine.generate(prompts(2, seed=9), SamplingParams(max_new_tokens=4, greedy=True))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert stops == [True, True] and len(out) == 2
+    assert not tm.gracefully_exit  # SGLang's sigterm_handler did not run
+
+
+def test_a_prompt_over_the_context_length_is_an_engine_error_and_the_engine_goes_on(colo):
+    """SGLang refuses it in generate itself (a ValueError, not an abort result): colo_rl's error
+    gives SGLang's message and the usual causes, and the next request is served."""
+    from colo_rl.rollout.base import SamplingParams
+    from colo_rl.rollout.sglang import SGLangEngineError
+
+    params = SamplingParams(max_new_tokens=4, greedy=True)
+    colo.switch.begin_step(6)
+    with colo.switch.generation():
+        with pytest.raises(SGLangEngineError, match=r"aborted a request: The input \(\d+ tokens\) is longer"):
+            colo.engine.generate([[5] * 4096], params)
+        assert len(colo.engine.generate(prompts(2, seed=10), params)) == 2
+
+
 def test_handoff_after_a_zero3_step_gives_the_engine_the_trainers_logprobs(colo):
     from benchmarks.phase_switch import grpo_like_update
 

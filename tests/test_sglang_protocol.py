@@ -263,6 +263,19 @@ def test_meta_info_parsing():
     assert len(sg.parse_outputs([[1]], out([1], [-1.0], "stop"))) == 1  # a batch of one, unwrapped
 
 
+def test_aborts_generate_raises_itself_become_engine_errors_with_the_causes():
+    """0.5.17 / 0.5.21 raise status-400 aborts as ValueError and 500 / 503 ones as fastapi's
+    HTTPException from generate (tokenizer_manager.py _handle_abort_finish_reason); other errors pass."""
+    from colo_rl.rollout.sglang.io import raised_abort
+
+    too_long = raised_abort(ValueError("The input (4096 tokens) is longer than the model's context length"))
+    assert "aborted a request: The input (4096 tokens)" in str(too_long) and "mem_fraction_static" in str(too_long)
+    http = type("HTTPException", (Exception,), {})()
+    http.status_code, http.detail = 503, "the scheduler is overloaded"
+    assert "aborted a request: the scheduler is overloaded" in str(raised_abort(http))
+    assert raised_abort(RuntimeError("a bug")) is None
+
+
 # ============================================================================ results and sessions
 def test_update_results_are_checked():
     assert sg.update_result((True, "Success"), "update") == "Success"
@@ -277,6 +290,10 @@ def test_update_results_are_checked():
         sg.update_result(None, "update_weights_from_tensor")
     with pytest.raises(HandoffError, match="expected"):
         sg.update_result("yes", "update")
+    # LoRA load / unload answer LoRAUpdateOutput(success, error_message) (io_struct.py, 0.5.17 and 0.5.21)
+    with pytest.raises(HandoffError, match="rank 32 > max_lora_rank 16"):
+        sg.update_result(SimpleNamespace(success=False, error_message="rank 32 > max_lora_rank 16",
+                                         loaded_adapters=None), "load_lora_adapter_from_tensors")
 
 
 def test_session_api_detected_by_feature():

@@ -40,10 +40,10 @@ from colo_rl.rollout.sglang.failure import (
     ChildFailure,
     _sigquit_from_child,
     flush_until_idle,
-    take_over_sigquit,
+    take_over_signals,
     watch_child_failures,
 )
-from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, sglang_sampling_params
+from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, raised_abort, sglang_sampling_params
 from colo_rl.rollout.sglang.lora import (ADAPTER_NAME, adapter_request, lora_engine_support, lora_server_kwargs,
                                          request_lora_paths)
 from colo_rl.rollout.sglang.weights import payload_calls, prepare_rank_payload, update_result, weight_session_api
@@ -216,7 +216,7 @@ class SGLangEngine:
         try:
             with engine_environment():
                 engine = sglang.Engine(**kwargs)
-            take_over_sigquit(engine, child_failure)
+            take_over_signals(engine, child_failure)
         except BaseException:
             child_failure.restore()
             if temp_dir is not None:
@@ -354,10 +354,15 @@ class SGLangEngine:
         expanded = expand_prompts(prompts, params.n)
         if not expanded:
             return []
-        outputs = self._call(self.engine.generate, input_ids=expanded,
-                             sampling_params=sglang_sampling_params(params, self.eos, self.stop_strings),
-                             return_logprob=True,
-                             logprob_start_len=-1, **self._lora_kwargs(len(expanded)))
+        sampling = sglang_sampling_params(params, self.eos, self.stop_strings)
+        try:
+            outputs = self._call(self.engine.generate, input_ids=expanded, sampling_params=sampling,
+                                 return_logprob=True, logprob_start_len=-1, **self._lora_kwargs(len(expanded)))
+        except Exception as e:
+            abort = raised_abort(e)
+            if abort is None:
+                raise
+            raise abort from e
         return parse_outputs(expanded, outputs)
 
     def _lora_kwargs(self, n: int) -> dict:

@@ -34,6 +34,8 @@ class ChildFailure:
         self.installed = False
 
     def __call__(self, signum=None, frame=None):
+        if self.failed:  # every TP scheduler and SGLang's watchdog may signal: raise once, not in cleanup
+            return
         self.failed = True
         # Inside a running event loop (the engine's, waiting for an answer the dead scheduler never
         # sends) the loop runs this handler as a callback and only logs what it raises (uvloop):
@@ -120,19 +122,31 @@ def run_in_engine_loop(engine, fn) -> None:
     loop.run_until_complete(call())
 
 
-def take_over_sigquit(engine, child_failure: ChildFailure) -> None:
-    """Re-install ours after SGLang's tokenizer manager took SIGQUIT.
+def take_over_signals(engine, child_failure: ChildFailure) -> None:
+    """Take SIGQUIT and SIGTERM back from SGLang's tokenizer manager.
 
-    SGLang passes custom_sigquit_handler to signal.signal while the engine starts, but its
-    tokenizer manager's first request (auto_create_handle_loop) adds an asyncio SIGQUIT handler
-    that kills the process tree. Run that step now (it happens once), drop its SIGQUIT handler
-    and put ours back."""
+    SGLang passes custom_sigquit_handler to signal.signal while the engine starts, but its tokenizer
+    manager's first request (auto_create_handle_loop) adds two handlers to its event loop: SIGQUIT,
+    which kills the process tree, and SIGTERM, whose watchdog drains the engine and then kills the
+    tree too (a server's graceful exit: it would end the trainer's own, before its checkpoint).
+    Run that step now and drop both inside the running loop: uvloop's remove_signal_handler does
+    nothing outside it (it returns False), and uvloop re-arms every handler it still holds each time
+    the loop runs. Then ours handles SIGQUIT and the trainer's handler SIGTERM (StopSignal's)."""
     tm = getattr(engine, "tokenizer_manager", None)
     create = getattr(tm, "auto_create_handle_loop", None)
-    if create is not None:
-        run_in_engine_loop(engine, create)
-    loop = getattr(tm, "event_loop", None) or getattr(engine, "loop", None)
-    if loop is not None and hasattr(loop, "remove_signal_handler"):
-        with contextlib.suppress(Exception):  # not registered there / not the main thread: nothing to undo
-            loop.remove_signal_handler(signal.SIGQUIT)
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
+
+    def create_then_drop():
+        if create is not None:
+            create()
+        loop = getattr(tm, "event_loop", None) or getattr(engine, "loop", None)
+        if loop is not None and hasattr(loop, "remove_signal_handler"):
+            for sig in (signal.SIGQUIT, signal.SIGTERM):
+                with contextlib.suppress(Exception):  # not registered there / not the main thread: nothing to undo
+                    loop.remove_signal_handler(sig)
+
+    run_in_engine_loop(engine, create_then_drop)
+    if sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
     child_failure.install()

@@ -3,7 +3,7 @@ Completions (pure: CPU-tested with fake outputs)."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 from colo_rl.errors import SGLangEngineError
 from colo_rl.rollout.base import Completion, SamplingParams
@@ -45,6 +45,23 @@ def expand_prompts(prompts: list[list[int]], n: int) -> list[list[int]]:
     return [list(p) for p in prompts for _ in range(n)]
 
 
+def abort_error(message) -> SGLangEngineError:
+    """A request SGLang aborted: returned as finish_reason {"type": "abort"}, or raised by generate
+    itself (status 400: ValueError; 500 / 503: fastapi's HTTPException)."""
+    return SGLangEngineError(f"SGLang aborted a request: {message}. Common causes: a prompt longer than the "
+                             "engine's context length, or a KV cache too small for one sequence "
+                             "(raise colocate.mem_fraction_static or lower colocate.memory_margin_gib)")
+
+
+def raised_abort(error: Exception) -> Optional[SGLangEngineError]:
+    """generate's own exception as abort_error when it is one of SGLang's aborts (else None)."""
+    if isinstance(error, ValueError):
+        return abort_error(error)
+    if isinstance(getattr(error, "status_code", None), int):  # fastapi.HTTPException(status_code, detail)
+        return abort_error(getattr(error, "detail", None) or error)
+    return None
+
+
 def finish_reason(meta: Mapping) -> str:
     """SGLang's finish reason as "stop" (EOS) / "stop_string" / "length"; an aborted request raises.
     A stop string comes back as {"type": "stop", "matched": "<the string>"} (an EOS token: its id)."""
@@ -55,10 +72,7 @@ def finish_reason(meta: Mapping) -> str:
     if kind in ("stop", "length"):
         return kind
     if kind == "abort":
-        message = reason.get("message") if isinstance(reason, Mapping) else ""
-        raise SGLangEngineError(f"SGLang aborted a request: {message}. Common causes: a prompt longer than the "
-                                "engine's context length, or a KV cache too small for one sequence "
-                                "(raise colocate.mem_fraction_static or lower colocate.memory_margin_gib)")
+        raise abort_error(reason.get("message") if isinstance(reason, Mapping) else "")
     raise SGLangEngineError(f"SGLang returned an unfinished request (finish_reason={reason!r}); "
                             "colo_rl never streams, so this is an SGLang API change")
 

@@ -22,12 +22,13 @@ def update_result(result, what: str, allow_none: bool = False) -> str:
             return ""
         raise HandoffError(f"SGLang's {what} returned nothing, so colo_rl cannot tell whether the engine "
                            "took the weights; this SGLang release is not supported for the handoff")
+    # LoRA load / unload answer LoRAUpdateOutput(success, error_message), the rest (success, message)
     if isinstance(result, Mapping):
-        success, message = result.get("success"), result.get("message", "")
+        success, message = result.get("success"), result.get("message") or result.get("error_message") or ""
     elif isinstance(result, (tuple, list)):
         success, message = (result[0], result[1] if len(result) > 1 else "")
     elif hasattr(result, "success"):
-        success, message = result.success, getattr(result, "message", "")
+        success, message = result.success, getattr(result, "message", None) or getattr(result, "error_message", "")
     else:
         raise HandoffError(f"SGLang's {what} returned {result!r}; expected (success, message)")
     if success is not True:
