@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -104,6 +106,34 @@ def resolve_model_path(path: str) -> Path:
             "(for example a colo_rl checkpoint's hf/ folder) or model.path=embedded."
         )
     return p
+
+
+# Where models keep their context length, in SGLang's order of preference (its get_context_length).
+CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
+                       "max_position_embeddings")
+
+
+def context_length(config: dict) -> Optional[int]:
+    """A model's context length from its config.json, as SGLang computes it: rope_scaling's factor
+    applies unless the scaling is llama3's or names original_max_position_embeddings (the value is
+    then already the extended one). None when the config names none."""
+    scaling = config.get("rope_scaling") or {}
+    factor = scaling.get("factor", 1) if isinstance(scaling, dict) else 1
+    if isinstance(scaling, dict) and ("original_max_position_embeddings" in scaling
+                                      or scaling.get("rope_type") == "llama3"):
+        factor = 1
+    for key in CONTEXT_LENGTH_KEYS:
+        if isinstance(config.get(key), int):
+            return int(factor * config[key])
+    return None
+
+
+def known_context_length(path: str) -> Optional[int]:
+    """model.path's context length without loading anything (None for an embedded model not yet
+    converted, or a config that names none)."""
+    directory = cache_dir() / EMBEDDED_NAME if path == "embedded" else resolve_model_path(path)
+    config = directory / "config.json"
+    return context_length(json.loads(config.read_text())) if config.exists() else None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

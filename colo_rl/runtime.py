@@ -23,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
+from colo_rl.config.validation import check_context_length
 from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
-from colo_rl.models import resolve_dtype, resolve_model_path
+from colo_rl.models import known_context_length, resolve_dtype, resolve_model_path
 from colo_rl.rewards import RewardError
 
 log = logging.getLogger("colo_rl")
@@ -125,11 +126,15 @@ def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
 
 
 def check_input_paths(cfg: RunConfig) -> None:
-    """The model and data the run names exist (seconds, before any process group or model)."""
+    """The model and data the run names exist (seconds, before any process group or model), and
+    the run's sequences fit the model's context."""
     if cfg.model.path != "embedded":
         resolve_model_path(cfg.model.path)  # FileNotFoundError naming model.path and what to pass
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
+    context = known_context_length(cfg.model.path)
+    if context is not None:
+        check_context_length(cfg, context)
 
 
 def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:

@@ -283,6 +283,52 @@ def test_missing_inputs_are_refused_before_anything_starts(tmp_path):
         check_input_paths(_cfg([f"data.path={tmp_path / 'none.jsonl'}"]))
 
 
+@pytest.mark.parametrize("config, length", [
+    ({"max_position_embeddings": 2048}, 2048),
+    ({"max_position_embeddings": 2048, "seq_length": 1024}, 1024),  # SGLang's order of preference
+    ({"max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": 4.0}}, 16384),
+    ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
+    ({"max_position_embeddings": 8192,
+      "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 2048}}, 8192),
+    ({"hidden_size": 64}, None),
+])
+def test_context_length_is_read_as_sglang_reads_it(config, length):
+    from colo_rl.models import context_length
+
+    assert context_length(config) == length
+
+
+@pytest.mark.parametrize("recipe, overrides, message", [
+    ("grpo", ["rollout.max_new_tokens=400"],
+     "data.max_prompt_tokens=256 + rollout.max_new_tokens=400 = 656 tokens is more than"),
+    ("grpo", ["env=calculator", "env.max_total_tokens=300"], "+ env.max_total_tokens=300 = 556 tokens"),
+    ("eval", ["rollout.eval_max_new_tokens=300"], "+ rollout.eval_max_new_tokens=300 = 556 tokens"),
+    ("sft", ["data.max_seq_len=1024"], "data.max_seq_len=1024 = 1024 tokens is more than"),
+])
+def test_sequences_longer_than_the_models_context_are_refused(recipe, overrides, message):
+    from colo_rl.config.validation import check_context_length
+
+    cfg = _cfg(overrides, recipe)
+    cfg.recipe = recipe
+    with pytest.raises(ConfigError, match=r"takes: its context length is 512 \(config.json\); lower ") as err:
+        check_context_length(cfg, 512)
+    assert message in str(err.value)
+    check_context_length(_cfg([], recipe), 8192)  # the defaults fit the embedded model
+
+
+def test_a_run_longer_than_the_models_context_is_refused_in_seconds(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 512}))
+    proc, seconds = _run("grpo.py", [f"model.path={model}", "rollout.max_new_tokens=300", f"output_root={tmp_path}"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert (f"error: data.max_prompt_tokens=256 + rollout.max_new_tokens=300 = 556 tokens is more than "
+            f"model.path='{model}' takes: its context length is 512 (config.json); lower data.max_prompt_tokens or "
+            f"rollout.max_new_tokens to fit") in out
+    assert seconds < 30, seconds
+
+
 def test_log_lines_follow_stdout_so_the_progress_bar_is_not_glued_in_front(monkeypatch):
     import io
     import logging

@@ -202,6 +202,27 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
         check_env_config(obj.env)
 
 
+def check_context_length(cfg: RunConfig, context: int) -> None:
+    """The longest sequence the run makes fits model.path's context length (SGLang refuses a longer
+    one mid-run; past it, a model's positions are untrained). GRPO / eval: the prompt plus a
+    completion (plus an episode's turns with an environment); SFT / DPO: data.max_seq_len."""
+    if cfg.recipe in ("sft", "dpo"):
+        budget, keys = {"data.max_seq_len": cfg.data.max_seq_len}, "lower data.max_seq_len"
+    else:
+        longest = {"rollout.eval_max_new_tokens": cfg.rollout.eval_max_new_tokens}
+        if cfg.recipe != "eval":
+            longest["rollout.max_new_tokens"] = cfg.rollout.max_new_tokens
+        if cfg.env.name != "none":
+            longest["env.max_total_tokens"] = cfg.env.max_total_tokens
+        name = max(longest, key=longest.get)
+        budget = {"data.max_prompt_tokens": cfg.data.max_prompt_tokens, name: longest[name]}
+        keys = f"lower {' or '.join(budget)}"
+    if sum(budget.values()) > context:
+        spelled = " + ".join(f"{k}={v}" for k, v in budget.items())
+        raise ConfigError(f"{spelled} = {sum(budget.values())} tokens is more than model.path={cfg.model.path!r} "
+                          f"takes: its context length is {context} (config.json); {keys} to fit")
+
+
 def check_loggers(names: list[str]) -> None:
     """logger=[...]: registered writers, metrics.jsonl among them, their packages installed."""
     unknown = [n for n in names if n not in LOGGERS]
