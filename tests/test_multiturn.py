@@ -149,6 +149,28 @@ def test_a_llama_call_keeps_its_eos_and_the_result_comes_as_the_templates_tool_m
     assert (a.turns, a.tool_calls, a.tool_errors, b.turns, b.tool_calls) == (2, 1, 0, 1, 0)
 
 
+def test_a_llama_code_interpreter_turn_runs_the_python_tool(tok):
+    """env.format=llama: <|python_tag|> + code, where <|python_tag|> is a special token (Llama 3.1+):
+    the turn text the environment reads keeps that token (others, EOS included, are dropped), so the
+    python tool runs the code and its output comes back."""
+    import copy
+
+    llama_tok = copy.deepcopy(tok)
+    llama_tok.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    env = ENVIRONMENTS.get("python")(EnvConfig(format="llama", tool_timeout_s=5.0, tool_memory_mb=256,
+                                               max_output_chars=64), llama_tok)
+    code = "<|python_tag|>print(6 * 7)<|im_end|>"
+    engine = ScriptedEngine(llama_tok, [[code], ["The answer is 42.<|im_end|>"]])
+    prompt = encode(llama_tok, "<|im_start|>user\nWhat is 6*7?<|im_end|>\n<|im_start|>assistant\n")
+    rollout = MultiTurnRollout(env, llama_tok, max_turns=3, max_total_tokens=200)
+    (ep,) = rollout.generate(engine, [prompt], SamplingParams(max_new_tokens=40))
+    assert llama_tok.decode(encode(llama_tok, code), skip_special_tokens=True) == "print(6 * 7)"  # what was lost
+    assert ep.policy_texts == ["<|python_tag|>print(6 * 7)", "The answer is 42."]
+    assert (ep.turns, ep.tool_calls, ep.tool_errors) == (2, 1, 0)
+    turn1 = encode(llama_tok, code)
+    assert "42" in llama_tok.decode(ep.token_ids[len(turn1):ep.policy_mask.index(1, len(turn1))])
+
+
 def test_limits_end_episodes(tok):
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     call = "<calculator>1+1</calculator>"

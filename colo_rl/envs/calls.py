@@ -51,6 +51,7 @@ class ParsedTurn:
 class JsonCallFormat:
     name = "json"
     template_writes_tools = True  # the chat template may declare the tools itself (its `tools` argument)
+    reads_special: tuple[str, ...] = ()  # special tokens a call is told by (kept in the turn text parse reads)
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
@@ -159,6 +160,7 @@ class LlamaCallFormat(JsonCallFormat):
 
     name = "llama"
     PYTHON_TAG = "<|python_tag|>"
+    reads_special = (PYTHON_TAG,)
     _BEFORE_CALL = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")  # whitespace, then Llama's code-call tag at times
     _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
     _TRAILING = re.compile(r"(?:\s|<\|[\w.-]+\|>)*\Z")

@@ -133,6 +133,10 @@ class ToolEnvironment:
     def stop_strings(self) -> tuple[str, ...]:
         return self.format.stop_strings()
 
+    def special_tokens_read(self) -> tuple[str, ...]:
+        """Special tokens that stay in the turn text `step` gets (the rest are dropped, EOS included)."""
+        return self.format.reads_special
+
     def start(self, problem: Any = None) -> "ToolSession":
         return ToolSession(self)
 

@@ -74,6 +74,9 @@ class MultiTurnRollout:
         self.tool_workers = tool_workers
         stop_strings = getattr(env, "stop_strings", None)
         self.stop = tuple(stop_strings()) if stop_strings is not None else ()
+        read = getattr(env, "special_tokens_read", None)
+        ids = [tokenizer.convert_tokens_to_ids(t) for t in (read() if read is not None else ())]
+        self.kept_special = {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
     def generate(self, engine, prompts: list[list[int]], params: SamplingParams,
                  problems: Optional[Sequence[Any]] = None) -> list[Episode]:
@@ -145,13 +148,25 @@ class MultiTurnRollout:
         ep.logprobs += logps
         ep.policy_mask += [1] * len(tokens)
         ep.turns += 1
-        ep.policy_texts.append(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        ep.policy_texts.append(self.policy_text(tokens))
         ep.finish_reason = "length" if finish == "length" else "stop"
         if parsed.wants_tool:
             ep.tool_calls += 1
         elif finish == "length" and len(ep.token_ids) >= self.max_total_tokens:
             ep.hit_limit = "max_total_tokens"
         return parsed.wants_tool, self.tokenizer.decode(tokens[-1:]) if finish == "stop" and tokens else None
+
+    def policy_text(self, tokens: list[int]) -> str:
+        """A turn's text as the environment reads it: no special tokens (EOS, headers), except those
+        its call format is told by (Llama's <|python_tag|> before code)."""
+        if not self.kept_special.intersection(tokens):
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        parts, start = [], 0
+        for k, t in enumerate(tokens):
+            if t in self.kept_special:
+                parts += [self.tokenizer.decode(tokens[start:k], skip_special_tokens=True), self.tokenizer.decode([t])]
+                start = k + 1
+        return "".join(parts + [self.tokenizer.decode(tokens[start:], skip_special_tokens=True)])
 
     def _observe(self, ep: Episode, context: list[int], step: Step, last_turn: bool = False) -> bool:
         """Append the environment's observation; False when the episode ends here."""
