@@ -181,6 +181,41 @@ def test_sigquit_from_a_child_raises_engine_error_and_restores(sigquit_state):
     assert signal.getsignal(signal.SIGQUIT) == sigquit_state
 
 
+def _asyncio_loop():
+    return asyncio.new_event_loop()
+
+
+def _uvloop():
+    return pytest.importorskip("uvloop", reason="SGLang's event loop (uvloop) is not installed").new_event_loop()
+
+
+@pytest.mark.parametrize("new_loop", [_asyncio_loop, _uvloop], ids=["asyncio", "uvloop"])
+def test_sigquit_inside_the_engine_loop_stops_it_instead_of_raising_into_sglangs_task(sigquit_state, new_loop):
+    """A scheduler fails while the engine's loop runs SGLang's own task (handle_loop): an error raised
+    there would reach SGLang's print_exception_wrapper, which kills the process tree. The handler
+    stops the loop instead; the pending call ends, and SGLangEngine._call raises colo_rl's error."""
+    handler = sg.watch_child_failures()
+    loop = new_loop()
+    asyncio.set_event_loop(loop)
+    seen = []
+
+    async def sglang_task():  # print_exception_wrapper(handle_loop), in short
+        try:
+            os.kill(os.getpid(), signal.SIGQUIT)
+            sum(range(10 ** 6))  # Python code of the task runs when the signal lands
+            await asyncio.sleep(5)
+        except Exception as e:  # noqa: BLE001
+            seen.append(e)  # SGLang: kill_process_tree(include_parent=True)
+
+    try:
+        with pytest.raises(RuntimeError, match="stopped before"):
+            loop.run_until_complete(sglang_task())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+    assert handler.failed and seen == []
+
+
 class FakeTokenizerManager:
     """SGLang 0.5.17's: the first request creates the handle loop on the running loop and adds the
     running-phase SIGQUIT handler and the SIGTERM one, both ending in a kill of the process tree."""
@@ -217,11 +252,7 @@ class FakeEngine:
         self.shut = True
 
 
-def _uvloop():
-    return pytest.importorskip("uvloop", reason="SGLang's event loop (uvloop) is not installed").new_event_loop()
-
-
-@pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, _uvloop], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("new_loop", [_asyncio_loop, _uvloop], ids=["asyncio", "uvloop"])
 def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state, new_loop):
     api = SimpleNamespace(server_args_cls=FakeServerArgs, memory_tags=["kv_cache", "weights", "cuda_graph"],
                           begin_req=None, end_req=None)

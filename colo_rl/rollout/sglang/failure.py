@@ -3,6 +3,7 @@ instead of SGLang's kill of the whole process tree."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -37,14 +38,15 @@ class ChildFailure:
         if self.failed:  # every TP scheduler and SGLang's watchdog may signal: raise once, not in cleanup
             return
         self.failed = True
-        # Inside a running event loop (the engine's, waiting for an answer the dead scheduler never
-        # sends) the loop runs this handler as a callback and only logs what it raises (uvloop):
-        # stopping the loop ends the pending call, which SGLangEngine._call turns into our error.
-        with contextlib.suppress(RuntimeError):
-            import asyncio
-
-            asyncio.get_running_loop().stop()
-        raise SGLangEngineError(CHILD_FAILED)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # the trainer's own code: stop it here
+            raise SGLangEngineError(CHILD_FAILED) from None
+        # Inside the engine's running loop (a call waiting for an answer the dead scheduler never sends):
+        # raised here, the error would land in whichever task runs, and SGLang's tasks kill the process
+        # tree on any exception (print_exception_wrapper). Stopping the loop ends the pending call,
+        # which SGLangEngine._call turns into our error.
+        loop.stop()
 
     def check(self) -> None:
         """Refuse to talk to an engine whose child already failed (a dead scheduler never answers)."""
