@@ -132,8 +132,10 @@ def check_input_paths(cfg: RunConfig) -> None:
         resolve_model_path(cfg.model.path)  # FileNotFoundError naming model.path and what to pass
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
-    context = known_context_length(cfg.model.path)
-    if context is not None:
+    override = cfg.rollout.sglang_kwargs.get("context_length") if cfg.rollout.engine == "sglang" else None
+    if override is not None:
+        check_context_length(cfg, int(override), "rollout.sglang_kwargs.context_length")
+    elif (context := known_context_length(cfg.model.path)) is not None:
         check_context_length(cfg, context)
 
 

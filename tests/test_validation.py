@@ -290,6 +290,7 @@ def test_missing_inputs_are_refused_before_anything_starts(tmp_path):
     ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
     ({"max_position_embeddings": 8192,
       "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 2048}}, 8192),
+    ({"max_position_embeddings": 4096, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 8192),
     ({"hidden_size": 64}, None),
 ])
 def test_context_length_is_read_as_sglang_reads_it(config, length):
@@ -301,7 +302,9 @@ def test_context_length_is_read_as_sglang_reads_it(config, length):
 @pytest.mark.parametrize("recipe, overrides, message", [
     ("grpo", ["rollout.max_new_tokens=400"],
      "data.max_prompt_tokens=256 + rollout.max_new_tokens=400 = 656 tokens is more than"),
-    ("grpo", ["env=calculator", "env.max_total_tokens=300"], "+ env.max_total_tokens=300 = 556 tokens"),
+    # a later turn: the episode so far (up to env.max_total_tokens) as input, and up to a turn more asked for
+    ("grpo", ["env=calculator", "env.max_total_tokens=250"],
+     "data.max_prompt_tokens=256 + env.max_total_tokens=250 + rollout.max_new_tokens=40 = 546 tokens"),
     ("eval", ["rollout.eval_max_new_tokens=300"], "+ rollout.eval_max_new_tokens=300 = 556 tokens"),
     ("sft", ["data.max_seq_len=1024"], "data.max_seq_len=1024 = 1024 tokens is more than"),
 ])
@@ -314,6 +317,17 @@ def test_sequences_longer_than_the_models_context_are_refused(recipe, overrides,
         check_context_length(cfg, 512)
     assert message in str(err.value)
     check_context_length(_cfg([], recipe), 8192)  # the defaults fit the embedded model
+
+
+def test_sglangs_own_context_length_is_the_one_checked(tmp_path):
+    from colo_rl.runtime import check_input_paths
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 8192}))
+    with pytest.raises(ConfigError, match=r"context length is 512 \(rollout.sglang_kwargs.context_length\)"):
+        check_input_paths(_cfg([f"model.path={model}", "rollout=sglang", "+rollout.sglang_kwargs.context_length=512"]))
+    check_input_paths(_cfg([f"model.path={model}", "rollout=sglang"]))  # 256 + 1024 of 8192
 
 
 def test_a_run_longer_than_the_models_context_is_refused_in_seconds(tmp_path):

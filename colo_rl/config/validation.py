@@ -202,25 +202,28 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
         check_env_config(obj.env)
 
 
-def check_context_length(cfg: RunConfig, context: int) -> None:
-    """The longest sequence the run makes fits model.path's context length (SGLang refuses a longer
-    one mid-run; past it, a model's positions are untrained). GRPO / eval: the prompt plus a
-    completion (plus an episode's turns with an environment); SFT / DPO: data.max_seq_len."""
+def check_context_length(cfg: RunConfig, context: int, source: str = "config.json") -> None:
+    """The longest sequence the run makes fits the context length (model.path's config.json, or
+    rollout.sglang_kwargs.context_length): SGLang refuses a longer request mid-run (input +
+    max_new_tokens), and past it a model's positions are untrained. SFT / DPO: data.max_seq_len.
+    GRPO / eval: the prompt + a turn's max_new_tokens; with an environment, a later turn's input
+    holds the episode so far (up to env.max_total_tokens) and asks for up to a turn more."""
     if cfg.recipe in ("sft", "dpo"):
-        budget, keys = {"data.max_seq_len": cfg.data.max_seq_len}, "lower data.max_seq_len"
+        budget = {"data.max_seq_len": cfg.data.max_seq_len}
     else:
-        longest = {"rollout.eval_max_new_tokens": cfg.rollout.eval_max_new_tokens}
-        if cfg.recipe != "eval":
-            longest["rollout.max_new_tokens"] = cfg.rollout.max_new_tokens
+        turn = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens} if cfg.recipe != "eval" else {}
+        turn["rollout.eval_max_new_tokens"] = cfg.rollout.eval_max_new_tokens
+        name = max(turn, key=turn.get)
+        budget = {"data.max_prompt_tokens": cfg.data.max_prompt_tokens, name: turn[name]}
         if cfg.env.name != "none":
-            longest["env.max_total_tokens"] = cfg.env.max_total_tokens
-        name = max(longest, key=longest.get)
-        budget = {"data.max_prompt_tokens": cfg.data.max_prompt_tokens, name: longest[name]}
-        keys = f"lower {' or '.join(budget)}"
+            episode = {"data.max_prompt_tokens": cfg.data.max_prompt_tokens,
+                       "env.max_total_tokens": cfg.env.max_total_tokens,
+                       name: min(turn[name], cfg.env.max_total_tokens)}
+            budget = max(budget, episode, key=lambda b: sum(b.values()))
     if sum(budget.values()) > context:
         spelled = " + ".join(f"{k}={v}" for k, v in budget.items())
         raise ConfigError(f"{spelled} = {sum(budget.values())} tokens is more than model.path={cfg.model.path!r} "
-                          f"takes: its context length is {context} (config.json); {keys} to fit")
+                          f"takes: its context length is {context} ({source}); lower {' or '.join(budget)} to fit")
 
 
 def check_loggers(names: list[str]) -> None:
