@@ -528,6 +528,8 @@ def test_llama_code_interpreter_call_without_the_python_tool_says_which_tools_th
     parsed = choose_format("llama", None, tools("calculator")).parse("<|python_tag|>print(1)<|eom_id|>")
     assert parsed.call is None and "not offered here" in parsed.error and "['calculator']" in parsed.error
     assert "no code" in choose_format("llama", None, tools("python")).parse("<|python_tag|> <|eom_id|>").error
+    search = choose_format("llama", None, tools("python")).parse('<|python_tag|>brave_search.call(query="x")<|eom_id|>')
+    assert search.call is None and "built-in tool brave_search is not offered" in search.error
     assert not choose_format("llama", None, tools("python")).parse("print(1) is the code.").wants_tool
 
 

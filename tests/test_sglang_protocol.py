@@ -274,6 +274,8 @@ def test_aborts_generate_raises_itself_become_engine_errors_with_the_causes():
     http.status_code, http.detail = 503, "the scheduler is overloaded"
     assert "aborted a request: the scheduler is overloaded" in str(raised_abort(http))
     assert raised_abort(RuntimeError("a bug")) is None
+    bad_top_p = raised_abort(ValueError("top_p must be in (0, 1], got 2.0."))  # no context hint where it misleads
+    assert str(bad_top_p) == "SGLang refused a request: top_p must be in (0, 1], got 2.0."
 
 
 # ============================================================================ results and sessions

@@ -192,8 +192,14 @@ class LlamaCallFormat(JsonCallFormat):
         args_key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
         return self._call(obj, args_key, None if keep_whole else end)
 
+    _BUILT_IN = re.compile(r"\s*(brave_search|wolfram_alpha|photogen)\.call\(")  # Llama's other built-ins
+
     def _code_call(self, code: str) -> ParsedTurn:
         python = self.tools.get("python")
+        built_in = self._BUILT_IN.match(code)
+        if built_in:
+            return ParsedTurn(error=f"the built-in tool {built_in.group(1)} is not offered here; call one of "
+                                    f'{sorted(self.tools)} with {{"name": ..., "parameters": {{...}}}}')
         if python is None:
             return ParsedTurn(error=f"{self.PYTHON_TAG} starts code for a Python interpreter, which is not "
                                     f'offered here; call a tool with {{"name": ..., "parameters": {{...}}}}: '

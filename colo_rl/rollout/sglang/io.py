@@ -55,8 +55,9 @@ def abort_error(message) -> SGLangEngineError:
 
 def raised_abort(error: Exception) -> Optional[SGLangEngineError]:
     """generate's own exception as abort_error when it is one of SGLang's aborts (else None)."""
-    if isinstance(error, ValueError):
-        return abort_error(error)
+    if isinstance(error, ValueError):  # a request SGLang's checks refuse (length, sampling values, LoRA)
+        return abort_error(error) if "context length" in str(error) else SGLangEngineError(
+            f"SGLang refused a request: {error}")
     if isinstance(getattr(error, "status_code", None), int):  # fastapi.HTTPException(status_code, detail)
         return abort_error(getattr(error, "detail", None) or error)
     return None
