@@ -117,11 +117,10 @@ def context_length(config: dict) -> Optional[int]:
     """A model's context length from its config.json, as SGLang computes it: rope_scaling's factor
     applies unless the scaling is llama3's or names original_max_position_embeddings (the value is
     then already the extended one). None when the config names none."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}  # transformers 5 writes the latter
-    factor = scaling.get("factor", 1) if isinstance(scaling, dict) else 1
-    if isinstance(scaling, dict) and ("original_max_position_embeddings" in scaling
-                                      or scaling.get("rope_type") == "llama3"):
-        factor = 1
+    scaling = config.get("rope_scaling") or config.get("rope_parameters")  # transformers 5 writes the latter
+    scaling = scaling if isinstance(scaling, dict) else {}
+    extended = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
+    factor = 1 if extended else scaling.get("factor", 1)
     for key in CONTEXT_LENGTH_KEYS:
         if isinstance(config.get(key), int):
             return int(factor * config[key])

@@ -163,7 +163,8 @@ class LlamaCallFormat(JsonCallFormat):
     reads_special = (PYTHON_TAG,)
     _BEFORE_CALL = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")  # whitespace, then Llama's code-call tag at times
     _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
-    _TRAILING = re.compile(r"(?:\s|<\|[\w.-]+\|>)*\Z")
+    _TRAILING = re.compile(_AFTER_CALL.pattern + r"\Z")  # the same, ending the turn
+    _BUILT_IN = re.compile(r"\s*(brave_search|wolfram_alpha|photogen)\.call\(")  # Llama's other built-ins
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
         super().__init__(tools, turns)
@@ -191,8 +192,6 @@ class LlamaCallFormat(JsonCallFormat):
         keep_whole = self._AFTER_CALL.fullmatch(text, end) is not None  # the call fills the turn, EOS included
         args_key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
         return self._call(obj, args_key, None if keep_whole else end)
-
-    _BUILT_IN = re.compile(r"\s*(brave_search|wolfram_alpha|photogen)\.call\(")  # Llama's other built-ins
 
     def _code_call(self, code: str) -> ParsedTurn:
         python = self.tools.get("python")
