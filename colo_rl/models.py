@@ -111,28 +111,46 @@ def resolve_model_path(path: str) -> Path:
 # Where models keep their context length, in SGLang's order of preference (its get_context_length).
 CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
                        "max_position_embeddings")
+# Where a multimodal model keeps its language model's config, in SGLang's order (its get_hf_text_config).
+TEXT_CONFIG_KEYS = ("thinker_config", "llm_config", "language_config", "text_config")
+# The embedded model's context length (its GGUF's llama.context_length; a test compares it with the converted
+# config.json), so that a first run is checked before the one-time conversion.
+EMBEDDED_CONTEXT_LENGTH = 8192
 
 
-def context_length(config: dict) -> Optional[int]:
-    """A model's context length from its config.json, as SGLang computes it: rope_scaling's factor
-    applies unless the scaling is llama3's or names original_max_position_embeddings (the value is
-    then already the extended one). None when the config names none."""
-    scaling = config.get("rope_scaling") or config.get("rope_parameters")  # transformers 5 writes the latter
+def context_length(config) -> Optional[int]:
+    """A model's context length, as SGLang computes it: from the language model's sub-config where
+    there is one; rope_scaling's factor applies unless the scaling is llama3's or names
+    original_max_position_embeddings (the value is then already the extended one). `config`: a
+    transformers config (aliases such as GPT-2's n_positions resolve) or config.json's dict. None
+    when it names none."""
+    get = config.get if isinstance(config, dict) else (lambda key: getattr(config, key, None))
+    for key in TEXT_CONFIG_KEYS:
+        if get(key) is not None:
+            return context_length(get(key))
+    scaling = get("rope_scaling") or get("rope_parameters")  # transformers 5 writes the latter
     scaling = scaling if isinstance(scaling, dict) else {}
     extended = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
     factor = 1 if extended else scaling.get("factor", 1)
     for key in CONTEXT_LENGTH_KEYS:
-        if isinstance(config.get(key), int):
-            return int(factor * config[key])
+        if isinstance(get(key), int):
+            return int(factor * get(key))
     return None
 
 
 def known_context_length(path: str) -> Optional[int]:
-    """model.path's context length without loading anything (None for an embedded model not yet
-    converted, or a config that names none)."""
-    directory = cache_dir() / EMBEDDED_NAME if path == "embedded" else resolve_model_path(path)
-    config = directory / "config.json"
-    return context_length(json.loads(config.read_text())) if config.exists() else None
+    """model.path's context length without loading weights (None where its config names none).
+    Resolves model.path: FileNotFoundError naming it when it is not a model directory."""
+    if path == "embedded" and not (cache_dir() / EMBEDDED_NAME / "config.json").exists():
+        return EMBEDDED_CONTEXT_LENGTH
+    directory = resolve_model_path(path)
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(directory)
+    except Exception:  # noqa: BLE001 - a type transformers does not know (remote code): its own keys still say
+        config = json.loads((directory / "config.json").read_text())
+    return context_length(config)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

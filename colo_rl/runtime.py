@@ -23,11 +23,11 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
-from colo_rl.config.validation import check_context_length
+from colo_rl.config.validation import check_context_length, check_generation_fits
 from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
-from colo_rl.models import known_context_length, resolve_dtype, resolve_model_path
+from colo_rl.models import known_context_length, resolve_dtype
 from colo_rl.rewards import RewardError
 
 log = logging.getLogger("colo_rl")
@@ -125,18 +125,49 @@ def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
                          config=OmegaConf.to_container(OmegaConf.structured(ctx.cfg), resolve=True))
 
 
+# SGLang's context length where config.json names none, and the variable that lets it run past the
+# model's own (its get_context_length, ModelConfig._derive_context_length).
+SGLANG_DEFAULT_CONTEXT_LENGTH = 2048
+SGLANG_LONGER_CONTEXT_VARIABLE = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
+
+def run_context_length(cfg: RunConfig) -> tuple[Optional[int], str]:
+    """The longest sequence the run's model takes (None: unknown) and where that figure comes from.
+    With SGLang: rollout.sglang_kwargs.context_length when set (SGLang refuses to start when it is
+    more than the model's, unless told otherwise), else the model's, else SGLang's default."""
+    model = known_context_length(cfg.model.path)  # FileNotFoundError naming model.path
+    if cfg.rollout.engine != "sglang":
+        return model, "config.json"
+    derived = (model, "config.json") if model is not None else (SGLANG_DEFAULT_CONTEXT_LENGTH,
+                                                                 "SGLang's default: config.json names none")
+    override = cfg.rollout.sglang_kwargs.get("context_length")
+    if override is None:
+        return derived
+    allowed = os.environ.get(SGLANG_LONGER_CONTEXT_VARIABLE, "").lower() in ("1", "true", "yes", "y")
+    if int(override) > derived[0] and not allowed:
+        raise ConfigError(f"rollout.sglang_kwargs.context_length={override} is more than model.path="
+                          f"{cfg.model.path!r} takes ({derived[0]}, {derived[1]}): SGLang would refuse to start. "
+                          f"Lower it, or set {SGLANG_LONGER_CONTEXT_VARIABLE}=1 if the model does take longer inputs")
+    return int(override), "rollout.sglang_kwargs.context_length"
+
+
 def check_input_paths(cfg: RunConfig) -> None:
     """The model and data the run names exist (seconds, before any process group or model), and
     the run's sequences fit the model's context."""
-    if cfg.model.path != "embedded":
-        resolve_model_path(cfg.model.path)  # FileNotFoundError naming model.path and what to pass
+    context, source = run_context_length(cfg)  # resolves model.path first: FileNotFoundError naming it
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
-    override = cfg.rollout.sglang_kwargs.get("context_length") if cfg.rollout.engine == "sglang" else None
-    if override is not None:
-        check_context_length(cfg, int(override), "rollout.sglang_kwargs.context_length")
-    elif (context := known_context_length(cfg.model.path)) is not None:
-        check_context_length(cfg, context)
+    if context is not None:
+        check_context_length(cfg, context, source)
+
+
+def check_held_out_generation(cfg: RunConfig, prompts: list[list[int]]) -> None:
+    """SFT / DPO's greedy held-out accuracy: each held-out prompt + a completion fits the context
+    (known only once the data is read; SGLang would refuse the request, the HF engine would generate
+    past the trained positions)."""
+    context, source = run_context_length(cfg)
+    if context is not None and prompts:
+        check_generation_fits(cfg, max(len(p) for p in prompts), context, source)
 
 
 def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:

@@ -73,6 +73,8 @@ class DPORecipe:
                  "precomputed once" if algo.precompute_ref_logprobs else "from a frozen reference model")
         # ---- policy (+ rollout engine for the optional greedy accuracy) and reference
         self.gen_eval = bool(tr.eval_generate and self.held and all(p.answer is not None for p in self.held))
+        if self.gen_eval:  # prompt + eval_max_new_tokens within the context, checked before the model loads
+            runtime.check_held_out_generation(cfg, [ex.prompt_ids for ex in self.held])
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,
                                             self.plan.grad_accum, with_engine=self.gen_eval)
         self.scorer = RewardScorer(cfg.reward) if self.gen_eval else None

@@ -192,7 +192,7 @@ class GRPORecipe:
             with self.timer("reward"):
                 texts = policy_texts(self.tokenizer, completions)
                 scored = self.scorer.score(texts, [p.answer for p in of_completion], [p.fields for p in of_completion])
-                if self.env is not None and self.env.answers_every_turn:  # your class: its reward() where it has one
+                if self.env is not None and self.env.scores_episodes:  # your class: its reward() where it has one
                     # a source on every rank and round whatever the episodes gave (the sums over ranks go by
                     # key, and a rank whose episodes all failed would otherwise lack it); 0 where none
                     add_source(scored, "env", [getattr(c, "env_reward", None) or 0.0 for c in completions],

@@ -66,6 +66,8 @@ class SFTRecipe:
                  tr.micro_batch_size, ", packed" if cfg.trainer.packing else "")
         # ---- trainer; plus the rollout engine when the held-out examples can be scored by generation
         self.gen_eval = bool(tr.eval_generate and self.held and all(ex.answer is not None for ex in self.held))
+        if self.gen_eval:  # prompt + eval_max_new_tokens within the context, checked before the model loads
+            runtime.check_held_out_generation(cfg, [ex.prompt_ids for ex in self.held])
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,
                                             self.plan.grad_accum, with_engine=self.gen_eval)
         self.scorer = RewardScorer(cfg.reward) if self.gen_eval else None

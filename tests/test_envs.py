@@ -468,6 +468,8 @@ def test_the_engine_gets_its_tokenizer_exactly_for_environments_whose_turns_end_
         cfg = EnvConfig(name=name)
         env = build_environment(cfg, tok)
         assert turns_end_at_strings(cfg) == bool(env.stop_strings()), name
+        # only conversations (retry, your class) may score an episode themselves (reward source "env")
+        assert env.scores_episodes == (name in ("retry", f"{user}:Echo")), name
     assert not turns_end_at_strings(EnvConfig(name="none"))
 
 

@@ -105,7 +105,7 @@ def test_dynamic_sampling_fills_with_set_aside_groups_when_rounds_run_out():
 def test_your_environments_reward_is_a_source_on_every_rank_even_when_no_episode_gave_one():
     # a rank whose episodes all failed (or whose class has no reward()) still sums the same sources
     # as the others: the sums over ranks go by key
-    env = type("ConversationEnvironment", (), {"answers_every_turn": True})()
+    env = type("ConversationEnvironment", (), {"answers_every_turn": True, "scores_episodes": True})()
     out = recipe(2, 2, ScriptedScorer([{0: [1, 0], 1: [0, 0]}], failures=[0]), env=env).rollout()
     assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 0.0], "env": [0.0, 0.0, 0.0, 0.0]}
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -330,6 +330,72 @@ def test_sglangs_own_context_length_is_the_one_checked(tmp_path):
     check_input_paths(_cfg([f"model.path={model}", "rollout=sglang"]))  # 256 + 1024 of 8192
 
 
+def _model_dir(tmp_path, config: dict):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.mark.parametrize("config, length", [
+    ({"model_type": "gpt2", "n_positions": 1024}, 1024),  # an alias: transformers' attribute_map, as SGLang reads it
+    ({"model_type": "llava", "text_config": {"model_type": "llama", "max_position_embeddings": 4096}}, 4096),
+    ({"model_type": "qwen2", "max_position_embeddings": 32768,
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 32768),
+    ({"model_type": "not-a-transformers-type", "seq_length": 3000}, 3000),  # remote code: config.json's keys
+])
+def test_a_model_directorys_context_length_is_read_through_transformers(tmp_path, config, length):
+    from colo_rl.models import known_context_length
+
+    assert known_context_length(str(_model_dir(tmp_path, config))) == length
+
+
+def test_the_embedded_models_context_length_is_known_before_its_conversion(tmp_path, monkeypatch):
+    from colo_rl import models
+
+    converted = models.known_context_length("embedded")  # the test session's converted copy
+    monkeypatch.setenv("COLO_RL_CACHE", str(tmp_path))  # nothing converted here
+    assert not (tmp_path / models.EMBEDDED_NAME).exists()
+    assert models.known_context_length("embedded") == models.EMBEDDED_CONTEXT_LENGTH == converted
+    assert not (tmp_path / models.EMBEDDED_NAME).exists()  # and the check converted nothing
+
+
+def test_sglang_context_length_longer_than_the_models_is_refused_unless_allowed(tmp_path, monkeypatch):
+    from colo_rl.runtime import SGLANG_LONGER_CONTEXT_VARIABLE, check_input_paths, run_context_length
+
+    model = _model_dir(tmp_path, {"model_type": "llama", "max_position_embeddings": 1024})
+    longer = _cfg([f"model.path={model}", "rollout=sglang", "+rollout.sglang_kwargs.context_length=4096"])
+    monkeypatch.delenv(SGLANG_LONGER_CONTEXT_VARIABLE, raising=False)
+    with pytest.raises(ConfigError, match=r"rollout.sglang_kwargs.context_length=4096 is more than model.path=.* "
+                                          r"takes \(1024, config.json\): SGLang would refuse to start. Lower it, "
+                                          r"or set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):
+        check_input_paths(longer)
+    monkeypatch.setenv(SGLANG_LONGER_CONTEXT_VARIABLE, "1")
+    assert run_context_length(longer) == (4096, "rollout.sglang_kwargs.context_length")
+    # the HF engine reads the model's own figure; SGLang takes 2048 where config.json names none
+    assert run_context_length(_cfg([f"model.path={model}"])) == (1024, "config.json")
+    bare = _model_dir(tmp_path, {"model_type": "unknown-type"})
+    assert run_context_length(_cfg([f"model.path={bare}"])) == (None, "config.json")
+    with pytest.raises(ConfigError, match=r"= 2296 tokens is more than .* its context length is 2048 "
+                                          r"\(SGLang's default: config.json names none\)"):
+        check_input_paths(_cfg([f"model.path={bare}", "rollout=sglang", "rollout.max_new_tokens=2040"]))
+
+
+@pytest.mark.parametrize("recipe", ["sft", "dpo"])
+def test_sft_and_dpo_generation_eval_must_fit_the_context(tmp_path, recipe):
+    from colo_rl.runtime import check_held_out_generation
+
+    model = _model_dir(tmp_path, {"model_type": "llama", "max_position_embeddings": 512})
+    cfg = _cfg([f"model.path={model}", "rollout.eval_max_new_tokens=64", "data.max_seq_len=512"], recipe)
+    check_held_out_generation(cfg, [[1] * 448, [1] * 20])  # 448 + 64 = 512: fits
+    with pytest.raises(ConfigError, match=r"trainer.eval_generate: the longest held-out prompt \(449 tokens\) \+ "
+                                          r"rollout.eval_max_new_tokens=64 = 513 tokens is more than model.path=.* "
+                                          r"takes: its context length is 512 \(config.json\); lower "
+                                          r"rollout.eval_max_new_tokens or data.max_seq_len, or set "
+                                          r"trainer.eval_generate=false"):
+        check_held_out_generation(cfg, [[1] * 20, [1] * 449])
+
+
 def test_a_run_longer_than_the_models_context_is_refused_in_seconds(tmp_path):
     model = tmp_path / "model"
     model.mkdir()

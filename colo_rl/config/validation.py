@@ -226,6 +226,17 @@ def check_context_length(cfg: RunConfig, context: int, source: str = "config.jso
                           f"takes: its context length is {context} ({source}); lower {' or '.join(budget)} to fit")
 
 
+def check_generation_fits(cfg: RunConfig, longest_prompt: int, context: int, source: str) -> None:
+    """SFT / DPO's generation eval (trainer.eval_generate): the longest held-out prompt and
+    rollout.eval_max_new_tokens fit the context."""
+    need = longest_prompt + cfg.rollout.eval_max_new_tokens
+    if need > context:
+        raise ConfigError(f"trainer.eval_generate: the longest held-out prompt ({longest_prompt} tokens) + "
+                          f"rollout.eval_max_new_tokens={cfg.rollout.eval_max_new_tokens} = {need} tokens is more "
+                          f"than model.path={cfg.model.path!r} takes: its context length is {context} ({source}); "
+                          f"lower rollout.eval_max_new_tokens or data.max_seq_len, or set trainer.eval_generate=false")
+
+
 def check_loggers(names: list[str]) -> None:
     """logger=[...]: registered writers, metrics.jsonl among them, their packages installed."""
     unknown = [n for n in names if n not in LOGGERS]

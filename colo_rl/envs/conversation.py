@@ -40,6 +40,7 @@ log = logging.getLogger("colo_rl")
 
 class ConversationEnvironment:
     answers_every_turn = True
+    scores_episodes = True  # your class's reward(), where it has one
 
     def __init__(self, factory: Callable[[Any], Any], label: str, turns: UserTurns, max_output_chars: int,
                  timeout_s: float):

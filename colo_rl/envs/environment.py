@@ -59,6 +59,9 @@ class Environment(Protocol):
     # True: every policy turn goes to the session (it decides when the episode ends); False: only
     # turns that call a tool (a turn without a call ends the episode).
     answers_every_turn: bool
+    # True: a session's reward() may score the episode (a reward source "env", weighted by
+    # env.reward_weight); False: the environment never scores (tools: the reward functions do).
+    scores_episodes: bool
 
     def first_messages(self, messages: list[dict[str, str]]) -> list[dict[str, str]]: ...
 
@@ -103,6 +106,7 @@ class ToolEnvironment:
     still running after `timeout_s` is answered with an error (`call_with_timeout`)."""
 
     answers_every_turn = False
+    scores_episodes = False
 
     def __init__(self, tools: list[Tool], fmt: str, chat_template: Optional[str], max_output_chars: int,
                  timeout_s: Optional[float] = None, turns: Optional[UserTurns] = None):
