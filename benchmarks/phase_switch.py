@@ -9,7 +9,9 @@ transition type the seconds it takes and the memory it frees:
     python benchmarks/phase_switch.py --small --steps 2    # CPU-sized model (what the tests run)
 
 Writes benchmarks/results/phase_switch-<device>-<date>.json (summary + raw ledger records) and a
-.md table next to it. "GiB moved" is what the ledger says left the device (trainer states paged
+.md table next to it. After the timed steps an itemised pass releases the engine's memory one tag at
+a time (KV cache, CUDA graphs, weights) and pages the trainer's states one kind at a time (Adam
+moments, master weights, weight partitions, gradients, gradient bucket), each measured alone. "GiB moved" is what the ledger says left the device (trainer states paged
 to host, engine memory released); "device used" is measured before/after each transition (CUDA:
 device-wide used memory; CPU: this process's RSS). On CPU nothing pages, so the trainer moves
 are no-ops (moved=false) and only the protocol's overhead is measured.
@@ -18,6 +20,7 @@ are no-ops (moved=false) and only the protocol's overhead is measured.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -26,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -143,6 +146,63 @@ def device_copy_seconds(nbytes: int, repeats: int = 10) -> Optional[float]:
     return seconds
 
 
+# DeepSpeed's paged trainer states (OffloadStateTypeEnum), in the order the itemised pass pages them.
+TRAINER_STATES = {"optim_states": "Adam moments (fp32)", "hp_params": "master weights (fp32)",
+                  "lp_params": "weight partitions (bf16)", "lp_grads": "gradient partitions",
+                  "contiguous_grad_buffer": "ZeRO gradient bucket"}
+
+
+def measured_frees(actions: list[tuple[str, Callable[[], object]]], free_bytes: Callable[[], Optional[int]]) -> list[dict]:
+    """Run `actions` in turn; for each, the device memory it freed (free after - free before; None
+    where `free_bytes` measures nothing) and its seconds."""
+    out = []
+    for what, act in actions:
+        before, t0 = free_bytes(), time.perf_counter()
+        act()
+        seconds, after = time.perf_counter() - t0, free_bytes()
+        out.append({"what": what, "seconds": seconds,
+                    "freed_bytes": None if before is None or after is None else after - before})
+    return out
+
+
+def cuda_free_bytes() -> Optional[int]:
+    if not torch.cuda.is_available():
+        return None  # CPU: the sequence runs, nothing is measured
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def itemised_release(colo, step: int) -> dict:
+    """After the timed steps: the engine's release and the trainer's page-out one kind at a time,
+    each measured on its own (the transitions move them together, and a transition's before/after
+    nets the trainer's page-out against the engine's wake). Against what each side held: the
+    engine's allocations on waking (ledger), the trainer's allocated bytes before its page-out."""
+    from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
+
+    colo.switch.begin_step(step)
+    with colo.switch.generation():  # the trainer pages out, the engine wakes and takes the weights
+        wake = {m["what"]: m["bytes"] for m in colo.ledger.records[-1]["moves"]}
+        engine = measured_frees([(tag, functools.partial(colo.engine.sleep, [tag]))
+                                 for tag in (KV_CACHE, CUDA_GRAPH, WEIGHTS)], cuda_free_bytes)
+    with colo.switch.update():  # the engine is already released: only the trainer reloads
+        allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+        trainer = []
+        if colo.actor.pages:
+            from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+            ds = colo.actor.engine
+            page = [(kind, functools.partial(ds.offload_states, include=[OffloadStateTypeEnum(kind)],
+                                             device=OffloadDeviceEnum.cpu, pin_memory=colo.actor.pin_memory))
+                    for kind in TRAINER_STATES]
+            trainer = measured_frees([("partition cache", ds.empty_partition_cache), *page], cuda_free_bytes)
+            colo.actor.reload_states()
+    return {"engine": {"held_bytes": {"weights": wake.get("engine weights (allocate)", 0),
+                                      "kv_cache + cuda_graph": wake.get("engine KV cache (allocate)", 0)},
+                       "released": engine},
+            "trainer": {"allocated_bytes_before": allocated, "state_bytes": colo.actor.state_bytes(),
+                        "paged": trainer}}
+
+
 def markdown(result: dict) -> str:
     m = result["model"]
     lines = [f"# Phase switch: {result['device']}, {result['date']}", "",
@@ -164,8 +224,24 @@ def markdown(result: dict) -> str:
                   f"{h['bytes'] / GIB:.3f} GiB in **{1000 * h['seconds_median']:.1f} ms** median "
                   f"({h['bytes_per_s'] / 1e9:.1f} GB/s)" +
                   (f"; a device-to-device copy of the same bytes in the same run: {1000 * d2d:.2f} ms "
-                   f"({h['bytes'] / d2d / 1e9:.0f} GB/s), so the handoff takes **{h['seconds_median'] / d2d:.0f}x** "
+                   f"({h['bytes'] / d2d / 1e9:.0f} GB/s), so the handoff takes **{h['seconds_median'] / d2d:.1f}x** "
                    "the copy." if d2d else ".")]
+    item = result.get("itemised") or {}
+    if item.get("error"):
+        lines += ["", f"Itemised release failed: {item['error']}"]
+    elif item:
+        gib = lambda b: "" if b is None else f"{b / GIB:.3f}"  # noqa: E731
+        held = item["engine"]["held_bytes"]
+        lines += ["", "One kind at a time, after the timed steps (device memory freed by each, measured alone):", "",
+                  "| side | what | freed (GiB) | s |", "|---|---|---|---|"]
+        lines += [f"| engine | release {r['what']} | {gib(r['freed_bytes'])} | {r['seconds']:.3f} |"
+                  for r in item["engine"]["released"]]
+        lines += [f"| trainer | page out {TRAINER_STATES.get(r['what'], r['what'])} | {gib(r['freed_bytes'])} | "
+                  f"{r['seconds']:.3f} |" for r in item["trainer"]["paged"]]
+        tr = item["trainer"]
+        lines += ["", f"The engine held {gib(held['weights'])} GiB of weights and {gib(held['kv_cache + cuda_graph'])} "
+                  f"GiB of KV cache + CUDA graphs on waking; the trainer had {gib(tr['allocated_bytes_before'])} GiB "
+                  f"allocated before its page-out (paged states by formula: {gib(tr['state_bytes'])} GiB)."]
     lines += ["", "| transition | move | s mean | GiB mean | moved |", "|---|---|---|---|---|"]
     for name, t in result["transitions"].items():
         for what, mv in t["moves"].items():
@@ -187,6 +263,7 @@ def run(args) -> dict:
     model_dir = write_random_llama(work / "model", **dims)
     seqs = args.prompts * args.n
     cfg = bench_config(model_dir, args.engine, args.dtype, args.steps, seqs)
+    cfg.colocate.paging = args.paging
     if args.sglang_kwargs:
         cfg.rollout.sglang_kwargs = json.loads(args.sglang_kwargs)
     tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)  # random token ids: no text involved
@@ -202,18 +279,23 @@ def run(args) -> dict:
         with colo.switch.update():
             grpo_like_update(colo.actor, completions)
     total = time.perf_counter() - t0
-    records = colo.ledger.records
+    records = list(colo.ledger.records)  # the timed steps' (the itemised pass adds its own)
+    try:
+        itemised = itemised_release(colo, args.steps) if args.itemise else {}
+    except Exception as e:  # noqa: BLE001 - the timed figures above are still worth publishing
+        itemised = {"error": f"{type(e).__name__}: {e}"}
     result = {
         "device": device_slug(), "date": common.today(), "engine": args.engine,
         "dtype": str(dtype).replace("torch.", ""), "world_size": dist.world_size(), "steps": args.steps,
         "sequences": seqs, "total_seconds": total,
         "model": {**dims, "parameters": sum(n for _, n in colo.actor.named_parameter_sizes()) //
                   torch.empty((), dtype=dtype).element_size()},
-        "transitions": summarise(records), "records": records,
+        "transitions": summarise(records), "records": records, "itemised": itemised,
     }
     result["handoff"] = handoff_summary(records)
     if result["handoff"]:
-        result["handoff"]["device_copy_seconds"] = device_copy_seconds(result["handoff"]["bytes"])
+        d2d = result["handoff"]["device_copy_seconds"] = device_copy_seconds(result["handoff"]["bytes"])
+        result["handoff"]["ratio_to_device_copy"] = result["handoff"]["seconds_median"] / d2d if d2d else None
     if colo.engine is not None:
         colo.engine.shutdown()
     dist.cleanup()
@@ -235,6 +317,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--no-itemise", dest="itemise", action="store_false",
+                   help="skip the pass that releases / pages one kind at a time after the timed steps")
+    p.add_argument("--paging", choices=["auto", "on", "off"], default="auto",
+                   help="colocate.paging (on: page host to host on CPU too, to run the GPU's paging code)")
     args = p.parse_args(argv)
     if not args.small and args.model != "small" and not torch.cuda.is_available():
         p.error(f"the {args.model} model needs a GPU; pass --small on CPU")

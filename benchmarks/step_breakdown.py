@@ -99,6 +99,24 @@ def breakdown(rows: list[dict], skip: int) -> dict:
     }
 
 
+def run_checks(rows: list[dict]) -> dict:
+    """What the whole run says besides its timings: the handoff check over every step (the largest
+    engine-vs-trainer log-prob gap: the per-step mean and the single largest token), and held-out
+    accuracy at the first and last evaluation."""
+    checked = [r for r in rows if r.get("handoff/logprob_diff_mean") is not None]
+    evals = [r for r in rows if r.get("eval/accuracy") is not None]
+    out: dict = {"handoff_checked_steps": len(checked)}
+    if checked:
+        worst = max(checked, key=lambda r: r["handoff/logprob_diff_mean"])
+        out.update({"logprob_gap_mean_max": worst["handoff/logprob_diff_mean"], "logprob_gap_mean_max_step": worst["step"],
+                    "logprob_gap_token_max": max(r.get("handoff/logprob_diff_max", 0.0) for r in checked)})
+    if evals:
+        out.update({"held_out_accuracy_start": evals[0]["eval/accuracy"], "held_out_start_step": evals[0]["step"],
+                    "held_out_accuracy_end": evals[-1]["eval/accuracy"], "held_out_end_step": evals[-1]["step"],
+                    "held_out_count": evals[-1].get("eval/count")})
+    return out
+
+
 # ----------------------------------------------------------------------------- memory per phase
 class PhaseMemory:
     """Peak memory per (step, phase): a sampler thread plus a sample at every phase boundary."""
@@ -278,7 +296,17 @@ def markdown(result: dict) -> str:
               f"- training: {tr:.1f} response tokens/s through the update (forward + backward + step)" if tr else
               "- training: n/a",
               f"- reward/mean over the kept steps: {b['reward_mean']:.3f}",
-              f"- wall clock of the run (start-up, evaluations, export included): {result['wall_seconds']:.0f} s", ""]
+              f"- wall clock of the run (start-up, evaluations, export included): {result['wall_seconds']:.0f} s"]
+    c = result.get("checks") or {}
+    if c.get("handoff_checked_steps"):
+        lines.append(f"- engine-vs-trainer log-prob gap over {c['handoff_checked_steps']} checked steps (all steps): "
+                     f"largest per-step mean {c['logprob_gap_mean_max']:.2e} (step {c['logprob_gap_mean_max_step']}), "
+                     f"largest single token {c['logprob_gap_token_max']:.2e}")
+    if "held_out_accuracy_start" in c:
+        lines.append(f"- held-out accuracy (greedy, {c['held_out_count']:.0f} problems): "
+                     f"{c['held_out_accuracy_start']:.3f} at step {c['held_out_start_step']} -> "
+                     f"{c['held_out_accuracy_end']:.3f} at step {c['held_out_end_step']}")
+    lines.append("")
     trans = result.get("transitions") or {}
     if trans:
         lines += ["| transition (ledger, kept steps) | count | s mean | s max | GiB moved off device | freed (GiB) |",
@@ -357,7 +385,7 @@ def main(argv=None) -> int:
                    "prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                    "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.trainer.micro_batch_size,
                    "total_steps": cfg.trainer.total_steps, "overrides": overrides},
-        "breakdown": b, "memory_kind": mem.kind, "memory": mem.summary(loop_steps),
+        "breakdown": b, "checks": run_checks(rows), "memory_kind": mem.kind, "memory": mem.summary(loop_steps),
         "memory_method": "sampler thread every 10 ms + a sample at each phase boundary; CPU: process RSS "
                          "(psutil), GPU: device used (cudaMemGetInfo)",
         "transitions": summarise(ledger) if ledger else {}, "wall_seconds": wall,

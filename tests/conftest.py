@@ -13,6 +13,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# `make gpu-check` sets this: there a GPU test whose stack (SGLang) is missing fails instead of skipping,
+# so a wrong PYTHONPATH cannot turn the GPU run into a row of skips.
+GPU_STACK_REQUIRED = os.environ.get("COLO_RL_REQUIRE_GPU_STACK") == "1"
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 

@@ -35,3 +35,27 @@ def test_phase_switch_benchmark_reports_every_transition(tmp_path):
     assert len(result["records"]) == 4 and result["model"]["parameters"] > 0
     table = json_path.with_suffix(".md").read_text()
     assert "| update->generation | 2 |" in table and "| generation->update | 2 |" in table
+
+
+@pytest.mark.slow
+def test_itemised_pass_releases_and_pages_one_kind_at_a_time_with_the_real_paging_code(tmp_path):
+    """colocate.paging=on runs DeepSpeed's real per-kind offload_states on CPU (host to host): the
+    sequence the GPU run measures, each kind alone, then a reload. Freed bytes are CUDA-only."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phase_switch.py"), "--small", "--steps", "1",
+                           "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--paging", "on",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("phase_switch-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    item = result["itemised"]
+    assert "error" not in item, item
+    assert [r["what"] for r in item["engine"]["released"]] == ["kv_cache", "cuda_graph", "weights"]
+    assert [r["what"] for r in item["trainer"]["paged"]] == [
+        "partition cache", "optim_states", "hp_params", "lp_params", "lp_grads", "contiguous_grad_buffer"]
+    assert all(r["freed_bytes"] is None and r["seconds"] >= 0 for r in item["trainer"]["paged"])
+    assert item["engine"]["held_bytes"]["weights"] > 0 and item["trainer"]["state_bytes"] > 0
+    assert len(result["records"]) == 2  # the timed step's transitions; the itemised pass is reported apart
+    assert result["transitions"]["update->generation"]["moves"]["trainer states"]["moved"] is True
+    table = json_path.with_suffix(".md").read_text()
+    assert "| trainer | page out Adam moments (fp32) |" in table and "| engine | release kv_cache |" in table

@@ -104,6 +104,20 @@ def test_step_breakdown_shares_sum_to_one_and_skip_warmup():
         step_breakdown.breakdown(rows[:1], skip=0)
 
 
+def test_step_breakdown_reports_the_largest_logprob_gap_over_every_step_and_accuracy_start_to_end():
+    rows = [{"step": 0, "eval/accuracy": 0.25, "eval/count": 200.0},
+            {"step": 1, "time/step": 5.0},  # the first step follows the evaluation: no handoff to check
+            {"step": 2, "time/step": 5.0, "handoff/logprob_diff_mean": 0.004, "handoff/logprob_diff_max": 0.9},
+            {"step": 3, "time/step": 5.0, "handoff/logprob_diff_mean": 0.011, "handoff/logprob_diff_max": 0.3},
+            {"step": 4, "time/step": 5.0, "handoff/logprob_diff_mean": 0.002, "handoff/logprob_diff_max": 0.1},
+            {"step": 4, "eval/accuracy": 0.4, "eval/count": 200.0}]
+    c = step_breakdown.run_checks(rows)
+    assert c == {"handoff_checked_steps": 3, "logprob_gap_mean_max": 0.011, "logprob_gap_mean_max_step": 3,
+                 "logprob_gap_token_max": 0.9, "held_out_accuracy_start": 0.25, "held_out_start_step": 0,
+                 "held_out_accuracy_end": 0.4, "held_out_end_step": 4, "held_out_count": 200.0}
+    assert step_breakdown.run_checks(rows[1:2]) == {"handoff_checked_steps": 0}
+
+
 def test_hydra_overrides_merge_user_wins():
     merged = step_breakdown.merge_overrides(["trainer.total_steps=4", "plots=false", "data.eval_size=8"],
                                             ["trainer.total_steps=2", "model=tiny", "+extra.key=1"])

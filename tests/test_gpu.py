@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import child_env, python_path  # noqa: E402
+from conftest import GPU_STACK_REQUIRED, child_env, python_path  # noqa: E402
 from benchmarks.phase_switch import EOS, PAD, bench_config, grpo_like_update, write_random_llama  # noqa: E402
 
 # conftest.py skips `gpu` tests without CUDA; the skipif keeps this module safe on its own too.
@@ -135,7 +135,7 @@ def test_reference_model_is_paged_with_the_trainer(tmp_path):
 # ------------------------------------------------------------------------------------- SGLang
 # The SGLang checks run in a worker process (tests/workers/sglang_gpu_worker.py): an SGLang scheduler
 # failure signals its parent, and inside pytest that would end the whole suite.
-needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None and not GPU_STACK_REQUIRED,
                                   reason="SGLang is not installed here (make gpu-wheels here, make gpu-install "
                                          "on the GPU machine; see colo_rl/colocate/NOTES.md)")
 # Extra engine arguments for the worker (rollout.sglang_kwargs), as JSON; `make gpu-check` sets them.
@@ -148,15 +148,20 @@ def sglang_report(tmp_path_factory):
     out = tmp / "report.json"
     # A world of its own: not this process's rendezvous port (dist.init put it in the environment).
     env = child_env(PYTHONPATH=python_path())
-    try:
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),
-                               str(tmp), SGLANG_KWARGS], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=900)
-        tail = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    except subprocess.TimeoutExpired as e:
-        tail = f"timed out after {e.timeout} s\n{(e.stderr or b'')[-8000:]!r}"
+    # The worker's output goes to a file as it runs (`make gpu-check` puts it with its logs), so a
+    # hang that the device call's budget cuts short still leaves it.
+    log = Path(os.environ.get("COLO_RL_GPU_LOG_DIR") or tmp) / "sglang_gpu_worker.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        try:
+            proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),
+                                   str(tmp), SGLANG_KWARGS], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                  timeout=900)
+            status = f"exit {proc.returncode}"
+        except subprocess.TimeoutExpired as e:
+            status = f"timed out after {e.timeout} s"
     report = json.loads(out.read_text()) if out.exists() else {}
-    report["_output"] = tail
+    report["_output"] = f"{status} ({log})\n{log.read_text()[-12000:]}"
     return report
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import json
 import subprocess
 import sys
 import zipfile
@@ -175,3 +176,53 @@ def test_compile_check_builds_a_cuda_home_from_the_nvcc_wheels(tmp_path):
     assert (home / "include" / "cuda_runtime.h").exists() and (home / "nvvm" / "bin" / "cicc").exists()
     assert (home / "lib64" / "libcudart.so").read_text() == "lib/libcudart.so.13"  # what -lcudart links
     assert (home / "lib64" / "libcublas.so.13").exists()
+
+
+FAKE_GPU_PYTHON = r"""#!/bin/bash
+# check.sh's Python on a machine without a GPU: names a device, runs its JSON helper for real, and
+# plays the GRPO benchmark: grpo writes a run directory (files + a checkpoint folder), hf hangs.
+case "$*" in
+  *get_device_name*) echo "nvidia-test-gpu" ;;
+  *COLO_RL_SGLANG_KWARGS*) exec python3 "$@" ;;
+  *step_breakdown.py*)
+    while [ $# -gt 0 ]; do [ "$1" = --run-dir ] && run=$2; shift; done
+    mkdir -p "$run/checkpoints/step-1" && head -c 1000000 /dev/urandom > "$run/checkpoints/step-1/weights.bin"
+    echo '{"step": 1}' > "$run/metrics.jsonl"; echo '{"ok": true}' > "$run/summary.json"
+    case "$run" in *grpo_hf) sleep 300 ;; esac ;;
+  *) echo "fake python: unexpected $*" >&2; exit 3 ;;
+esac
+"""
+
+
+@pytest.mark.slow
+def test_gpu_check_keeps_its_budget_and_brings_back_small_results(tmp_path):
+    """The device call's limits: a hung stage is killed within CHECK_BUDGET_S and recorded; each stage's
+    results are packed into $OUT under the call's stage names, without the run's checkpoints."""
+    import os
+    import tarfile
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (fake / "python").write_text(FAKE_GPU_PYTHON)
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    out, results, runs = tmp_path / "out", tmp_path / "results", tmp_path / "runs"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_PY": str(fake / "python"), "OUT": str(out),
+           "GPU_CHECK_RESULTS": str(results), "COLO_RL_GPU_RUNS": str(runs), "CHECK_BUDGET_S": "55"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), "grpo", "hf"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # hf failed (killed)
+    (logs,) = results.glob("gpu_check-nvidia-test-gpu-*")
+    stages = [json.loads(line) for line in (logs / "stages.jsonl").read_text().splitlines()]
+    assert [(s["stage"], s["rc"]) for s in stages] == [("grpo", 0), ("hf", 124)]
+    assert stages[1]["seconds"] <= 55, stages
+    assert "KILLED after" in (logs / "hf.log").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-results-grpo-hf.tgz"]
+    with tarfile.open(out / "gpu-results-grpo-hf.tgz") as tgz:
+        names = tgz.getnames()
+    assert any(n.endswith("grpo_sglang/metrics.jsonl") for n in names), names
+    assert any(n.endswith("grpo_hf/summary.json") for n in names), names  # a killed run's files come back too
+    assert not any("checkpoints" in n for n in names), names
+    assert (runs / "grpo_sglang" / "checkpoints").is_dir()  # they stay on the machine

@@ -14,10 +14,11 @@ import os
 import pytest
 import torch
 
-from conftest import WORKERS, hydra_dict, run_torchrun
+from conftest import GPU_STACK_REQUIRED, WORKERS, hydra_dict, run_torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed")]
+              pytest.mark.skipif(importlib.util.find_spec("sglang") is None and not GPU_STACK_REQUIRED,
+                                 reason="SGLang is not installed")]
 
 OVERRIDES = ["model=tiny", "model.dtype=bf16", "rollout=sglang", "model.lora.rank=8", "trainer.lr=1e-3",
              "trainer.total_steps=3", "data.eval_size=4", "rollout.prompts_per_step=4", "rollout.group_size=4",

@@ -14,7 +14,12 @@
 #   tools  multi-turn GRPO with the calculator on SGLang (started with its tokenizer: stop strings at
 #          the closing tag, env/engine_stops in the run's metrics.jsonl), 4 steps
 # Every stage appends {stage, rc, seconds} to stages.jsonl; with $OUT set (the device tool), the results
-# so far are packed into $OUT/gpu-results.tgz after every stage, so a run cut short still reports.
+# so far are packed into $OUT/gpu-results-<stages>.tgz after every stage, so a run cut short still reports.
+#
+# One device call may run 10 minutes: every Python command gets what is left of CHECK_BUDGET_S (default
+# 570 s from this script's start, less 20 s kept for packing) and is killed with its process group at the
+# end of it, so a hang still leaves its logs and the results so far. Recipe run directories live under
+# /tmp (their checkpoints are GBs); the files they write beside the checkpoints are copied into the logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 if ! nvidia-smi -L >/dev/null 2>&1; then
@@ -24,7 +29,12 @@ fi
 SITE=${GPU_SITE:-/tmp/colo_rl-site}
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export COLO_RL_CACHE=${COLO_RL_CACHE:-/tmp/colo_rl-cache}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}  # FusedAdam's first-use build
+# The GPU tests fail instead of skipping when SGLang is missing (a bare PYTHONPATH would skip them all).
+export COLO_RL_REQUIRE_GPU_STACK=1
 PY=${GPU_PY:-python3}
+BUDGET=${CHECK_BUDGET_S:-570}
+RUNS=${COLO_RL_GPU_RUNS:-/tmp/colo_rl-gpu-runs}
 # The slim carry has no FA3 library: SGLang attends with its Triton backend and samples with PyTorch
 # (flashinfer's sampling kernels would be compiled with nvcc on first use).
 SGLANG_KWARGS=${COLO_RL_SGLANG_KWARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch"}'}
@@ -32,17 +42,44 @@ export COLO_RL_SGLANG_KWARGS="$SGLANG_KWARGS"
 HYDRA_KWARGS="rollout.sglang_kwargs=$($PY -c 'import json,os; d=json.loads(os.environ["COLO_RL_SGLANG_KWARGS"]); print("{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}")')"
 DEVICE=$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
 DATE=$(date +%F)
-RES=benchmarks/results
+RES=${GPU_CHECK_RESULTS:-benchmarks/results}
 LOGS=$RES/gpu_check-$DEVICE-$DATE
 mkdir -p "$LOGS"
+export COLO_RL_GPU_LOG_DIR="$(cd "$LOGS" && pwd)"  # the SGLang test worker writes its output there as it runs
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(env tests phase grpo hf tools)
+TAG=$(IFS=-; echo "${STAGES[*]}")
 # GRPO on the embedded default (the demo's work: 8 prompts x 8 completions, <= 40 tokens, T=0.8), 20 steps.
 GRPO_ARGS=(trainer.total_steps=20 data.eval_size=200 rollout.eval_max_new_tokens=40 rollout.eval_batch_size=200)
 
 pack() {
   [ -n "${OUT:-}" ] || return 0
-  tar czf "$OUT/gpu-results.tgz" $RES/*-"$DEVICE"-"$DATE".* "$LOGS" 2>/dev/null || true
+  # written aside, then renamed: a call killed while packing keeps the previous archive whole
+  tar czf "$OUT/gpu-results-$TAG.part" $RES/*-"$DEVICE"-"$DATE".* "$LOGS" 2>/dev/null
+  mv -f "$OUT/gpu-results-$TAG.part" "$OUT/gpu-results-$TAG.tgz"
+  local size; size=$(stat -c %s "$OUT/gpu-results-$TAG.tgz")
+  [ "$size" -lt $((16 << 20)) ] || echo "WARNING: gpu-results-$TAG.tgz is $((size >> 20)) MiB: over the 16 MiB a file may bring back" >&2
+}
+
+# A Python command with what is left of this call's budget (timeout kills its whole process group).
+run_py() {
+  local left=$((BUDGET - 20 - SECONDS))
+  if [ "$left" -lt 30 ]; then
+    echo "SKIPPED, ${left} s left of CHECK_BUDGET_S=$BUDGET in this call: $*" >&2
+    return 124
+  fi
+  timeout -k 15 "$left" "$PY" "$@"
+  local rc=$?
+  [ "$rc" -eq 124 ] && echo "KILLED after ${left} s (the rest of CHECK_BUDGET_S=$BUDGET): $*" >&2
+  return $rc
+}
+
+# A recipe run directory under $RUNS, emptied first (its ledger appends); keep_run copies its files
+# (metrics, ledger, summary, config, plots: not the checkpoint folders) into the logs.
+fresh_run() { rm -rf "${RUNS:?}/$1"; mkdir -p "$RUNS"; echo "$RUNS/$1"; }
+keep_run() {
+  mkdir -p "$LOGS/$1"
+  find "$RUNS/$1" -maxdepth 1 -type f -exec cp {} "$LOGS/$1/" \; 2>/dev/null || true
 }
 
 stage_env() {
@@ -85,32 +122,42 @@ stage_tests() {
   local files
   files=$($PY benchmarks/gpu/check_imports.py --list-gpu-tests)
   echo "GPU test files: $files"
-  $PY -m pytest -q -m gpu -rA --durations=0 -p no:cacheprovider $files
+  # -v: each test's verdict is in the log as it ends, even if the call's budget cuts the run short
+  run_py -m pytest -v -m gpu -rA --durations=0 -p no:cacheprovider $files
 }
 
 stage_phase() {
   local rc=0
-  $PY benchmarks/phase_switch.py --engine sglang --model 0.5b --steps 5 --name phase_switch_sglang_0.5b \
+  run_py benchmarks/phase_switch.py --engine sglang --model 0.5b --steps 5 --name phase_switch_sglang_0.5b \
     --sglang-kwargs "$SGLANG_KWARGS" --out $RES || rc=$?
-  $PY benchmarks/phase_switch.py --engine sglang --model smollm2-135m --steps 5 --name phase_switch_sglang_smollm2 \
+  run_py benchmarks/phase_switch.py --engine sglang --model smollm2-135m --steps 5 --name phase_switch_sglang_smollm2 \
     --sglang-kwargs "$SGLANG_KWARGS" --out $RES || rc=$?
   return $rc
 }
 
 stage_grpo() {
-  $PY benchmarks/step_breakdown.py --skip 2 --name step_breakdown_sglang --no-readme --out $RES \
-    --run-dir "$LOGS/grpo_sglang" rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}"
+  local rc=0
+  run_py benchmarks/step_breakdown.py --skip 2 --name step_breakdown_sglang --no-readme --out $RES \
+    --run-dir "$(fresh_run grpo_sglang)" rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}" || rc=$?
+  keep_run grpo_sglang
+  return $rc
 }
 
 stage_hf() {
-  $PY benchmarks/step_breakdown.py --skip 2 --name step_breakdown_hf --no-readme --out $RES \
-    --run-dir "$LOGS/grpo_hf" rollout.engine=hf "${GRPO_ARGS[@]}"
+  local rc=0
+  run_py benchmarks/step_breakdown.py --skip 2 --name step_breakdown_hf --no-readme --out $RES \
+    --run-dir "$(fresh_run grpo_hf)" rollout.engine=hf "${GRPO_ARGS[@]}" || rc=$?
+  keep_run grpo_hf
+  return $rc
 }
 
 stage_tools() {
-  $PY benchmarks/step_breakdown.py --skip 1 --name step_breakdown_sglang_tools --no-readme --out $RES \
-    --run-dir "$LOGS/grpo_sglang_tools" rollout.engine=sglang "$HYDRA_KWARGS" env=calculator data=arithmetic_hard \
-    trainer.total_steps=4 data.eval_size=0
+  local rc=0
+  run_py benchmarks/step_breakdown.py --skip 1 --name step_breakdown_sglang_tools --no-readme --out $RES \
+    --run-dir "$(fresh_run grpo_sglang_tools)" rollout.engine=sglang "$HYDRA_KWARGS" env=calculator \
+    data=arithmetic_hard trainer.total_steps=4 data.eval_size=0 || rc=$?
+  keep_run grpo_sglang_tools
+  return $rc
 }
 
 status=0
