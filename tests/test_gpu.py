@@ -61,6 +61,16 @@ def build(tmp_path, engine: str, dims: dict, kl_coef: float = 0.0, **rollout):
     return cfg, colo
 
 
+@pytest.fixture(autouse=True)
+def free_gpu_memory_after_each_test():
+    """A test's colocated set (actor, engine) dies with its frame, after the test returns (its own
+    release() call cannot drop the caller's reference): collect it, and give the cached blocks back,
+    so the next test (the SGLang worker, another process) starts with the GPU free."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def release(colo) -> None:
     if colo.engine is not None:
         colo.engine.shutdown()
@@ -156,7 +166,7 @@ def sglang_report(tmp_path_factory):
         try:
             proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),
                                    str(tmp), SGLANG_KWARGS], cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                  timeout=900)
+                                  timeout=420)  # inside a device call's 10 minutes, with the HF tests
             status = f"exit {proc.returncode}"
         except subprocess.TimeoutExpired as e:
             status = f"timed out after {e.timeout} s"

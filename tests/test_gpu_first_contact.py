@@ -10,6 +10,7 @@ sends SIGQUIT to the parent (scheduler.py).
 from __future__ import annotations
 
 import asyncio
+import json
 import dataclasses
 import importlib.abc
 import multiprocessing
@@ -116,6 +117,7 @@ class FakeServerArgs:  # the ServerArgs fields colo_rl sets, plus a few a user w
     attention_backend: Optional[str] = None
     sampling_backend: Optional[str] = None
     disable_cuda_graph: bool = False
+    disable_prefill_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
 
 
@@ -253,12 +255,15 @@ class FakeEngine:
 
 
 @pytest.mark.parametrize("new_loop", [_asyncio_loop, _uvloop], ids=["asyncio", "uvloop"])
-def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state, new_loop):
+def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit_state, new_loop, tmp_path):
     api = SimpleNamespace(server_args_cls=FakeServerArgs, memory_tags=["kv_cache", "weights", "cuda_graph"],
                           begin_req=None, end_req=None)
     monkeypatch.setattr(sg_engine, "sglang_api", lambda: api)
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine, __version__="0.5.17"))
-    monkeypatch.setattr(sg_engine, "engine_model_dir", lambda model_cfg: "/models/x")
+    # model=tiny's shape: 2 x 2 layers x 1 KV head x 64 x 2 bytes = 512 bytes of KV cache a token
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 1,
+                                                      "hidden_size": 64}))
+    monkeypatch.setattr(sg_engine, "engine_model_dir", lambda model_cfg: str(tmp_path))
     monkeypatch.setattr(sg_env, "_own_maps", lambda: MAPS)
     monkeypatch.setattr(sg_engine, "eos_token_ids", lambda tok, d: [2])
     monkeypatch.setenv("LD_LIBRARY_PATH", "/usr/lib/site")
@@ -279,6 +284,10 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
     try:
         assert fake.kwargs["attention_backend"] == "triton" and fake.kwargs["disable_cuda_graph"] is True
         assert fake.kwargs["load_format"] == "dummy" and fake.kwargs["enable_memory_saver"] is True
+        # SGLang's default (breakable) prefill graph refuses the memory saver: no prefill graph with it
+        assert fake.kwargs["disable_prefill_cuda_graph"] is True
+        # 38 of 40 GiB, less the buffers SGLang sizes to the pool's tokens (48 bytes a 512-byte token)
+        assert fake.kwargs["mem_fraction_static"] == pytest.approx(0.95 / (1 + 48 / 512), abs=1e-4)
         assert fake.kwargs["custom_sigquit_handler"] is sg_failure._sigquit_from_child
         assert fake.ld_library_path == f"{PIP_CUDART}:/usr/lib/site"  # what the schedulers inherit
         assert os.environ["LD_LIBRARY_PATH"] == "/usr/lib/site"  # the trainer's own, restored

@@ -34,7 +34,7 @@ if SGLANG_KWARGS:
 @pytest.mark.parametrize("handoff,contents", [("auto", ["base+adapters", "adapters"]), ("merged", ["merged"])])
 def test_sglang_lora_handoff_keeps_engine_and_trainer_in_agreement(tmp_path, handoff, contents):
     run_torchrun(WORKERS / "grpo_resume_worker.py", OVERRIDES + [f"model.lora.handoff={handoff}",
-                                                                 f"run_dir={tmp_path}"], nproc=1, timeout=900)
+                                                                 f"run_dir={tmp_path}"], nproc=1, timeout=420)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][1:]
     assert len(rows) == 3 and all(r["handoff/logprob_diff_mean"] < 0.05 for r in rows)  # bf16 engine vs trainer
     ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]

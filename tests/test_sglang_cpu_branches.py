@@ -15,6 +15,7 @@ from colo_rl.rollout import sglang as sg
 def test_the_engine_device_decides_the_memory_saver_and_the_gpu_id():
     assert sg.engine_device({}) == "cuda" and sg.engine_device({"device": "cpu"}) == "cpu"
     assert sg.memory_saver_for("cuda") is True and sg.memory_saver_for("cpu") is False  # CUDA-only in SGLang
+    assert sg.memory_saver_kwargs("cpu") == {"enable_memory_saver": False}  # CPU: no CUDA graphs to keep apart
     assert sg.engine_base_gpu_id("cuda", 3) == 3 and sg.engine_base_gpu_id("cpu", 3) == 0  # NUMA node 0
 
 

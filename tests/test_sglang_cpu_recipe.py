@@ -83,3 +83,32 @@ def test_lora_adapters_reach_sglang_as_tensors_and_are_applied(tmp_path):
     assert rows[-1]["train/kl"] > 1e-5 and rows[-1]["train/kl"] > 100 * rows[-1]["handoff/logprob_diff_mean"]
     print("SGLang LoRA on CPU: gap max per step", [r["handoff/logprob_diff_max"] for r in rows], "KL to the base",
           [r["train/kl"] for r in rows], "adapter bytes", handoffs[1]["bytes"], "base bytes", handoffs[0]["bytes"])
+
+
+def test_tensor_parallel_engine_serves_both_ranks_with_the_weights_of_both(tmp_path):
+    """rollout.tp_size=2 on SGLang's real runtime (2 gloo ranks, one engine with two scheduler
+    processes, TP over gloo): rank 1 sends its prompts to the owner and gets exactly its
+    completions back, and each rank's payload reaches its own TP rank. The engine-vs-trainer check
+    pairs each rank's prompts with the completions it got, on weights that move every step.
+    Before the group's ranks took the owner's authkey, rank 1's CPU payload failed in TP rank 1's
+    scheduler (a file descriptor's hand-over authenticates with an authkey only the owner shares
+    with SGLang's children)."""
+    sglang_cpu.require_sglang()
+    rewards = tmp_path / "rewards.py"  # a reward a random tiny model's completions vary in
+    rewards.write_text("def letter_share(completion, truth):\n"
+                       "    return sum(c.isascii() and c.isalpha() for c in completion) / max(len(completion), 1)\n")
+    proc = run_torchrun(ROOT / "recipes" / "grpo.py",
+                        ["model=tiny", "rollout=sglang", "rollout.tp_size=2", f"trainer.total_steps={STEPS}",
+                         "data.eval_size=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                         "rollout.max_new_tokens=8", "trainer.lr=1e-3", f"reward.functions=[{rewards}:letter_share]",
+                         "reward.format_weight=0", "logger=[jsonl]", "plots=false", "colocate.paging=on",
+                         "colocate.handoff_check_max_mean_abs=0.001",
+                         f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={tmp_path / 'run'}"],
+                        timeout=900, env={**sglang_cpu.env(), "SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+    out = proc.stdout + proc.stderr
+    assert out.count("starting SGLang") == 1 and "(tp=2," in out  # one engine for the two ranks
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")[1:]
+    assert len(rows) == STEPS
+    assert all(r["train/grad_norm"] > 0 for r in rows)  # the weights handed off differ every step
+    assert all(r["handoff/logprob_diff_max"] < 1e-4 for r in rows), [r["handoff/logprob_diff_max"] for r in rows]
+    print("SGLang tp=2 on CPU: gap max per step", [r["handoff/logprob_diff_max"] for r in rows])

@@ -628,6 +628,21 @@ def test_memory_plan_for_the_engine():
     gib = 1 << 30
     assert sg.plan_mem_fraction_static(40 * gib, 2 * gib) == pytest.approx(0.95)
     assert sg.plan_mem_fraction_static(40 * gib, 2 * gib, override=0.6) == 0.6
+    # The buffers SGLang sizes to the KV pool's token count come out of the margin's side too:
+    # what a toy model's pool (512 bytes a token) holds, what a 135M model's (23 KB) does.
+    from colo_rl.rollout.sglang.compat import ENGINE_BYTES_PER_KV_TOKEN, kv_bytes_per_token
+
+    smollm2 = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}
+    assert kv_bytes_per_token(smollm2, 2) == 2 * 30 * 3 * 64 * 2 == 23040
+    assert kv_bytes_per_token({"num_hidden_layers": 2, "num_attention_heads": 1, "hidden_size": 64}, 2) == 512
+    assert kv_bytes_per_token({"num_hidden_layers": 4, "head_dim": 128, "num_attention_heads": 8,
+                               "num_key_value_heads": 2, "hidden_size": 512}, 1) == 2 * 4 * 2 * 128
+    assert kv_bytes_per_token({"model_type": "mamba"}, 2) is None
+    for kv in (512, 23040):
+        f = sg.plan_mem_fraction_static(80 * gib, 2 * gib, kv_token_bytes=kv)
+        tokens = f * 80 * gib / kv  # at most: the static pool holds the weights too
+        assert 80 * gib - f * 80 * gib >= 2 * gib + tokens * ENGINE_BYTES_PER_KV_TOKEN - 1e6  # margin kept
+    assert sg.plan_mem_fraction_static(80 * gib, 2 * gib, kv_token_bytes=23040) > 0.97  # barely moved
     with pytest.raises(MemoryError, match="memory_margin_gib"):
         sg.plan_mem_fraction_static(gib, 2 * gib)
 

@@ -92,10 +92,19 @@ def worker(out_dir: Path) -> None:
     params = SamplingParams(max_new_tokens=4, temperature=0.7, n=N)
     rec: dict = {"rank": rank}
 
+    import hashlib
+    import multiprocessing
+
+    def authkey() -> str:
+        return hashlib.sha256(bytes(multiprocessing.current_process().authkey)).hexdigest()
+
+    rec["authkey_own"] = authkey()
     fake2 = FakeEngine(rank) if rank % 2 == 0 else None
     tp2 = TPGroupEngine.build(fake2, 2, prepare_payload=fake_prepare)
+    rec["authkey_tp2"] = authkey()
     fake4 = FakeEngine(rank) if rank == 0 else None
     tp4 = TPGroupEngine.build(fake4, 4, prepare_payload=fake_prepare)
+    rec["authkey_tp4"] = authkey()
 
     rec["tp2"] = outcome(lambda: completions_record(tp2.generate(prompts_for(rank), params)))
     rec["tp4"] = outcome(lambda: completions_record(tp4.generate(prompts_for(rank), params)))
@@ -213,3 +222,12 @@ if __name__ == "__main__":
     from colo_rl import dist
 
     dist.run_and_exit(lambda: worker(Path(sys.argv[1])))
+
+
+def test_every_rank_of_a_group_takes_its_owners_authkey(records):
+    """A CPU payload (a file descriptor through torch's ForkingPickler) is fetched over a connection
+    authenticated with its producer's authkey, and the engine's processes hold the owner's."""
+    own = [r["authkey_own"] for r in records]
+    assert len(set(own)) == WORLD  # torchrun's ranks start with keys of their own
+    assert [r["authkey_tp2"] for r in records] == [own[0], own[0], own[2], own[2]]
+    assert [r["authkey_tp4"] for r in records] == [own[0]] * WORLD

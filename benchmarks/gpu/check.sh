@@ -116,15 +116,23 @@ print("sglang_api:", {k: (v is not None) for k, v in vars(api).items()})
 EOF
 }
 
+gpu_tests() {
+  echo "GPU test files: $*"
+  # -v: each test's verdict is in the log as it ends, even if the call's budget cuts the run short
+  run_py -m pytest -v -m gpu -rA --durations=0 -p no:cacheprovider "$@"
+}
+
 stage_tests() {
   # Every test file with a GPU test, not tests/ as a whole: the rest import what the GPU image lacks
   # (wandb, mlflow, import-linter, SGLang's CPU shims) and would fail at collection.
-  local files
-  # GPU_TEST_FILES: a subset, e.g. to finish in a second call what a first one's budget cut short
-  files=${GPU_TEST_FILES:-$($PY benchmarks/gpu/check_imports.py --list-gpu-tests)}
-  echo "GPU test files: $files"
-  # -v: each test's verdict is in the log as it ends, even if the call's budget cuts the run short
-  run_py -m pytest -v -m gpu -rA --durations=0 -p no:cacheprovider $files
+  # GPU_TEST_FILES: a subset, e.g. to finish in a second call what a first one's budget cut short.
+  gpu_tests ${GPU_TEST_FILES:-$($PY benchmarks/gpu/check_imports.py --list-gpu-tests)}
+}
+
+# The same files in two device calls: tests1 the engines under the memory manager (HF, SGLang), tests2 the rest
+stage_tests1() { gpu_tests tests/test_gpu.py; }
+stage_tests2() {
+  gpu_tests $($PY benchmarks/gpu/check_imports.py --list-gpu-tests | tr ' ' '\n' | grep -v '^tests/test_gpu.py$')
 }
 
 stage_phase() {

@@ -19,6 +19,7 @@ collective the owner never joins).
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -101,6 +102,18 @@ def _device_free_bytes() -> Optional[int]:
     return torch.cuda.mem_get_info()[0]
 
 
+def share_owner_authkey(layout: dict, group) -> None:
+    """Every rank of the group takes the owner's multiprocessing authkey. A payload that passes a
+    file descriptor (a CPU tensor through torch's ForkingPickler) is fetched from the rank that made
+    it over a connection authenticated with that rank's authkey, and the engine's processes,
+    children of the owner, hold the owner's: without this a non-owner's payload failed in the
+    scheduler that opened it ("AuthenticationError: digest received was wrong"). CUDA IPC handles
+    need no connection."""
+    box = [bytes(multiprocessing.current_process().authkey)] if layout["owns_engine"] else [None]
+    tdist.broadcast_object_list(box, src=layout["owner"], group=group)
+    multiprocessing.current_process().authkey = box[0]
+
+
 class TPGroupEngine:
     """The engine protocol for every rank of a TP group; the owner forwards to `inner`."""
 
@@ -127,6 +140,7 @@ class TPGroupEngine:
     def build(cls, inner, tp_size: int, guard=None, prepare_payload=None) -> "TPGroupEngine":
         """Collective (creates the groups): every rank calls it; `inner` only on group owners."""
         layout, group = new_tp_group(tp_size)
+        share_owner_authkey(layout, group)
         return cls(inner, layout, group, guard=guard, prepare_payload=prepare_payload)
 
     # ---------------------------------------------------------------- group plumbing

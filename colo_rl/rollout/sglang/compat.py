@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 from functools import lru_cache
 from types import SimpleNamespace
@@ -130,6 +131,18 @@ def memory_saver_for(device: str) -> bool:
     return device != "cpu"
 
 
+def memory_saver_kwargs(device: str) -> dict[str, bool]:
+    """The engine arguments of SGLang's memory saver: on (CUDA), and with it no prefill CUDA graph.
+    SGLang's default prefill graph on CUDA (the "breakable" backend, 0.5.17 and 0.5.21) refuses the
+    memory saver when CUDA graphs are released too (SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, which colo_rl
+    sets so that they are): NotImplementedError "Breakable CUDA graph is not compatible with memory
+    saver mode" in the scheduler at start (runner_backend/breakable_cuda_graph_backend.py), unless
+    under 4 GiB happened to be free after the KV cache. Prefill runs eagerly; decode keeps its
+    graphs. rollout.sglang_kwargs may choose another prefill backend (cuda_graph_backend_prefill)."""
+    on = memory_saver_for(device)
+    return {"enable_memory_saver": on, **({"disable_prefill_cuda_graph": True} if on else {})}
+
+
 def engine_free_bytes(device: str) -> int:
     """Memory free for the engine now, as SGLang measures it when it sizes its static memory
     (mem_fraction_static is a fraction of this): the GPU's free memory, or on CPU the machine's
@@ -141,9 +154,33 @@ def engine_free_bytes(device: str) -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None) -> float:
+# Engine memory outside mem_fraction_static that grows with the KV pool's token count (SGLang
+# 0.5.17): the eager runner's input_ids / positions / out_cache_loc buffers, int64 each, sized to
+# the pool (runner/eager_runner.py: prefill_ceiling = max_total_num_tokens), and the token
+# allocator's int64 free list (mem_cache/allocator/token.py): 32 bytes a token, 48 with room for
+# what was not counted. Negligible for real models (tens of KB of KV a token); for a toy model
+# (512 B a token) ~10 % of the pool, GiBs past the margin on an 80 GB GPU.
+ENGINE_BYTES_PER_KV_TOKEN = 48
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int) -> Optional[int]:
+    """One token's KV-cache bytes for a standard-attention model's config.json (None where it
+    does not name its layer and head counts)."""
+    layers, heads, hidden = (config.get(k) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"))
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
+                                          and heads > 0 else None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
+        return None
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None,
+                             kv_token_bytes: Optional[int] = None) -> float:
     """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
-    that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin."""
+    that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin,
+    and minus the buffers that grow with the KV pool (`kv_token_bytes`: a token's KV bytes; the
+    pool holds at most fraction x free / kv_token_bytes tokens)."""
     if override is not None:
         if not 0 < override < 1:
             raise ValueError(f"colocate.mem_fraction_static={override} must be in (0, 1)")
@@ -153,7 +190,9 @@ def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optio
             f"only {free_bytes / GIB:.1f} GiB free after paging the trainer out, not more than the "
             f"colocate.memory_margin_gib={margin_bytes / GIB:.1f}: use more GPUs (ZeRO-3 shards the "
             "trainer), a smaller model, or a smaller margin")
-    return round((free_bytes - margin_bytes) / free_bytes, 4)
+    per_pool_byte = ENGINE_BYTES_PER_KV_TOKEN / kv_token_bytes if kv_token_bytes else 0.0
+    fraction = (free_bytes - margin_bytes) / (free_bytes * (1 + per_pool_byte))
+    return math.floor(fraction * 1e4 + 1e-9) / 1e4  # 4 decimals, never rounded into the margin
 
 
 def engine_base_gpu_id(device: str, local_rank: int) -> int:

@@ -4,11 +4,13 @@ machine (see colo_rl/colocate/NOTES.md for the layout, the transition order and 
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import shutil
 import tempfile
 import time
+from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
@@ -27,7 +29,8 @@ from colo_rl.rollout.sglang.compat import (
     engine_device,
     engine_free_bytes,
     known_server_kwargs,
-    memory_saver_for,
+    kv_bytes_per_token,
+    memory_saver_kwargs,
     plan_mem_fraction_static,
     sglang_api,
     sglang_dtype,
@@ -186,13 +189,17 @@ class SGLangEngine:
             check_cpu_engine_kwargs(extra)
         if free_bytes is None:
             free_bytes = engine_free_bytes(device)
-        fraction = plan_mem_fraction_static(free_bytes, int(colocate.memory_margin_gib * GIB),
-                                            colocate.mem_fraction_static)
         model_dir = engine_model_dir(cfg.model)
+        # a pool bounded by max_total_tokens keeps its per-token buffers small whatever the model
+        kv_token = None if extra.get("max_total_tokens") else kv_bytes_per_token(
+            json.loads((Path(model_dir) / "config.json").read_text()),
+            1 if "fp8" in str(extra.get("kv_cache_dtype", "")) else torch.empty((), dtype=dtype).element_size())
+        fraction = plan_mem_fraction_static(free_bytes, int(colocate.memory_margin_gib * GIB),
+                                            colocate.mem_fraction_static, kv_token)
         child_failure = watch_child_failures()
         kwargs = known_server_kwargs(dict(
             model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
-            mem_fraction_static=fraction, enable_memory_saver=memory_saver_for(device), load_format="dummy",
+            mem_fraction_static=fraction, **memory_saver_kwargs(device), load_format="dummy",
             skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
             port=dist.free_port(), nccl_port=dist.free_port(), log_level="error",
             custom_sigquit_handler=_sigquit_from_child,
