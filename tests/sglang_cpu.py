@@ -28,6 +28,9 @@ SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
 SESSION_API = {"0.5.21": True, "0.5.17": False}
 SGLANG_VERSION = os.environ.get("COLO_RL_SGLANG_CPU_VERSION", "0.5.21")
 HAS_SESSION = SESSION_API.get(SGLANG_VERSION, True)
+# Whether the release's CPU engine runs tp_size > 1: 0.5.17's builds a PyNccl communicator on the CPU
+# device for every group of more than one rank and fails ("Expected a cuda device, but got: cpu").
+CPU_TENSOR_PARALLEL = {"0.5.21": True, "0.5.17": False}
 
 # SGLang's CPU engine without SGLang's CPU kernels: torch-native attention, no CUDA graphs, no
 # overlap scheduling (a second thread), a bounded KV cache (the CPU memory plan: RAM is shared).
