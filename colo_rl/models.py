@@ -133,8 +133,9 @@ def context_length(config) -> Optional[int]:
     extended = "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3"
     factor = 1 if extended else scaling.get("factor", 1)
     for key in CONTEXT_LENGTH_KEYS:
-        if isinstance(get(key), int):
-            return int(factor * get(key))
+        value = get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return int(factor * value)
     return None
 
 
@@ -147,7 +148,7 @@ def known_context_length(path: str) -> Optional[int]:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(directory)
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=False)  # never runs a model's code
     except Exception:  # noqa: BLE001 - a type transformers does not know (remote code): its own keys still say
         config = json.loads((directory / "config.json").read_text())
     return context_length(config)

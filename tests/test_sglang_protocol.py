@@ -638,6 +638,13 @@ def test_memory_plan_for_the_engine():
     assert kv_bytes_per_token({"num_hidden_layers": 4, "head_dim": 128, "num_attention_heads": 8,
                                "num_key_value_heads": 2, "hidden_size": 512}, 1) == 2 * 4 * 2 * 128
     assert kv_bytes_per_token({"model_type": "mamba"}, 2) is None
+    assert kv_bytes_per_token(smollm2, 2, tp_size=2) == 2 * 30 * 1 * 64 * 2  # 3 KV heads: one a TP rank
+    assert kv_bytes_per_token(smollm2, 2, tp_size=4) == 2 * 30 * 1 * 64 * 2  # at least one a rank
+    from colo_rl.rollout.sglang.compat import kv_cache_bytes
+
+    assert kv_cache_bytes({}, torch.bfloat16) == 2 and kv_cache_bytes({}, torch.float32) == 4
+    assert kv_cache_bytes({"kv_cache_dtype": "fp8_e4m3"}, torch.bfloat16) == 1
+    assert kv_cache_bytes({"kv_cache_dtype": "bf16"}, torch.float32) == 2
     for kv in (512, 23040):
         f = sg.plan_mem_fraction_static(80 * gib, 2 * gib, kv_token_bytes=kv)
         tokens = f * 80 * gib / kv  # at most: the static pool holds the weights too

@@ -343,6 +343,7 @@ def _model_dir(tmp_path, config: dict):
     ({"model_type": "qwen2", "max_position_embeddings": 32768,
       "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}, 32768),
     ({"model_type": "not-a-transformers-type", "seq_length": 3000}, 3000),  # remote code: config.json's keys
+    ({"model_type": "not-a-transformers-type", "auto_map": {"AutoConfig": "x.Y"}, "max_seq_len": 4096.0}, 4096),
 ])
 def test_a_model_directorys_context_length_is_read_through_transformers(tmp_path, config, length):
     from colo_rl.models import known_context_length
@@ -353,7 +354,7 @@ def test_a_model_directorys_context_length_is_read_through_transformers(tmp_path
 def test_the_embedded_models_context_length_is_known_before_its_conversion(tmp_path, monkeypatch):
     from colo_rl import models
 
-    converted = models.known_context_length("embedded")  # the test session's converted copy
+    converted = models.context_length(json.loads((models.embedded_model_dir() / "config.json").read_text()))
     monkeypatch.setenv("COLO_RL_CACHE", str(tmp_path))  # nothing converted here
     assert not (tmp_path / models.EMBEDDED_NAME).exists()
     assert models.known_context_length("embedded") == models.EMBEDDED_CONTEXT_LENGTH == converted

@@ -163,20 +163,31 @@ def engine_free_bytes(device: str) -> int:
 ENGINE_BYTES_PER_KV_TOKEN = 48
 
 
-def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: int) -> Optional[int]:
-    """One token's KV-cache bytes for a standard-attention model's config.json (None where it
-    does not name its layer and head counts)."""
+def kv_bytes_per_token(config: Mapping[str, Any], dtype_bytes: float, tp_size: int = 1) -> Optional[float]:
+    """One token's KV-cache bytes on one TP rank for a standard-attention model's config.json
+    (SGLang splits the KV heads over the TP ranks, at least one each); None where the config does
+    not name its layer and head counts."""
     layers, heads, hidden = (config.get(k) for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"))
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int)
                                           and heads > 0 else None)
     if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
         return None
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
+    return 2 * layers * max(1, kv_heads // tp_size) * head_dim * dtype_bytes
+
+
+def kv_cache_bytes(extra: Mapping[str, Any], dtype: torch.dtype) -> float:
+    """Bytes of one KV-cache element: rollout.sglang_kwargs.kv_cache_dtype where set (fp8 / fp4 /
+    bf16 / ...), else the model's dtype (SGLang's "auto")."""
+    name = str(extra.get("kv_cache_dtype") or "auto").lower()
+    for key, size in (("fp4", 0.5), ("fp8", 1), ("bf16", 2), ("bfloat16", 2), ("fp16", 2), ("float16", 2)):
+        if key in name:
+            return size
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None,
-                             kv_token_bytes: Optional[int] = None) -> float:
+                             kv_token_bytes: Optional[float] = None) -> float:
     """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
     that the engine's weights + KV cache fill what the paged-out trainer leaves, minus a margin,
     and minus the buffers that grow with the KV pool (`kv_token_bytes`: a token's KV bytes; the

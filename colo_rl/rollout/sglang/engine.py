@@ -30,6 +30,7 @@ from colo_rl.rollout.sglang.compat import (
     engine_free_bytes,
     known_server_kwargs,
     kv_bytes_per_token,
+    kv_cache_bytes,
     memory_saver_kwargs,
     plan_mem_fraction_static,
     sglang_api,
@@ -192,8 +193,7 @@ class SGLangEngine:
         model_dir = engine_model_dir(cfg.model)
         # a pool bounded by max_total_tokens keeps its per-token buffers small whatever the model
         kv_token = None if extra.get("max_total_tokens") else kv_bytes_per_token(
-            json.loads((Path(model_dir) / "config.json").read_text()),
-            1 if "fp8" in str(extra.get("kv_cache_dtype", "")) else torch.empty((), dtype=dtype).element_size())
+            json.loads((Path(model_dir) / "config.json").read_text()), kv_cache_bytes(extra, dtype), rollout.tp_size)
         fraction = plan_mem_fraction_static(free_bytes, int(colocate.memory_margin_gib * GIB),
                                             colocate.mem_fraction_static, kv_token)
         child_failure = watch_child_failures()
