@@ -165,25 +165,19 @@ def measured_frees(actions: list[tuple[str, Callable[[], object]]], free_bytes: 
     return out
 
 
-def cuda_free_bytes() -> Optional[int]:
-    if not torch.cuda.is_available():
-        return None  # CPU: the sequence runs, nothing is measured
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def itemised_release(colo, step: int) -> dict:
     """After the timed steps: the engine's release and the trainer's page-out one kind at a time,
     each measured on its own (the transitions move them together, and a transition's before/after
     nets the trainer's page-out against the engine's wake). Against what each side held: the
     engine's allocations on waking (ledger), the trainer's allocated bytes before its page-out."""
+    from colo_rl import dist
     from colo_rl.rollout.base import CUDA_GRAPH, KV_CACHE, WEIGHTS
 
     colo.switch.begin_step(step)
     with colo.switch.generation():  # the trainer pages out, the engine wakes and takes the weights
         wake = {m["what"]: m["bytes"] for m in colo.ledger.records[-1]["moves"]}
         engine = measured_frees([(tag, functools.partial(colo.engine.sleep, [tag]))
-                                 for tag in (KV_CACHE, CUDA_GRAPH, WEIGHTS)], cuda_free_bytes)
+                                 for tag in (KV_CACHE, CUDA_GRAPH, WEIGHTS)], dist.device_free_bytes)
     with colo.switch.update():  # the engine is already released: only the trainer reloads
         allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else None
         trainer = []
@@ -194,7 +188,7 @@ def itemised_release(colo, step: int) -> dict:
             page = [(kind, functools.partial(ds.offload_states, include=[OffloadStateTypeEnum(kind)],
                                              device=OffloadDeviceEnum.cpu, pin_memory=colo.actor.pin_memory))
                     for kind in TRAINER_STATES]
-            trainer = measured_frees([("partition cache", ds.empty_partition_cache), *page], cuda_free_bytes)
+            trainer = measured_frees([("partition cache", ds.empty_partition_cache), *page], dist.device_free_bytes)
             colo.actor.reload_states()
     return {"engine": {"held_bytes": {"weights": wake.get("engine weights (allocate)", 0),
                                       "kv_cache + cuda_graph": wake.get("engine KV cache (allocate)", 0)},

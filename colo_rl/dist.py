@@ -50,6 +50,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def device_free_bytes() -> Optional[int]:
+    """Free memory on this process's GPU once its queued work is done (device-wide: other
+    processes' allocations count, an engine's included); None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
 # How long a collective may wait for a peer before it fails (instead of hanging): a rank that
 # died mid-run makes the others raise within this time. torchrun also stops the whole group as soon
 # as one rank exits with an error (SIGTERM, then SIGKILL after its 30 s grace), and under gloo a peer

@@ -95,13 +95,6 @@ def split_by_counts(items: list, counts: list[int]) -> list[list]:
     return out
 
 
-def _device_free_bytes() -> Optional[int]:
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info()[0]
-
-
 def share_owner_authkey(layout: dict, group) -> None:
     """Every rank of the group takes the owner's multiprocessing authkey. A payload that passes a
     file descriptor (a CPU tensor through torch's ForkingPickler) is fetched from the rank that made
@@ -211,18 +204,18 @@ class TPGroupEngine:
     # CUDA the owner reports what its engine said and the others 0.
     def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
         tags = list(tags)
-        before = _device_free_bytes()
+        before = dist.device_free_bytes()
         released = self._run_on_owner(lambda: self.inner.sleep(tags)) or 0
         self._barrier()  # the engine's memory is gone from every GPU before anyone reloads
-        after = _device_free_bytes()
+        after = dist.device_free_bytes()
         return released if before is None else max(0, after - before)
 
     def wake(self, tags: Iterable[str] = ALL_TAGS) -> int:
         tags = list(tags)
         self._barrier()  # every rank has paged its trainer states out before the engine resumes
-        before = _device_free_bytes()
+        before = dist.device_free_bytes()
         taken = self._run_on_owner(lambda: self.inner.wake(tags)) or 0
-        after = _device_free_bytes()  # after the owner's broadcast: the engine has resumed
+        after = dist.device_free_bytes()  # after the owner's broadcast: the engine has resumed
         return taken if before is None else max(0, before - after)
 
     # ---------------------------------------------------------------- weights

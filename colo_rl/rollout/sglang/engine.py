@@ -257,10 +257,9 @@ class SGLangEngine:
 
     # ---------------------------------------------------------------- memory protocol
     def _free_bytes(self) -> int:
-        if self.device == "cpu" or not torch.cuda.is_available():  # CPU: SGLang's release frees nothing
+        if self.device == "cpu":  # CPU: SGLang's release frees nothing
             return 0
-        torch.cuda.synchronize()
-        return torch.cuda.mem_get_info()[0]
+        return dist.device_free_bytes() or 0
 
     def sleep(self, tags: Iterable[str] = ALL_TAGS) -> int:
         """Release `tags`; returns the bytes freed on this rank's GPU."""
