@@ -17,7 +17,7 @@
 # so far are packed into $OUT/gpu-results-<stages>.tgz after every stage, so a run cut short still reports.
 #
 # One device call may run 10 minutes: every Python command gets what is left of CHECK_BUDGET_S (default
-# 570 s from this script's start, less 20 s kept for packing) and is killed with its process group at the
+# 570 s from this script's start, less 40 s kept for the kill's grace and packing) and is killed with its process group at the
 # end of it, so a hang still leaves its logs and the results so far. Recipe run directories live under
 # /tmp (their checkpoints are GBs); the files they write beside the checkpoints are copied into the logs.
 set -uo pipefail
@@ -75,12 +75,18 @@ run_py() {
   return $rc
 }
 
-# A recipe run directory under $RUNS, emptied first (its ledger appends); keep_run copies its files
-# (metrics, ledger, summary, config, plots: not the checkpoint folders) into the logs.
-fresh_run() { rm -rf "${RUNS:?}/$1" "${LOGS:?}/$1"; mkdir -p "$RUNS"; echo "$RUNS/$1"; }
-keep_run() {
-  mkdir -p "$LOGS/$1"
-  find "$RUNS/$1" -maxdepth 1 -type f -exec cp {} "$LOGS/$1/" \; 2>/dev/null || true
+# step_breakdown.py (results step_breakdown_<run without grpo_>) on the recipe run directory $RUNS/<run>,
+# emptied first (its ledger appends); whatever the outcome, the run's files (metrics, ledger, summary,
+# config, plots: not the checkpoint folders) are copied into the logs.
+breakdown() {
+  local run=$1 skip=$2 rc=0
+  shift 2
+  rm -rf "${RUNS:?}/$run" "${LOGS:?}/$run"
+  mkdir -p "$RUNS" "$LOGS/$run"
+  run_py benchmarks/step_breakdown.py --skip "$skip" --name "step_breakdown_${run#grpo_}" --no-readme --out "$RES" \
+    --run-dir "$RUNS/$run" "$@" || rc=$?
+  find "$RUNS/$run" -maxdepth 1 -type f -exec cp {} "$LOGS/$run/" \; 2>/dev/null || true
+  return $rc
 }
 
 stage_env() {
@@ -148,29 +154,13 @@ stage_phase() {
   return $rc
 }
 
-stage_grpo() {
-  local rc=0
-  run_py benchmarks/step_breakdown.py --skip 2 --name step_breakdown_sglang --no-readme --out $RES \
-    --run-dir "$(fresh_run grpo_sglang)" rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}" || rc=$?
-  keep_run grpo_sglang
-  return $rc
-}
+stage_grpo() { breakdown grpo_sglang 2 rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}"; }
 
-stage_hf() {
-  local rc=0
-  run_py benchmarks/step_breakdown.py --skip 2 --name step_breakdown_hf --no-readme --out $RES \
-    --run-dir "$(fresh_run grpo_hf)" rollout.engine=hf "${GRPO_ARGS[@]}" || rc=$?
-  keep_run grpo_hf
-  return $rc
-}
+stage_hf() { breakdown grpo_hf 2 rollout.engine=hf "${GRPO_ARGS[@]}"; }
 
 stage_tools() {
-  local rc=0
-  run_py benchmarks/step_breakdown.py --skip 1 --name step_breakdown_sglang_tools --no-readme --out $RES \
-    --run-dir "$(fresh_run grpo_sglang_tools)" rollout.engine=sglang "$HYDRA_KWARGS" env=calculator \
-    data=arithmetic_hard trainer.total_steps=4 data.eval_size=0 || rc=$?
-  keep_run grpo_sglang_tools
-  return $rc
+  breakdown grpo_sglang_tools 1 rollout.engine=sglang "$HYDRA_KWARGS" env=calculator data=arithmetic_hard \
+    trainer.total_steps=4 data.eval_size=0
 }
 
 status=0
