@@ -14,8 +14,10 @@ attention_backend=torch_native), but two of its imports assume a CUDA machine:
    stand-in for the one function the CPU path calls.
 3. LoRA (`sglang.srt.lora`) builds host tensors with `pin_memory=True`, which a torch without an
    accelerator refuses. `install_lora_pin_memory()` (armed by sitecustomize.py, so in SGLang's
-   scheduler) drops the flag there, once sglang.srt.lora is first imported: page-locking is a
-   transfer speed-up, and there is no device to transfer to.
+   scheduler, and in every process of `make test`'s venv: its .pth puts this folder on sys.path,
+   and Python then imports the sitecustomize.py found there) drops the flag, once sglang.srt.lora is
+   first imported: page-locking is a transfer speed-up, and there is no device to transfer to. The
+   patched factories keep working under `with torch.device(...)` (tests/test_sglang_cpu_shim.py).
 
 Activated by tests/sglang_cpu_shims/ on PYTHONPATH (its sitecustomize.py calls install(), so
 SGLang's spawned scheduler / detokenizer processes get it too) or by calling install() directly.
@@ -102,6 +104,14 @@ def drop_pin_memory() -> bool:
 
     if torch.cuda.is_available() or getattr(torch.Tensor.pin_memory, "_colo_rl_shim", False):
         return False
+    # torch's device context (`with torch.device("meta")`, which transformers' from_pretrained builds
+    # every model under) recognises factories by identity, in a set it caches on first use. Filled
+    # after this patch, it would hold the wrappers, and the real factories they call would ignore the
+    # context: models then build on the host, the module flags that skip initialisation are set, and
+    # non-persistent buffers (the rotary inv_freq) are left as uninitialised memory. Fill it now.
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
     for name in PINNING_FACTORIES:
         setattr(torch, name, _without_pin_memory(getattr(torch, name)))
 
