@@ -89,11 +89,6 @@ def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8):
     method = multiprocessing.get_start_method(allow_none=True)
     with pytest.MonkeyPatch.context() as mp:
         activate(mp)
-        # dist.init() puts a world of one's rendezvous port into the environment. It leaves with the module
-        # (below; the other variables stay: DeepSpeed reads LOCAL_RANK while the world lives), or a later
-        # test's single-process subprocess (the phase-switch benchmark) would inherit MASTER_PORT, which this
-        # process's store keeps listening on (EADDRINUSE).
-        port_added = "MASTER_PORT" not in os.environ
         dist.init()
         cfg = make_cfg()
         cfg.rollout.sglang_kwargs = dict(SGLANG_KWARGS)
@@ -105,5 +100,3 @@ def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8):
             if built.engine is not None:
                 built.engine.shutdown()
             multiprocessing.set_start_method(method, force=True)
-            if port_added:
-                os.environ.pop("MASTER_PORT", None)

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
 def test_phase_switch_benchmark_reports_every_transition(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")  # its own world of one
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phase_switch.py"), "--small", "--steps", "2",
                            "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -41,7 +41,7 @@ def test_phase_switch_benchmark_reports_every_transition(tmp_path):
 def test_itemised_pass_releases_and_pages_one_kind_at_a_time_with_the_real_paging_code(tmp_path):
     """colocate.paging=on runs DeepSpeed's real per-kind offload_states on CPU (host to host): the
     sequence the GPU run measures, each kind alone, then a reload. Freed bytes are CUDA-only."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")  # its own world of one
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phase_switch.py"), "--small", "--steps", "1",
                            "--prompts", "2", "--n", "2", "--max-new-tokens", "4", "--paging", "on",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
