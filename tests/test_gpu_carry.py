@@ -7,6 +7,8 @@ import base64
 import hashlib
 import importlib.util
 import json
+import os
+import random
 import subprocess
 import sys
 import zipfile
@@ -67,14 +69,19 @@ def test_slim_rule_that_matches_nothing_is_refused(tmp_path):
         carry.slim_wheel(wheel, ("kern/flash_ops.abi3.so",))
 
 
+def noise(n: int, seed: int) -> bytes:
+    """Incompressible bytes as a Python comment (xz must not shrink a bundle below several parts)."""
+    return b"# " + random.Random(seed).randbytes(n).hex().encode() + b"\n"
+
+
 @pytest.fixture
 def packed(tmp_path, monkeypatch):
     monkeypatch.setattr(carry, "PART_BYTES", 6 << 10)  # small parts: each bundle spans several
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    stack = [make_wheel(wheels, "alpha", {"alpha/__init__.py": b"A = 1\n" + b"#" * 9000}),
+    stack = [make_wheel(wheels, "alpha", {"alpha/__init__.py": b"A = 1\n" + noise(9000, 1)}),
              make_wheel(wheels, "beta", {"beta/__init__.py": b"B = 2\n"})]
-    model = [make_wheel(wheels, "weights", {"weights/__init__.py": b"W = 3\n" + b"#" * 7000})]
+    model = [make_wheel(wheels, "weights", {"weights/__init__.py": b"W = 3\n" + noise(3500, 2)})]
     out = tmp_path / "carry"
     out.mkdir()
     pieces = carry.pack({"stack": stack, "model": model}, out)
@@ -89,6 +96,47 @@ def test_parts_reassemble_into_the_installed_wheels(packed, tmp_path):
     carry.install(sorted(out.glob("part*")), target)
     assert (target / "alpha" / "__init__.py").read_bytes().startswith(b"A = 1")
     assert (target / "weights" / "__init__.py").exists() and (target / "beta" / "__init__.py").exists()
+
+
+def test_stack_travels_unpacked_in_xz_and_is_rebuilt_into_the_same_wheels(tmp_path):
+    """The stack bundle is the wheels' members in a tar.xz (a tar of zips compresses no further):
+    the rebuilt wheels hold the same members, bytes and Unix modes, so RECORD still holds and pip
+    installs them; redundant content shrinks far below the wheels' own size."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # the same module text in two wheels: deflate compresses each file alone, xz finds the repeat
+    text = b"".join(b"def f%d(x):\n    return x * %d + %d\n" % (i, i, i * 7) for i in range(1500))
+    one = make_wheel(wheels, "gamma", {"gamma/__init__.py": text, "gamma/empty.py": b""})
+    two = make_wheel(wheels, "delta", {"delta/__init__.py": text + b"D = 4\n"})
+    with zipfile.ZipFile(one, "a") as zf:  # an executable member and a directory entry, as real wheels carry
+        info = zipfile.ZipInfo("gamma/tool.sh", (2024, 5, 6, 7, 8, 10))
+        info.external_attr = 0o100755 << 16
+        zf.writestr(info, b"#!/bin/sh\necho hi\n")
+        zf.writestr(zipfile.ZipInfo("gamma/data/"), b"")
+    out = tmp_path / "carry"
+    out.mkdir()
+    pieces = carry.pack({"stack": [one, two]}, out)
+    assert [p.name for p in pieces] == ["stack.tar.xz.01"]
+    assert pieces[0].stat().st_size < 0.6 * (one.stat().st_size + two.stat().st_size)
+    rebuilt = tmp_path / "rebuilt"
+    rebuilt.mkdir()
+    archive = tmp_path / "stack.tar.xz"
+    archive.write_bytes(pieces[0].read_bytes())
+    made = carry.rezip_wheels(archive, rebuilt)
+    assert sorted(w.name for w in made) == sorted([one.name, two.name])
+    for original in (one, two):
+        with zipfile.ZipFile(original) as a, zipfile.ZipFile(rebuilt / original.name) as b:
+            assert [i.filename for i in a.infolist()] == [i.filename for i in b.infolist()]
+            for ia, ib in zip(a.infolist(), b.infolist()):
+                assert a.read(ia) == b.read(ib), ia.filename
+                assert ia.is_dir() == ib.is_dir()
+                mode_a = (ia.external_attr >> 16) & 0o777
+                assert (ib.external_attr >> 16) & 0o777 == (mode_a or (0o755 if ia.is_dir() else 0o644))
+    target = tmp_path / "site"
+    carry.install([out / "part1"], target)
+    assert (target / "gamma" / "__init__.py").read_bytes() == text
+    assert os.access(target / "gamma" / "tool.sh", os.X_OK)
+    assert (target / "delta" / "__init__.py").read_bytes().endswith(b"D = 4\n")
 
 
 def test_a_bundle_without_parts_is_skipped_and_the_rest_installs(packed, tmp_path, capsys):

