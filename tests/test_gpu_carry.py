@@ -140,12 +140,18 @@ def test_stack_travels_unpacked_in_xz_and_is_rebuilt_into_the_same_wheels(tmp_pa
 
 
 def test_a_bundle_without_parts_is_skipped_and_the_rest_installs(packed, tmp_path, capsys):
+    """The GPU run installs the stack with its first call and the model two calls later, into the
+    same folder: the second install adds the model and keeps the stack."""
     out, pieces = packed
     stack_dirs = sorted({p.parent for p in pieces if p.name.startswith("stack.")})
+    model_dirs = sorted({p.parent for p in pieces if p.name.startswith("model.")})
     target = tmp_path / "site"
     carry.install(stack_dirs, target)
     assert (target / "alpha").exists() and not (target / "weights").exists()
     assert "bundle 'model': no part here" in capsys.readouterr().out
+    carry.install(model_dirs, target)
+    assert "bundle 'stack': no part here" in capsys.readouterr().out
+    assert all((target / name / "__init__.py").exists() for name in ("alpha", "beta", "weights"))
 
 
 def test_missing_or_corrupt_part_is_refused_before_installing(packed, tmp_path):
