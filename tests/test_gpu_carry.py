@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -137,6 +138,24 @@ def test_stack_travels_unpacked_in_xz_and_is_rebuilt_into_the_same_wheels(tmp_pa
     assert (target / "gamma" / "__init__.py").read_bytes() == text
     assert os.access(target / "gamma" / "tool.sh", os.X_OK)
     assert (target / "delta" / "__init__.py").read_bytes().endswith(b"D = 4\n")
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="needs the xz program")
+def test_stack_is_rebuilt_through_the_xz_program_where_python_lacks_lzma(tmp_path, monkeypatch):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    one = make_wheel(wheels, "gamma", {"gamma/__init__.py": b"G = 5\n" * 500})
+    out = tmp_path / "carry"
+    out.mkdir()
+    carry.pack({"stack": [one]}, out)
+    monkeypatch.setattr(carry, "lzma", None)
+    target = tmp_path / "site"
+    carry.install([out / "part1"], target)
+    assert (target / "gamma" / "__init__.py").read_bytes() == b"G = 5\n" * 500
+    archive = tmp_path / "broken.tar.xz"
+    archive.write_bytes(b"not xz")
+    with pytest.raises(subprocess.CalledProcessError):  # a failed decompression stops, never half-installs
+        carry.rezip_wheels(archive, tmp_path)
 
 
 def test_a_bundle_without_parts_is_skipped_and_the_rest_installs(packed, tmp_path, capsys):

@@ -211,8 +211,11 @@ def write_unpacked_xz(wheels: list[Path], path: Path) -> None:
                             tar.addfile(member, fh)
 
 
+ZIP_EPOCH = calendar.timegm((1980, 1, 1, 0, 0, 0))  # zip cannot store an earlier date
+
+
 def _zip_member(name: str, member: tarfile.TarInfo) -> zipfile.ZipInfo:
-    info = zipfile.ZipInfo(name + ("/" if member.isdir() else ""), time.gmtime(max(member.mtime, 315532800))[:6])
+    info = zipfile.ZipInfo(name + ("/" if member.isdir() else ""), time.gmtime(max(member.mtime, ZIP_EPOCH))[:6])
     info.external_attr = ((0o40000 if member.isdir() else 0o100000) | member.mode) << 16
     if member.isdir():
         info.external_attr |= 0x10  # MS-DOS directory flag, as zipfile writes it
@@ -223,9 +226,10 @@ def _zip_member(name: str, member: tarfile.TarInfo) -> zipfile.ZipInfo:
 def rezip_wheels(archive: Path, dest: Path) -> list[Path]:
     """Stream a tar.xz written by `write_unpacked_xz` into its wheels under `dest`: the same members,
     names, bytes and modes (RECORD's hashes hold), stored uncompressed."""
+    plain = None if lzma is not None else _unxz(archive)
     opened: dict[str, zipfile.ZipFile] = {}
     try:
-        with _open_xz_tar(archive) as tar:
+        with tarfile.open(plain or archive, mode="r|" if plain else "r|xz") as tar:
             for member in tar:
                 wheel, _, inner = member.name.partition("/")
                 if not wheel.endswith(".whl") or not inner or "/" in wheel or not (member.isfile() or member.isdir()):
@@ -237,15 +241,15 @@ def rezip_wheels(archive: Path, dest: Path) -> list[Path]:
     finally:
         for zf in opened.values():
             zf.close()
+        if plain is not None:
+            plain.unlink(missing_ok=True)
     return [dest / w for w in opened]
 
 
-def _open_xz_tar(archive: Path):
-    """A streaming reader of a tar.xz; through the `xz` program where this Python lacks lzma."""
-    if lzma is None:
-        proc = subprocess.Popen(["xz", "-dc", str(archive)], stdout=subprocess.PIPE)
-        return tarfile.open(fileobj=proc.stdout, mode="r|")
-    return tarfile.open(archive, mode="r|xz")
+def _unxz(archive: Path) -> Path:
+    """For a Python built without lzma: the `xz` program decompresses the archive beside itself."""
+    subprocess.run(["xz", "--decompress", "--keep", "--force", str(archive)], check=True)
+    return archive.with_suffix("")
 
 
 def archive_name(bundle: str) -> str:
@@ -287,19 +291,19 @@ def pack(bundles: dict[str, list[Path]], out: Path) -> list[Path]:
     return pieces
 
 
-ARCHIVE_SUFFIXES = (".tar", ".tar.xz")
-PIECE_GLOBS = tuple(f"*{suffix}.[0-9][0-9]" for suffix in ARCHIVE_SUFFIXES)
+ARCHIVE = r"[^.]+\.tar(?:\.xz)?"  # what `archive_name` writes
+PIECE = ARCHIVE + r"\.\d\d"  # what `split` writes
 
 
 def install(sources: list[Path], target: Path) -> None:
     """Reassemble each bundle whose parts are in `sources`, check every sum, install every wheel into
     `target`. A bundle with no part present is skipped (said so); one with a part missing is refused."""
-    pieces = {p.name: p for s in sources for g in PIECE_GLOBS for p in s.rglob(g)}
+    pieces = {p.name: p for s in sources for p in s.rglob("*.[0-9][0-9]") if re.fullmatch(PIECE, p.name)}
     sums_files = [f for src in sources for f in src.rglob("SHA256SUMS")]
     if not sums_files:
         raise SystemExit(f"no SHA256SUMS under {[str(s) for s in sources]}: copy the .whl/partN folders there first")
     expected = dict(reversed(line.split()) for line in sums_files[0].read_text().splitlines() if line.strip())
-    archives = sorted(k for k in expected if k.endswith(ARCHIVE_SUFFIXES))
+    archives = sorted(k for k in expected if re.fullmatch(ARCHIVE, k))
     wheels: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         wheel_dir = Path(tmp) / "wheels"
