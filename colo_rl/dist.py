@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import logging
 import os
@@ -67,12 +68,12 @@ def device_free_bytes() -> Optional[int]:
 TIMEOUT_ENV = "COLO_RL_DIST_TIMEOUT_MIN"
 
 
-def init(timeout_minutes: Optional[float] = None) -> None:
+def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     """Initialise the default process group the way DeepSpeed expects.
 
     Single-process runs (plain `python recipes/grpo.py`) get a world of one, so the same code
     path runs with and without torchrun. The collective timeout is `timeout_minutes`, else
-    $COLO_RL_DIST_TIMEOUT_MIN, else 30 minutes.
+    $COLO_RL_DIST_TIMEOUT_MIN, else 30 minutes. Only rank 0 hears DeepSpeed's start-up unless `debug`.
     """
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get(TIMEOUT_ENV, 30.0))
@@ -88,14 +89,41 @@ def init(timeout_minutes: Optional[float] = None) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
-    import deepspeed
+    with _deepspeed_startup_quiet(not (debug or is_rank0())):
+        import deepspeed
 
-    # gloo on CPU: DeepSpeed's CPU accelerator picks gloo when oneCCL is absent.
-    deepspeed.init_distributed(
-        dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-        verbose=False,
-    )
+        # gloo on CPU: DeepSpeed's CPU accelerator picks gloo when oneCCL is absent.
+        deepspeed.init_distributed(
+            dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _deepspeed_startup_quiet(quiet: bool):
+    """DeepSpeed's start-up says the same on every rank before setup_logging can rank-filter it: its
+    accelerator choice (a WARNING on CPU, logged while `import deepspeed` creates its logger) and, on
+    CPU, a bare print that its shared-memory collective op loaded. Quiet: that logger keeps only
+    errors (what setup_logging leaves another rank) and stdout is muted while the group starts.
+    stdout is redirected only after the import: DeepSpeed's log handler binds sys.stdout as it is
+    when the logger is created, and must not keep a stream that this block closes."""
+    if not quiet:
+        yield
+        return
+    ds_logger = logging.getLogger("DeepSpeed")  # the same object DeepSpeed's LoggerFactory configures
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    ds_logger.addFilter(errors_only)
+    try:
+        import deepspeed  # noqa: F401  (creates the logger and its handler outside the redirect)
+
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        ds_logger.removeFilter(errors_only)
 
 
 def _exit_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -101,7 +101,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     hydra_cfg.recipe = recipe
     cfg = to_object(hydra_cfg, recipe, found if overrides is None else overrides)
     check_input_paths(cfg)
-    dist.init()
+    dist.init(debug=cfg.debug)
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     run_dir = choose_run_dir(cfg)
