@@ -55,8 +55,10 @@ class MetricsLogger:
         for writer in self.writers:
             writer.write(step, row)
         if console:
-            keys = [k for k in self.console_keys if k in row] or [k for k in row if k != "step"][:8]
-            names = console_names(keys)
+            shown = [k for k in self.console_keys if k in row]
+            keys = shown or [k for k in row if k != "step"][:8]
+            # named against every console key, not this row's: a metric keeps one name on every line
+            names = console_names(self.console_keys if shown else keys)
             log.info("step %d | %s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys))
 
     def close(self) -> None:
@@ -65,11 +67,15 @@ class MetricsLogger:
         self.writers = []
 
 
+# Last parts that say nothing alone: reward/mean stays reward/mean, time/step is not a step number.
+VAGUE_ALONE = {"step", "mean", "std", "min", "max"}
+
+
 def console_names(keys: list[str]) -> dict[str, str]:
-    """Short console names (the last part of the key), unique on the line: a last part shared by two
-    keys (reward/accuracy, eval/accuracy) or equal to `step` (time/step) keeps its full key."""
+    """Short console names (the last part of the key), unique among `keys`: a last part shared by two
+    keys (reward/accuracy, eval/accuracy) or vague alone (VAGUE_ALONE) keeps its full key."""
     last = [k.split("/")[-1] for k in keys]
-    return {k: k if (n == "step" or last.count(n) > 1) else n for k, n in zip(keys, last)}
+    return {k: k if (n in VAGUE_ALONE or last.count(n) > 1) else n for k, n in zip(keys, last)}
 
 
 def _clean(v):

@@ -229,17 +229,21 @@ def test_evaluate_counts_only_real_held_out_problems(monkeypatch, rank, problems
     assert ("eval/accuracy" in res) == bool(count)
 
 
-def test_console_line_names_are_unique_and_step_is_not_seconds(tmp_path, caplog):
+def test_console_line_names_are_unique_stable_and_say_what_they_are(tmp_path, caplog):
     import logging
 
     from colo_rl.metrics import MetricsLogger
 
-    keys = ["reward/mean", "reward/accuracy", "time/step", "eval/accuracy"]
+    keys = ["reward/mean", "reward/accuracy", "response/len_mean", "time/step", "eval/accuracy"]
     m = MetricsLogger(tmp_path, loggers=["jsonl"], console_keys=keys)
     with caplog.at_level(logging.INFO, logger="colo_rl"):
-        m.log(3, {"reward/mean": 0.5, "reward/accuracy": 0.25, "time/step": 12.0, "eval/accuracy": 0.75})
-    line = caplog.records[-1].getMessage()
-    assert line == "step 3 | mean=0.5  reward/accuracy=0.25  time/step=12  eval/accuracy=0.75"
+        m.log(3, {"reward/mean": 0.5, "reward/accuracy": 0.25, "response/len_mean": 20.0, "time/step": 12.0,
+                  "eval/accuracy": 0.75})
+        m.log(4, {"reward/mean": 0.5, "reward/accuracy": 0.25, "response/len_mean": 20.0, "time/step": 12.0})
+    first, second = (r.getMessage() for r in caplog.records[-2:])
+    assert first == "step 3 | reward/mean=0.5  reward/accuracy=0.25  len_mean=20  time/step=12  eval/accuracy=0.75"
+    # a step without the held-out score names reward/accuracy as the step with it does
+    assert second == "step 4 | reward/mean=0.5  reward/accuracy=0.25  len_mean=20  time/step=12"
 
 
 def test_jit_ops_are_built_inside_the_project_environment():
