@@ -58,9 +58,10 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
     samples = res.pop("eval/samples")
-    log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems; e.g. %r",
+    example = f"; e.g. {samples[0]['completion'][:120]!r} for answer {samples[0]['answer']}" if samples else ""
+    log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems%s",
              prefix.rstrip("/"), step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
-             int(res["eval/count"]), samples[0]["completion"][:120] if samples else "")
+             int(res["eval/count"]), example)
     return {prefix + k.removeprefix("eval/"): v for k, v in res.items()}
 
 

@@ -68,14 +68,16 @@ class MetricsLogger:
 
 
 # Last parts that say nothing alone: reward/mean stays reward/mean, time/step is not a step number.
-VAGUE_ALONE = {"step", "mean", "std", "min", "max"}
+VAGUE_ALONE = {"step", "total", "mean", "std", "min", "max"}
 
 
 def console_names(keys: list[str]) -> dict[str, str]:
-    """Short console names (the last part of the key), unique among `keys`: a last part shared by two
-    keys (reward/accuracy, eval/accuracy) or vague alone (VAGUE_ALONE) keeps its full key."""
+    """Short console names (the last part of the key), unique among `keys`. The full key stays for a
+    held-out score (eval/..., never mistaken for a training one), a last part two keys share
+    (rewards/margins, eval/rewards/margins) and one vague alone (VAGUE_ALONE)."""
     last = [k.split("/")[-1] for k in keys]
-    return {k: k if (n in VAGUE_ALONE or last.count(n) > 1) else n for k, n in zip(keys, last)}
+    return {k: k if (k.startswith("eval/") or n in VAGUE_ALONE or last.count(n) > 1) else n
+            for k, n in zip(keys, last)}
 
 
 def _clean(v):

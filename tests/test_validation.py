@@ -229,10 +229,29 @@ def test_evaluate_counts_only_real_held_out_problems(monkeypatch, rank, problems
     assert ("eval/accuracy" in res) == bool(count)
 
 
+def test_held_out_log_line_shows_an_example_beside_its_answer(monkeypatch, caplog):
+    import contextlib
+    import logging
+    from types import SimpleNamespace
+
+    from colo_rl import dist
+    from colo_rl.config import RewardConfig
+    from colo_rl.evaluation import held_out_accuracy
+    from colo_rl.rewards import RewardScorer
+
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])
+    colo = SimpleNamespace(engine=_Engine(), switch=SimpleNamespace(generation=contextlib.nullcontext))
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        res = held_out_accuracy(colo, _Tokenizer(), [[1, 2]], ["4"], RewardScorer(RewardConfig()), 8, step=5)
+    assert res["eval/accuracy"] == 0.0 and res["eval/count"] == 1.0
+    assert caplog.records[-1].getMessage() == ("eval @ step 5: accuracy 0.000 (lenient 0.000, format 1.000) on 1 "
+                                               "held-out problems; e.g. 'The answer is 3.' for answer 4")
+
+
 def test_console_line_names_are_unique_stable_and_say_what_they_are(tmp_path, caplog):
     import logging
 
-    from colo_rl.metrics import MetricsLogger
+    from colo_rl.metrics import MetricsLogger, console_names
 
     keys = ["reward/mean", "reward/accuracy", "response/len_mean", "time/step", "eval/accuracy"]
     m = MetricsLogger(tmp_path, loggers=["jsonl"], console_keys=keys)
@@ -244,6 +263,9 @@ def test_console_line_names_are_unique_stable_and_say_what_they_are(tmp_path, ca
     assert first == "step 3 | reward/mean=0.5  reward/accuracy=0.25  len_mean=20  time/step=12  eval/accuracy=0.75"
     # a step without the held-out score names reward/accuracy as the step with it does
     assert second == "step 4 | reward/mean=0.5  reward/accuracy=0.25  len_mean=20  time/step=12"
+    # a held-out score keeps its prefix even where no training metric shares its last part (SFT's line)
+    assert console_names(["train/loss", "time/total", "eval/accuracy"]) == {
+        "train/loss": "loss", "time/total": "time/total", "eval/accuracy": "eval/accuracy"}
 
 
 def test_jit_ops_are_built_inside_the_project_environment():
