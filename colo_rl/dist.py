@@ -232,6 +232,9 @@ def setup_logging(debug: bool = False) -> None:
     # DeepSpeed and transformers are chatty on every rank.
     for name in ("DeepSpeed", "deepspeed", "transformers", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING if is_rank0() or debug else logging.ERROR)
+    # SGLang's side of the engine in this process logs at its schedulers' level (log_level="error"): its
+    # start-up notes (server_args, model registrations, features it turned off) are not the run's news.
+    logging.getLogger("sglang").setLevel(logging.INFO if debug else logging.ERROR)
     try:
         from deepspeed.utils import logger as ds_logger
 

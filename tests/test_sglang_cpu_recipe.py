@@ -5,6 +5,7 @@ engines on CPU (one per rank), the handoff every step and its log-prob check, as
 trainer paged out while SGLang starts. Test support: tests/sglang_cpu.py, tests/sglang_cpu_shims/."""
 
 import json
+import re
 
 import pytest
 
@@ -22,14 +23,26 @@ STEPS = 3
 def run_dir(tmp_path_factory):
     sglang_cpu.require_sglang()
     d = tmp_path_factory.mktemp("grpo_sglang") / "run"
-    run_torchrun(ROOT / "recipes" / "grpo.py",
+    proc = run_torchrun(ROOT / "recipes" / "grpo.py",
                  ["model=tiny", "rollout=sglang", f"trainer.total_steps={STEPS}", "data.eval_size=8",
                   "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=8",
                   "rollout.eval_max_new_tokens=8", "trainer.micro_batch_size=8", "trainer.lr=1e-3",
                   "colocate.handoff_check_max_mean_abs=0.001", "colocate.handoff_bucket_mb=1", "colocate.paging=on",
                   f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={d}"],
                  timeout=900, env=sglang_cpu.env())
+    (d.parent / "console.txt").write_text(proc.stdout + proc.stderr)
     return d
+
+
+def test_console_keeps_colo_rls_format_and_rank_0_only_after_sglang_starts(run_dir):
+    """sglang.Engine() reconfigures the process's logging (basicConfig(force=True)) and logs an ERROR
+    about our SIGQUIT handler on every rank: the trainer's lines must come out as before it started."""
+    out = (run_dir.parent / "console.txt").read_text()
+    assert "Using custom SIGQUIT handler" not in out and "server_args=" not in out, out
+    colo_rl_line = re.compile(r"^\[\d\d:\d\d:\d\d\] ", re.M)  # colo_rl's format, not SGLang's [date time]
+    assert len(re.findall(colo_rl_line.pattern + r"step \d+ \|", out, re.M)) == STEPS, out
+    assert re.search(colo_rl_line.pattern + r"SGLang engine up in", out, re.M), out
+    assert out.count("SGLang engine up in") == 1, out  # rank 0's line only
 
 
 def test_every_step_has_metrics_and_passes_the_handoff_check(run_dir):

@@ -601,6 +601,43 @@ def test_engine_environment_applies_then_restores():
         multiprocessing.set_start_method(method, force=True)
 
 
+def test_trainer_logging_comes_out_of_the_engine_start_as_it_went_in(capsys):
+    """What sglang.Engine() does to the trainer's logging (configure_logger: basicConfig(force=True) at
+    its log level; its ERROR about our SIGQUIT handler), undone: same handlers, none closed, same level."""
+    import logging
+
+    class Kept(logging.StreamHandler):
+        closed = False
+
+        def close(self):
+            self.closed = True
+            super().close()
+
+    root, mine = logging.getLogger(), Kept()
+    before_handlers, before_level = list(root.handlers), root.level
+    root.addHandler(mine)
+    root.setLevel(logging.INFO)
+    try:
+        with sg.trainer_logging_kept({}):
+            logging.basicConfig(level=logging.ERROR, format="[%(asctime)s] %(message)s", force=True)  # SGLang's
+            sglang_handler = root.handlers[-1]
+            logging.getLogger("sglang.srt.entrypoints.engine").error("Using custom SIGQUIT handler: <function>")
+            logging.getLogger("sglang.srt.entrypoints.engine").error("a real engine error")
+        assert root.handlers == before_handlers + [mine] and not mine.closed and root.level == logging.INFO
+        assert sglang_handler not in root.handlers
+        err = capsys.readouterr().err
+        assert "a real engine error" in err and "SIGQUIT" not in err
+        with sg.trainer_logging_kept({"SGLANG_LOGGING_CONFIG_PATH": "/my/logging.json"}):  # the user's config stands
+            logging.basicConfig(level=logging.ERROR, force=True)
+        assert mine not in root.handlers and mine.closed
+    finally:
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in before_handlers:
+            root.addHandler(handler)
+        root.setLevel(before_level)
+
+
 def test_server_kwargs_filtered_by_feature():
     @dataclasses.dataclass
     class ServerArgs:

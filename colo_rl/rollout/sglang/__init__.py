@@ -28,7 +28,8 @@ from colo_rl.rollout.sglang.compat import (REQUIRED_SERVER_ARGS, check_cpu_engin
                                            validate_sglang_kwargs)
 from colo_rl.rollout.sglang.engine import EngineMemoryState, SGLangEngine
 from colo_rl.rollout.sglang.env import (cuda_runtime_dirs, engine_env_overrides, engine_environment,
-                                        expandable_segments_enabled, without_expandable_segments)
+                                        expandable_segments_enabled, trainer_logging_kept,
+                                        without_expandable_segments)
 from colo_rl.rollout.sglang.failure import ChildFailure, flush_until_idle, run_in_engine_loop, watch_child_failures
 from colo_rl.rollout.sglang.io import expand_prompts, parse_completion, parse_outputs, sglang_sampling_params
 from colo_rl.rollout.sglang.weights import (check_bucket_metadata, group_by_dtype, payload_calls, payload_is_cuda_ipc,
@@ -41,6 +42,6 @@ __all__ = [
     "expand_prompts", "expandable_segments_enabled", "flush_until_idle", "group_by_dtype", "known_server_kwargs",
     "memory_saver_for", "memory_saver_kwargs", "parse_completion", "parse_outputs", "payload_calls", "payload_is_cuda_ipc",
     "plan_mem_fraction_static", "prepare_rank_payload", "run_in_engine_loop", "sglang_api", "sglang_dtype",
-    "sglang_sampling_params", "supported_memory_tags", "update_result", "validate_sglang_kwargs",
+    "sglang_sampling_params", "supported_memory_tags", "trainer_logging_kept", "update_result", "validate_sglang_kwargs",
     "watch_child_failures", "weight_session_api", "without_expandable_segments",
 ]

@@ -38,7 +38,7 @@ from colo_rl.rollout.sglang.compat import (
     supported_memory_tags,
     validate_sglang_kwargs,
 )
-from colo_rl.rollout.sglang.env import engine_environment
+from colo_rl.rollout.sglang.env import engine_environment, trainer_logging_kept
 from colo_rl.rollout.sglang.failure import (
     CHILD_FAILED,
     ChildFailure,
@@ -221,7 +221,7 @@ class SGLangEngine:
         t0 = time.perf_counter()
         temp_dir = model_dir if model_dir in _WRITTEN_MODEL_DIRS else None
         try:
-            with engine_environment():
+            with engine_environment(), trainer_logging_kept():
                 engine = sglang.Engine(**kwargs)
             take_over_signals(engine, child_failure)
         except BaseException:

@@ -1,9 +1,10 @@
-"""The environment SGLang's child processes start with (every trap in one place), and CUDA-IPC-safe
-producer allocations."""
+"""The environment SGLang's child processes start with (every trap in one place), the trainer's logging
+kept through the engine's start, and CUDA-IPC-safe producer allocations."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import re
@@ -183,6 +184,46 @@ def engine_environment(environ=None, maps_text: Optional[str] = None, site_dirs:
             if key not in nccl_before:
                 del environ[key]
         environ.update(nccl_before)
+
+
+# SGLang logs (at ERROR, in the trainer process, on every rank) that it uses the SIGQUIT handler we passed.
+OWN_SIGQUIT_NOTICE = "Using custom SIGQUIT handler"
+
+
+@contextlib.contextmanager
+def trainer_logging_kept(environ=None):
+    """Start SGLang inside this context: the trainer's logging comes out as it went in.
+
+    `sglang.Engine()` configures logging as a server would: `configure_logger` calls
+    `logging.basicConfig(force=True)`, which closes the root handlers and puts a stderr handler at the
+    engine's log level in their place. In a trainer rank that changed every later line's format,
+    dropped the rank tag of debug=true and wrote through rank 0's progress bar. The root handlers are
+    kept aside while the engine starts (so none is closed) and put back after with the root level;
+    whatever SGLang attached is closed. SGLang's ERROR that it uses colo_rl's own SIGQUIT handler is
+    dropped: it is no error and came once per rank. A user's SGLANG_LOGGING_CONFIG_PATH stands."""
+    environ = os.environ if environ is None else environ
+    if environ.get("SGLANG_LOGGING_CONFIG_PATH"):
+        yield
+        return
+    root, engine_log = logging.getLogger(), logging.getLogger("sglang.srt.entrypoints.engine")
+    kept, level = list(root.handlers), root.level
+
+    def not_own_sigquit(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(OWN_SIGQUIT_NOTICE)
+
+    for handler in kept:
+        root.removeHandler(handler)
+    engine_log.addFilter(not_own_sigquit)
+    try:
+        yield
+    finally:
+        engine_log.removeFilter(not_own_sigquit)
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+        for handler in kept:
+            root.addHandler(handler)
+        root.setLevel(level)
 
 
 @contextlib.contextmanager
