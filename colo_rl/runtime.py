@@ -29,6 +29,7 @@ from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
 from colo_rl.models import known_context_length, resolve_dtype
 from colo_rl.rewards import RewardError
+from colo_rl.rollout.sglang import check_engine_runs_here
 
 log = logging.getLogger("colo_rl")
 
@@ -101,6 +102,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     hydra_cfg.recipe = recipe
     cfg = to_object(hydra_cfg, recipe, found if overrides is None else overrides)
     check_input_paths(cfg)
+    check_engine_runs_here(cfg.rollout.engine, cfg.rollout.sglang_kwargs)
     dist.init(debug=cfg.debug)
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))

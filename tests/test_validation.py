@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -147,6 +148,39 @@ def test_command_line_refusal_is_one_line_in_seconds_before_anything_loads(tmp_p
     assert not any(tmp_path.glob("grpo-*")) and not any(tmp_path.glob("sft-*"))  # no run directory
     assert seconds < 30, seconds  # measured ~2-3 s on 2 cores: nothing heavy starts
     print(f"{args}: refused in {seconds:.1f}s")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_sglang_without_a_gpu_is_refused_in_seconds_not_after_the_trainer_is_built(tmp_path):
+    """rollout.engine=sglang on a CPU machine: refused when the run starts, with what to use instead
+    (it failed after the actor was built, on `Torch not compiled with CUDA enabled`)."""
+    import importlib.util
+
+    from colo_rl.rollout.sglang.compat import NO_GPU, NOT_INSTALLED
+
+    proc, seconds = _run("grpo.py", ["rollout.engine=sglang", f"output_root={tmp_path}"])
+    out = proc.stdout + proc.stderr
+    expected = NOT_INSTALLED if importlib.util.find_spec("sglang") is None else NO_GPU
+    assert proc.returncode == 2 and f"error: {expected}" in out and "Traceback" not in out, out
+    assert not any(tmp_path.glob("grpo-*")) and seconds < 30, seconds
+
+
+def test_sglang_start_check_names_what_is_missing(monkeypatch):
+    import importlib.util
+
+    from colo_rl.rollout.sglang import compat
+
+    compat.check_engine_runs_here("hf")  # the HF engine needs neither
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match="not installed"):
+        compat.check_engine_runs_here("sglang")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="torch sees none here"):
+        compat.check_engine_runs_here("sglang", {"attention_backend": "triton"})
+    compat.check_engine_runs_here("sglang", {"device": "cpu"})  # SGLang's CPU engine (test support) passes on
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    compat.check_engine_runs_here("sglang")
 
 
 def test_debug_adds_the_traceback(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import logging
 import math
 import os
@@ -35,15 +36,32 @@ def import_first(candidates: Iterable[tuple[str, str]]) -> Any:
     return None
 
 
+NOT_INSTALLED = ("rollout.engine=sglang needs SGLang, which is not installed in this environment: on a CUDA "
+                 "machine `pip install -e '.[gpu]'` (torch 2.11) or `'.[gpu-torch213]'` (torch 2.13), offline "
+                 "`make gpu-wheels` then `make gpu-install` (README, SGLang on a GPU); or use rollout.engine=hf")
+NO_GPU = ("rollout.engine=sglang runs SGLang on a CUDA GPU and torch sees none here (torch.cuda.is_available() "
+          "is False): use rollout.engine=hf, which runs on CPU too")
+
+
+def check_engine_runs_here(engine: str, sglang_kwargs: Any = None) -> None:
+    """rollout.engine=sglang, checked when the run starts (seconds, not once the trainer is built):
+    SGLang is installed and the device it would run on is here. Its CPU engine (sglang_kwargs
+    device=cpu) is test support and passes; the rest is checked when the engine starts."""
+    if engine != "sglang":
+        return
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError(NOT_INSTALLED)
+    if engine_device(_plain_dict(sglang_kwargs)) == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(NO_GPU)
+
+
 @lru_cache(maxsize=1)
 def sglang_api() -> SimpleNamespace:
     """The SGLang pieces colo_rl uses, wherever this release keeps them."""
     try:
         import sglang  # noqa: F401
     except ImportError as e:
-        raise ImportError(
-            "rollout.engine=sglang needs SGLang (GPU only; `pip install sglang` on a CUDA machine, "
-            "see `make gpu-check`), or use rollout.engine=hf") from e
+        raise ImportError(NOT_INSTALLED) from e
     except Exception as e:  # noqa: BLE001 - installed but broken here (e.g. a CUDA-only torchvision on CPU)
         raise ImportError(f"SGLang is installed but does not import here ({type(e).__name__}: {e}); on a CPU-only "
                           "machine its CUDA builds of torchvision / sgl_kernel cannot load (colo_rl's tests "
