@@ -43,6 +43,10 @@ def test_plus_key_the_schema_does_not_have_is_refused(override, message):
         _cfg([override])
 
 
+def test_tensor_parallel_engine_is_accepted_with_sglang():
+    assert _cfg(["rollout=sglang", "rollout.tp_size=2"]).rollout.tp_size == 2
+
+
 def test_sglang_kwargs_stay_a_free_dict():
     cfg = _cfg(["+rollout.sglang_kwargs.disable_cuda_graph=true"])
     assert cfg.rollout.sglang_kwargs["disable_cuda_graph"] is True
@@ -55,6 +59,7 @@ def test_sglang_kwargs_stay_a_free_dict():
     ("rollout.top_p=1.5", r"rollout.top_p=1.5 must be in \(0, 1\]"),
     ("algo.kl_coef=-0.1", r"algo.kl_coef=-0.1 must be >= 0"),
     ("rollout.group_size=1", r"rollout.group_size=1: algo.adv_estimator=grpo's baseline .* use rollout.group_size>=2"),
+    ("rollout.tp_size=2", r"rollout.tp_size=2 splits SGLang's engine .* rollout.engine=hf .* would ignore it"),
 ])
 def test_out_of_range_value_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

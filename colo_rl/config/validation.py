@@ -188,6 +188,10 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
         value = _get(obj, key)
         if key not in ignored and (value is None and key not in NULLABLE or not ok(value)):
             raise ConfigError(f"{key}={value!r} {what}")
+    if "rollout.tp_size" not in ignored and obj.rollout.tp_size > 1 and obj.rollout.engine != "sglang":
+        raise ConfigError(f"rollout.tp_size={obj.rollout.tp_size} splits SGLang's engine over GPUs; "
+                          f"rollout.engine={obj.rollout.engine} runs a whole model on every rank and would ignore it: "
+                          f"use rollout=sglang (on GPUs) or leave rollout.tp_size=1")
     if spec["group_based"] and obj.algo.adv_estimator in GROUP_ESTIMATORS and obj.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: algo.adv_estimator={obj.algo.adv_estimator}'s "
                           f"baseline is the other completions of the same prompt, so a group of one learns nothing; "
