@@ -164,6 +164,12 @@ def result_stem(name: str, device: str, date: str, out_dir: Path = RESULTS) -> P
     return Path(out_dir) / f"{name}-{device}-{date}"
 
 
+def result_file(stem: Path, ext: str) -> Path:
+    """`<stem><ext>`. Not Path.with_suffix: a name like phase_switch_sglang_0.5b has a dot, and
+    with_suffix would replace everything after it (the whole result went to phase_switch_sglang_0.json)."""
+    return stem.with_name(stem.name + ext)
+
+
 def contended(load: dict) -> bool:
     """Other work competed for the CPU: the benchmark's own threads keep the load average near the
     core count, so only a load a full core above it counts."""
@@ -198,9 +204,9 @@ def write_results(name: str, result: dict, table_md: str, out_dir: Path = RESULT
     result.setdefault("date", today())
     result["meta"] = meta(argv)
     stem = result_stem(name, result["device"], result["date"], out_dir)
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
+    result_file(stem, ".json").write_text(json.dumps(result, indent=1, default=_jsonable) + "\n")
     md = table_md.rstrip() + "\n\n" + provenance(result["meta"]) + "\n"
-    stem.with_suffix(".md").write_text(md)
+    result_file(stem, ".md").write_text(md)
     return stem
 
 
@@ -210,7 +216,7 @@ def publish(name: str, result: dict, table_md: str, out_dir: Path, chart=None, r
     stem = write_results(name, result, table_md, out_dir)
     wrote = [".json", ".md"]
     if chart is not None:
-        chart(result, stem.with_suffix(".png"))
+        chart(result, result_file(stem, ".png"))
         wrote.append(".png")
     if readme:
         refresh_readme(out_dir)

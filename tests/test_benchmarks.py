@@ -63,6 +63,15 @@ def test_write_results_records_provenance_and_load(tmp_path):
     assert "| a |" in md and "- command: `python benchmarks/demo.py --fast`" in md and "load average" in md
 
 
+
+def test_write_results_keeps_a_dot_in_the_name(tmp_path):
+    # phase_switch_sglang_0.5b: Path.with_suffix wrote it as phase_switch_sglang_0.json on the first GPU run
+    stem = common.publish("phase_switch_sglang_0.5b", {"device": "gpu", "date": "2026-11-25"}, "| a |\n", tmp_path,
+                          chart=lambda result, png: png.write_bytes(b"png"), readme=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"phase_switch_sglang_0.5b-gpu-2026-11-25{ext}" for ext in (".json", ".md", ".png")]
+    assert json.loads((tmp_path / "phase_switch_sglang_0.5b-gpu-2026-11-25.json").read_text())["device"] == "gpu"
+
 def test_handoff_ratio_to_memcpy():
     # 1 GiB in 0.5 s = 2 GiB/s against a 4 GiB/s memcpy: half the physical limit
     assert handoff.bandwidth_ratio(1 << 30, 0.5, 4 * (1 << 30)) == pytest.approx(0.5)
