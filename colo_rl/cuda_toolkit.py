@@ -16,17 +16,24 @@ nvcc 13.0 toolkit installed from NVIDIA's wheels (`make gpu-compile-check`):
 
 Both reach this process and those it starts (SGLang's schedulers); nothing changes where the builds
 would work as they are.
+
+A third, seen on the first H100 run (2026-11-25): the GPU image sets TORCH_CUDA_ARCH_LIST with an
+architecture-specific suffix (`9.0a`, Hopper's wgmma target). torch reads it; DeepSpeed's op builder
+parses each entry as integers (`int("0a")`: ValueError) and FusedAdam failed to build, so every
+trainer failed at start. `arch_list_for_deepspeed` gives DeepSpeed the same list without the
+suffixes (FusedAdam uses no sm_90a instruction) while it builds, and restores the user's after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
 import re
 import shutil
 import sys
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +114,39 @@ def prepare_jit_builds(candidates: Optional[Iterable[str]] = None,
         log.info("JIT builds: %s (nvcc on PATH: %s)", ", ".join(f"{k}={v}" for k, v in changes.items()),
                  shutil.which("nvcc"))
     return changes
+
+
+def deepspeed_arch_list(value: Optional[str]) -> Optional[str]:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can parse it: `9.0a` -> `9.0`, `10.0f+PTX` ->
+    `10.0+PTX` (entries kept in order, duplicates dropped); None when it parses as it is."""
+    if not value or not value.strip():
+        return None
+    out: list[str] = []
+    for entry in value.replace(" ", ";").split(";"):
+        if not entry:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-z]*(\+PTX)?", entry)
+        fixed = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry
+        if fixed not in out:
+            out.append(fixed)
+    fixed_list = ";".join(out)
+    return None if fixed_list == value.replace(" ", ";").strip(";") else fixed_list
+
+
+@contextlib.contextmanager
+def arch_list_for_deepspeed(environ=None) -> Iterator[Optional[str]]:
+    """While DeepSpeed builds its ops: TORCH_CUDA_ARCH_LIST without architecture suffixes; the
+    variable is back as it was afterwards (yields the list DeepSpeed sees, or None if unchanged)."""
+    environ = os.environ if environ is None else environ
+    original = environ.get("TORCH_CUDA_ARCH_LIST")
+    fixed = deepspeed_arch_list(original)
+    if fixed is None:
+        yield None
+        return
+    log.info("TORCH_CUDA_ARCH_LIST=%s is read as %s while DeepSpeed builds its ops (its parser takes no "
+             "architecture suffix)", original, fixed)
+    environ["TORCH_CUDA_ARCH_LIST"] = fixed
+    try:
+        yield fixed
+    finally:
+        environ["TORCH_CUDA_ARCH_LIST"] = original

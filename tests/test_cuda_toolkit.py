@@ -112,3 +112,33 @@ def test_prepare_jit_builds_sets_them_and_torch_and_deepspeed_build_with_them(tm
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.delenv("CUDA_HOME")
     assert prepare_jit_builds(candidates=[str(real)], nvidia_roots=roots) == {}  # a CPU build of torch: no builds
+
+
+@pytest.mark.parametrize("value,fixed", [
+    ("9.0a", "9.0"), ("8.0;9.0a+PTX", "8.0;9.0+PTX"), ("9.0 9.0a 10.0f", "9.0;10.0"),
+    ("9.0", None), ("8.0;8.6+PTX", None), ("", None), (None, None),
+])
+def test_deepspeed_gets_the_arch_list_without_suffixes(value, fixed):
+    assert cuda_toolkit.deepspeed_arch_list(value) == fixed
+
+
+def test_deepspeed_builds_fused_adam_under_an_arch_suffixed_list_and_the_users_list_comes_back(monkeypatch):
+    # The H100 image's TORCH_CUDA_ARCH_LIST=9.0a: DeepSpeed's own FusedAdam builder, in the JIT mode its
+    # load() uses, fails to parse it ("invalid literal for int() with base 10: '0a'"), and parses
+    # what arch_list_for_deepspeed gives it (compute_capability_args needs no GPU with a list set).
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder  # the CUDA builder (not the accelerator's)
+
+    def arch_args():
+        builder = FusedAdamBuilder()
+        builder.jit_mode = True
+        return builder.compute_capability_args()
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        arch_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    with cuda_toolkit.arch_list_for_deepspeed() as seen:
+        assert seen == "9.0"
+        arch_args()  # parses; DeepSpeed then sets the list torch builds with
+        assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0+PTX"
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0a"

@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.cuda_toolkit import prepare_jit_builds
+from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
 from colo_rl.errors import CheckpointError, NonFiniteError
 from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
 from colo_rl.models import load_model
@@ -91,8 +91,9 @@ class DeepSpeedActor:
         if with_optimizer:
             prepare_jit_builds()  # FusedAdam is JIT-built on a GPU: CUDA_HOME, headers
             announce_op_build("fused_adam", "DeepSpeed's FusedAdam optimizer op")
-        self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-            model=model, config=ds_config, **kwargs)
+        with arch_list_for_deepspeed():  # FusedAdam's build parses TORCH_CUDA_ARCH_LIST itself
+            self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
+                model=model, config=ds_config, **kwargs)
         if with_optimizer:
             self.engine.train()
         else:
