@@ -286,8 +286,10 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
         assert fake.kwargs["load_format"] == "dummy" and fake.kwargs["enable_memory_saver"] is True
         # SGLang's default (breakable) prefill graph refuses the memory saver: no prefill graph with it
         assert fake.kwargs["disable_prefill_cuda_graph"] is True
-        # 38 of 40 GiB, less the buffers SGLang sizes to the pool's tokens (48 bytes a 512-byte token)
-        assert fake.kwargs["mem_fraction_static"] == pytest.approx(0.95 / (1 + 48 / 512), abs=1e-4)
+        # A toy model's pool (79M tokens of 512 bytes in 38 GiB) is bounded to 2^24 tokens, and the 48 bytes
+        # a token SGLang sizes to the pool come out of the 38 of 40 GiB
+        assert fake.kwargs["max_total_tokens"] == 1 << 24
+        assert fake.kwargs["mem_fraction_static"] == pytest.approx((38 - (48 << 24) / (1 << 30)) / 40, abs=1e-4)
         assert fake.kwargs["custom_sigquit_handler"] is sg_failure._sigquit_from_child
         assert fake.ld_library_path == f"{PIP_CUDART}:/usr/lib/site"  # what the schedulers inherit
         assert os.environ["LD_LIBRARY_PATH"] == "/usr/lib/site"  # the trainer's own, restored

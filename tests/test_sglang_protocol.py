@@ -691,6 +691,19 @@ def test_memory_plan_for_the_engine():
         sg.plan_mem_fraction_static(gib, 2 * gib)
 
 
+def test_a_toy_models_kv_pool_is_bounded_and_real_models_are_not():
+    # The first H100 run: model=tiny (512 bytes of KV a token) with 77.6 GiB free sized a 145M-token
+    # pool, and its scheduler ran out of memory right after start; real models hold a few M tokens.
+    from colo_rl.rollout.sglang.compat import MAX_POOL_TOKENS, bounded_pool_tokens
+
+    gib = 1 << 30
+    assert bounded_pool_tokens(int(77.6 * gib), 2 * gib, 512) == MAX_POOL_TOKENS == 1 << 24
+    assert bounded_pool_tokens(80 * gib, 2 * gib, 23040) is None  # SmolLM2-135M: 3.6M tokens
+    assert bounded_pool_tokens(141 * gib, 2 * gib, 2 * 24 * 2 * 64 * 2) is None  # a 0.5B Qwen on an H200: 12M
+    assert bounded_pool_tokens(80 * gib, 2 * gib, None) is None  # KV bytes unknown (a non-attention model)
+    assert bounded_pool_tokens(gib, 2 * gib, 512) is None  # no room at all: the memory plan says so
+
+
 def test_sglang_import_error_says_what_to_do(monkeypatch):
     sg.sglang_api.cache_clear()
     monkeypatch.setitem(sys.modules, "sglang", None)  # not installed (an installed one: tests/test_sglang_cpu*.py)

@@ -204,6 +204,22 @@ def kv_cache_bytes(extra: Mapping[str, Any], dtype: torch.dtype) -> float:
     return torch.empty((), dtype=dtype).element_size()
 
 
+# The largest KV pool colo_rl lets SGLang size from memory alone: 2^24 tokens (1,024 sequences of 16K
+# tokens on one engine). Real models stay under it on an 80-141 GB GPU (SmolLM2-135M: 3.4M tokens,
+# a 0.5B model ~6-10M); a toy model's pool (512 B of KV a token: 145M tokens on an H100) would
+# cost GiBs of per-token buffers outside mem_fraction_static, more than the 48 B a token planned:
+# the first H100 run's toy-model LoRA test had its scheduler run out of memory right after start.
+MAX_POOL_TOKENS = 1 << 24
+
+
+def bounded_pool_tokens(free_bytes: int, margin_bytes: int, kv_token_bytes: Optional[float]) -> Optional[int]:
+    """rollout.sglang_kwargs.max_total_tokens to pass when the KV pool sized from memory would hold
+    more than MAX_POOL_TOKENS tokens; None otherwise (or when a token's KV bytes are unknown)."""
+    if not kv_token_bytes or free_bytes <= margin_bytes:
+        return None
+    return MAX_POOL_TOKENS if (free_bytes - margin_bytes) / kv_token_bytes > MAX_POOL_TOKENS else None
+
+
 def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optional[float] = None,
                              kv_token_bytes: Optional[float] = None) -> float:
     """SGLang's `mem_fraction_static` (a fraction of memory free when the engine starts) chosen so
