@@ -52,8 +52,23 @@ def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: i
                             **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        pytest.fail(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(failure_report(proc, script, os.environ.get("COLO_RL_GPU_LOG_DIR"),
+                                   os.environ.get("PYTEST_CURRENT_TEST", "")))
     return proc
+
+
+def failure_report(proc: subprocess.CompletedProcess, script: Path | str, log_dir: str | None, test_id: str) -> str:
+    """A failed run's message: the last 6000 characters of stdout and of stderr. Under `make gpu-check`
+    (COLO_RL_GPU_LOG_DIR) the whole output is kept there as well, since an SGLang scheduler's
+    traceback sits in the middle of it (the first H100 run lost the one of an out-of-memory)."""
+    message = f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    if log_dir:
+        name = "".join(c if c.isalnum() or c in "._-" else "_" for c in test_id.split(" ")[0]) or Path(script).stem
+        path = Path(log_dir) / f"failed-{name[-120:]}.log"
+        path.write_text(f"$ torchrun {script} (exit {proc.returncode})\n--- stdout\n{proc.stdout}\n"
+                        f"--- stderr\n{proc.stderr}")
+        message += f"\n(whole output: {path})"
+    return message
 
 
 def read_json(path: Path) -> dict:

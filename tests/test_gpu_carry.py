@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu import carry  # noqa: E402
-from conftest import run_torchrun  # noqa: E402
+from conftest import failure_report, run_torchrun  # noqa: E402
 
 
 def record_hash(data: bytes) -> str:
@@ -299,3 +299,16 @@ def test_gpu_check_keeps_its_budget_and_brings_back_small_results(tmp_path):
     assert any(n.endswith("grpo_hf/summary.json") for n in names), names  # a killed run's files come back too
     assert not any("checkpoints" in n for n in names), names
     assert (runs / "grpo_sglang" / "checkpoints").is_dir()  # they stay on the machine
+
+
+def test_a_failed_runs_whole_output_is_kept_under_gpu_check(tmp_path):
+    # The message keeps the ends; the middle (an SGLang scheduler's traceback) only reaches the log.
+    middle = "Traceback: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.08 GiB"
+    proc = subprocess.CompletedProcess(["torchrun"], 1, stdout="x" * 7000 + middle + "y" * 7000, stderr="err")
+    test_id = "tests/test_lora_gpu.py::test_sglang_lora_handoff[auto-contents0] (call)"
+    message = failure_report(proc, "tests/workers/grpo_resume_worker.py", str(tmp_path), test_id)
+    assert middle not in message.split("(whole output")[0]
+    [log] = tmp_path.iterdir()
+    assert log.name == "failed-tests_test_lora_gpu.py__test_sglang_lora_handoff_auto-contents0_.log"
+    assert middle in log.read_text() and "err" in log.read_text() and str(log) in message
+    assert "whole output" not in failure_report(proc, "w.py", None, test_id)  # elsewhere: the message alone
