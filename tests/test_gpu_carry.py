@@ -288,7 +288,7 @@ def test_gpu_check_keeps_its_budget_and_brings_back_small_results(tmp_path):
                           text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # hf failed (killed)
     (logs,) = results.glob("gpu_check-nvidia-test-gpu-*")
-    stages = [json.loads(line) for line in (logs / "stages.jsonl").read_text().splitlines()]
+    stages = [json.loads(line) for line in (logs / "stages-grpo-hf.jsonl").read_text().splitlines()]
     assert [(s["stage"], s["rc"]) for s in stages] == [("grpo", 0), ("hf", 124)]
     assert stages[1]["seconds"] <= 80, stages
     assert "KILLED after" in (logs / "hf.log").read_text()

@@ -13,7 +13,8 @@
 #   hf     the same GRPO work with the HF engine on the same GPU
 #   tools  multi-turn GRPO with the calculator on SGLang (started with its tokenizer: stop strings at
 #          the closing tag, env/engine_stops in the run's metrics.jsonl), 4 steps
-# Every stage appends {stage, rc, seconds} to stages.jsonl; with $OUT set (the device tool), the results
+# Every stage appends {stage, rc, seconds} to stages-<stages>.jsonl (one file a call: the calls' archives,
+# unpacked one after the other, keep every call's lines); with $OUT set (the device tool), the results
 # so far are packed into $OUT/gpu-results-<stages>.tgz after every stage, so a run cut short still reports.
 #
 # One device call may run 10 minutes: every Python command gets what is left of CHECK_BUDGET_S (default
@@ -170,7 +171,7 @@ for stage in "${STAGES[@]}"; do
   "stage_$stage" 2>&1 | tee "$LOGS/$stage.log"
   rc=${PIPESTATUS[0]}
   secs=$((SECONDS - t0))
-  echo "{\"stage\": \"$stage\", \"rc\": $rc, \"seconds\": $secs, \"at\": \"$(date -Is)\"}" >> "$LOGS/stages.jsonl"
+  echo "{\"stage\": \"$stage\", \"rc\": $rc, \"seconds\": $secs, \"at\": \"$(date -Is)\"}" >> "$LOGS/stages-$TAG.jsonl"
   echo "=== $stage: rc=$rc in ${secs}s"
   [ "$rc" -ne 0 ] && status=1
   pack
