@@ -155,7 +155,10 @@ SGLANG_KWARGS = os.environ.get("COLO_RL_SGLANG_KWARGS", "{}")
 @pytest.fixture(scope="module")
 def sglang_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
-    out = tmp / "report.json"
+    # Under `make gpu-check` the report (the figures behind the asserts) is kept with the logs.
+    out = Path(os.environ.get("COLO_RL_GPU_LOG_DIR") or tmp) / "sglang_gpu_report.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.unlink(missing_ok=True)  # never a previous run's
     # A world of its own: not this process's rendezvous port (dist.init put it in the environment).
     env = child_env(PYTHONPATH=python_path())
     # The worker's output goes to a file as it runs (`make gpu-check` puts it with its logs), so a
