@@ -120,7 +120,14 @@ def probe(out: Path) -> int:
                                    "results": results}, indent=1))
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
-    record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], lambda: FusedAdamBuilder().jit_load(verbose=False))
+
+    from colo_rl.cuda_toolkit import arch_list_for_deepspeed
+
+    def fused_adam():
+        with arch_list_for_deepspeed():  # as DeepSpeedActor builds it: DeepSpeed cannot parse the image's 9.0a
+            return FusedAdamBuilder().jit_load(verbose=False)
+
+    record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], fused_adam)
 
     from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
     with override_jit_cuda_arch(*HOPPER):
@@ -162,7 +169,7 @@ def main(argv=None) -> int:
         print(f"no check venv with the carry at {args.venv}: run `make gpu-wheels-check` first", file=sys.stderr)
         return 2
     env = {"HOME": str(Path.home()), "PYTHONPATH": f"{site}:{ROOT}", "DS_ACCELERATOR": "cuda",
-           "TORCH_CUDA_ARCH_LIST": "{}.{}".format(*HOPPER)}
+           "TORCH_CUDA_ARCH_LIST": "{}.{}a".format(*HOPPER)}  # the GPU image's own value (seen 2026-11-25)
     if args.toolkit == "system" or (args.toolkit == "auto" and shutil.which("nvcc")):
         env["PATH"] = f"{args.venv / 'bin'}:{os.environ['PATH']}"  # CUDA_HOME left to colo_rl, as on the GPU
     else:
