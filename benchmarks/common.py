@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
-ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "handoff", "phase_switch",
+ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "step_breakdown_sglang_tools", "handoff",
+         "phase_switch",
          "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "algorithms"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
@@ -41,6 +42,7 @@ TITLES = {
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
+    "step_breakdown_sglang_tools": "Step breakdown, multi-turn GRPO with the calculator tool on SGLang (GPU)",
     "phase_switch_sglang_0.5b": "Phase switch with SGLang: 0.5B-class random Llama (GPU)",
     "phase_switch_sglang_smollm2": "Phase switch with SGLang: the embedded model's shape (GPU)",
 }
@@ -278,6 +280,10 @@ def refresh_readme(out_dir: Path = RESULTS) -> Path:
                       f"From [`{stem}.json`]({stem}.json).", "", body, ""]
             for png in sorted(out_dir.glob(f"{stem}*.png")):
                 parts += [f"![{png.stem}]({png.name})", ""]
+    checks = sorted(out_dir.glob("gpu_check-*/SUMMARY.md"))
+    if checks:  # make gpu-check's runs: what passed and failed, what was changed, their logs
+        parts += ["## GPU checks (`make gpu-check`)", ""]
+        parts += [f"- [`{s.parent.name}`]({s.parent.name}/SUMMARY.md)" for s in checks] + [""]
     path = out_dir / "README.md"
     path.write_text("\n".join(parts).rstrip() + "\n")
     return path
