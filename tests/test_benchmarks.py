@@ -37,6 +37,11 @@ def test_readme_keeps_the_latest_table_per_benchmark_and_device(tmp_path):
     # the benchmarks' fixed order: step breakdown before handoff
     assert text.index("ONLY-STEP") < text.index("NEW-HANDOFF")
     assert text.count("# handoff") == 0  # each table's own title is dropped under the section heading
+    assert "GPU checks" not in text  # no gpu-check run in the folder: no such section
+    (tmp_path / "gpu_check-nvidia-h100-2026-01-10").mkdir()
+    (tmp_path / "gpu_check-nvidia-h100-2026-01-10" / "SUMMARY.md").write_text("# what passed\n")
+    text = common.refresh_readme(tmp_path).read_text()
+    assert "- [`gpu_check-nvidia-h100-2026-01-10`](gpu_check-nvidia-h100-2026-01-10/SUMMARY.md)" in text
 
 
 def test_readme_breaks_same_day_ties_by_timestamp(tmp_path):
