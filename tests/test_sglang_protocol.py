@@ -702,6 +702,12 @@ def test_a_toy_models_kv_pool_is_bounded_and_real_models_are_not():
     assert bounded_pool_tokens(141 * gib, 2 * gib, 2 * 24 * 2 * 64 * 2) is None  # a 0.5B Qwen on an H200: 12M
     assert bounded_pool_tokens(80 * gib, 2 * gib, None) is None  # KV bytes unknown (a non-attention model)
     assert bounded_pool_tokens(gib, 2 * gib, 512) is None  # no room at all: the memory plan says so
+    # the plan: bounded, the pool's per-token buffers are a fixed amount out of the fraction; a user's fraction stands
+    assert sg.plan_engine_memory(40 * gib, 2 * gib, None, 512) == (
+        sg.plan_mem_fraction_static(40 * gib, 2 * gib + (48 << 24)), 1 << 24)
+    assert sg.plan_engine_memory(40 * gib, 2 * gib, 0.6, 512) == (0.6, None)
+    assert sg.plan_engine_memory(80 * gib, 2 * gib, None, 23040) == (
+        sg.plan_mem_fraction_static(80 * gib, 2 * gib, kv_token_bytes=23040), None)
 
 
 def test_sglang_import_error_says_what_to_do(monkeypatch):

@@ -23,8 +23,9 @@ imports on a machine without CUDA or SGLang.
 from colo_rl.errors import EngineStateError, SGLangEngineError
 from colo_rl.rollout.sglang.compat import (REQUIRED_SERVER_ARGS, check_cpu_engine_kwargs, check_engine_runs_here,
                                            engine_base_gpu_id, engine_device, engine_free_bytes, known_server_kwargs,
-                                           memory_saver_for, memory_saver_kwargs, plan_mem_fraction_static, sglang_api,
-                                           sglang_dtype, supported_memory_tags, validate_sglang_kwargs)
+                                           memory_saver_for, memory_saver_kwargs, plan_engine_memory,
+                                           plan_mem_fraction_static, sglang_api, sglang_dtype, supported_memory_tags,
+                                           validate_sglang_kwargs)
 from colo_rl.rollout.sglang.engine import EngineMemoryState, SGLangEngine
 from colo_rl.rollout.sglang.env import (cuda_runtime_dirs, engine_env_overrides, engine_environment,
                                         expandable_segments_enabled, trainer_logging_kept,
@@ -41,7 +42,8 @@ __all__ = [
     "engine_free_bytes",
     "expand_prompts", "expandable_segments_enabled", "flush_until_idle", "group_by_dtype", "known_server_kwargs",
     "memory_saver_for", "memory_saver_kwargs", "parse_completion", "parse_outputs", "payload_calls", "payload_is_cuda_ipc",
-    "plan_mem_fraction_static", "prepare_rank_payload", "run_in_engine_loop", "sglang_api", "sglang_dtype",
+    "plan_engine_memory", "plan_mem_fraction_static", "prepare_rank_payload", "run_in_engine_loop", "sglang_api",
+    "sglang_dtype",
     "sglang_sampling_params", "supported_memory_tags", "trainer_logging_kept", "update_result", "validate_sglang_kwargs",
     "watch_child_failures", "weight_session_api", "without_expandable_segments",
 ]

@@ -240,6 +240,17 @@ def plan_mem_fraction_static(free_bytes: int, margin_bytes: int, override: Optio
     return math.floor(fraction * 1e4 + 1e-9) / 1e4  # 4 decimals, never rounded into the margin
 
 
+def plan_engine_memory(free_bytes: int, margin_bytes: int, override: Optional[float] = None,
+                       kv_token_bytes: Optional[float] = None) -> tuple[float, Optional[int]]:
+    """The engine's memory plan: (mem_fraction_static, max_total_tokens to pass or None). A pool
+    memory alone would size past MAX_POOL_TOKENS (a toy model) is bounded there, and its per-token
+    buffers come out of the fraction as a fixed amount; a user's fraction (`override`) stands as given."""
+    cap = None if override is not None else bounded_pool_tokens(free_bytes, margin_bytes, kv_token_bytes)
+    if cap is not None:
+        margin_bytes, kv_token_bytes = margin_bytes + cap * ENGINE_BYTES_PER_KV_TOKEN, None
+    return plan_mem_fraction_static(free_bytes, margin_bytes, override, kv_token_bytes), cap
+
+
 def engine_base_gpu_id(device: str, local_rank: int) -> int:
     """The engine's first GPU: this rank's. CPU branch: 0 for every rank (one CPU device; SGLang's CPU
     engine reads the id as a NUMA node index, and a machine with one NUMA node has only node 0)."""

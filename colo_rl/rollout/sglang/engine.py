@@ -22,10 +22,8 @@ from colo_rl.models import eos_token_ids, model_config, resolve_model_path
 from colo_rl.phase import Phase
 from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
 from colo_rl.rollout.sglang.compat import (
-    ENGINE_BYTES_PER_KV_TOKEN,
     REQUIRED_SERVER_ARGS,
     _plain_dict,
-    bounded_pool_tokens,
     check_cpu_engine_kwargs,
     engine_base_gpu_id,
     engine_device,
@@ -34,7 +32,7 @@ from colo_rl.rollout.sglang.compat import (
     kv_bytes_per_token,
     kv_cache_bytes,
     memory_saver_kwargs,
-    plan_mem_fraction_static,
+    plan_engine_memory,
     sglang_api,
     sglang_dtype,
     supported_memory_tags,
@@ -196,15 +194,12 @@ class SGLangEngine:
         # a pool bounded by max_total_tokens keeps its per-token buffers small whatever the model
         kv_token = None if extra.get("max_total_tokens") else kv_bytes_per_token(
             json.loads((Path(model_dir) / "config.json").read_text()), kv_cache_bytes(extra, dtype), rollout.tp_size)
-        margin = int(colocate.memory_margin_gib * GIB)
-        pool_cap = (bounded_pool_tokens(free_bytes, margin, kv_token) if colocate.mem_fraction_static is None
-                    else None)  # a user's fraction stands as given
-        if pool_cap is not None:  # a toy model: bound the pool, keep room for its per-token buffers
+        fraction, pool_cap = plan_engine_memory(free_bytes, int(colocate.memory_margin_gib * GIB),
+                                                colocate.mem_fraction_static, kv_token)
+        if pool_cap is not None:  # a toy model
             log.info("KV pool bounded to %d tokens (rollout.sglang_kwargs.max_total_tokens): this model's KV is "
                      "%.0f bytes a token, memory alone would size the pool past that", pool_cap, kv_token)
             extra["max_total_tokens"] = pool_cap
-            margin, kv_token = margin + pool_cap * ENGINE_BYTES_PER_KV_TOKEN, None
-        fraction = plan_mem_fraction_static(free_bytes, margin, colocate.mem_fraction_static, kv_token)
         child_failure = watch_child_failures()
         kwargs = known_server_kwargs(dict(
             model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
