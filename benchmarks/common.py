@@ -32,8 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
 ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "step_breakdown_sglang_tools", "handoff",
-         "phase_switch",
-         "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "algorithms"]
+         "phase_switch", "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "algorithms"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",

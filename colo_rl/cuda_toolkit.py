@@ -119,18 +119,14 @@ def prepare_jit_builds(candidates: Optional[Iterable[str]] = None,
 def deepspeed_arch_list(value: Optional[str]) -> Optional[str]:
     """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can parse it: `9.0a` -> `9.0`, `10.0f+PTX` ->
     `10.0+PTX` (entries kept in order, duplicates dropped); None when it parses as it is."""
-    if not value or not value.strip():
-        return None
+    entries = [e for e in (value or "").replace(" ", ";").split(";") if e]
     out: list[str] = []
-    for entry in value.replace(" ", ";").split(";"):
-        if not entry:
-            continue
+    for entry in entries:
         m = re.fullmatch(r"(\d+)\.(\d+)[a-z]*(\+PTX)?", entry)
         fixed = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry
         if fixed not in out:
             out.append(fixed)
-    fixed_list = ";".join(out)
-    return None if fixed_list == value.replace(" ", ";").strip(";") else fixed_list
+    return None if out == entries else ";".join(out)
 
 
 @contextlib.contextmanager
