@@ -155,16 +155,14 @@ SGLANG_KWARGS = os.environ.get("COLO_RL_SGLANG_KWARGS", "{}")
 @pytest.fixture(scope="module")
 def sglang_report(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang")
-    # Under `make gpu-check` the report (the figures behind the asserts) is kept with the logs.
-    out = Path(os.environ.get("COLO_RL_GPU_LOG_DIR") or tmp) / "sglang_gpu_report.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # Under `make gpu-check` the worker's output (written as it runs, so a hang that the device call's
+    # budget cuts short still leaves it) and its report (the figures behind the asserts) go with the logs.
+    keep = Path(os.environ.get("COLO_RL_GPU_LOG_DIR") or tmp)
+    keep.mkdir(parents=True, exist_ok=True)
+    out, log = keep / "sglang_gpu_report.json", keep / "sglang_gpu_worker.log"
     out.unlink(missing_ok=True)  # never a previous run's
     # A world of its own: not this process's rendezvous port (dist.init put it in the environment).
     env = child_env(PYTHONPATH=python_path())
-    # The worker's output goes to a file as it runs (`make gpu-check` puts it with its logs), so a
-    # hang that the device call's budget cuts short still leaves it.
-    log = Path(os.environ.get("COLO_RL_GPU_LOG_DIR") or tmp) / "sglang_gpu_worker.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         try:
             proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),
