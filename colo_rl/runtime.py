@@ -29,7 +29,7 @@ from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
 from colo_rl.models import known_context_length, resolve_dtype
 from colo_rl.rewards import RewardError
-from colo_rl.rollout.sglang import check_engine_runs_here
+from colo_rl.rollout import ENGINES
 
 log = logging.getLogger("colo_rl")
 
@@ -102,7 +102,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     hydra_cfg.recipe = recipe
     cfg = to_object(hydra_cfg, recipe, found if overrides is None else overrides)
     check_input_paths(cfg)
-    check_engine_runs_here(cfg.rollout.engine, cfg.rollout.sglang_kwargs)
+    ENGINES.get(cfg.rollout.engine).check_runs_here(cfg)
     dist.init(debug=cfg.debug)
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -127,30 +127,11 @@ def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
                          config=OmegaConf.to_container(OmegaConf.structured(ctx.cfg), resolve=True))
 
 
-# SGLang's context length where config.json names none, and the variable that lets it run past the
-# model's own (its get_context_length, ModelConfig._derive_context_length).
-SGLANG_DEFAULT_CONTEXT_LENGTH = 2048
-SGLANG_LONGER_CONTEXT_VARIABLE = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
-
-
 def run_context_length(cfg: RunConfig) -> tuple[Optional[int], str]:
-    """The longest sequence the run's model takes (None: unknown) and where that figure comes from.
-    With SGLang: rollout.sglang_kwargs.context_length when set (SGLang refuses to start when it is
-    more than the model's, unless told otherwise), else the model's, else SGLang's default."""
+    """The longest sequence the run's model takes (None: unknown) and where that figure comes from:
+    the model's own (config.json), as the run's engine takes it (`Engine.context_length`)."""
     model = known_context_length(cfg.model.path)  # FileNotFoundError naming model.path
-    if cfg.rollout.engine != "sglang":
-        return model, "config.json"
-    derived = (model, "config.json") if model is not None else (SGLANG_DEFAULT_CONTEXT_LENGTH,
-                                                                 "SGLang's default: config.json names none")
-    override = cfg.rollout.sglang_kwargs.get("context_length")
-    if override is None:
-        return derived
-    allowed = os.environ.get(SGLANG_LONGER_CONTEXT_VARIABLE, "").lower() in ("1", "true", "yes", "y")
-    if int(override) > derived[0] and not allowed:
-        raise ConfigError(f"rollout.sglang_kwargs.context_length={override} is more than model.path="
-                          f"{cfg.model.path!r} takes ({derived[0]}, {derived[1]}): SGLang would refuse to start. "
-                          f"Lower it, or set {SGLANG_LONGER_CONTEXT_VARIABLE}=1 if the model does take longer inputs")
-    return int(override), "rollout.sglang_kwargs.context_length"
+    return ENGINES.get(cfg.rollout.engine).context_length(cfg, model)
 
 
 def check_input_paths(cfg: RunConfig) -> None:

@@ -11,7 +11,7 @@ from colo_rl.config import AlgoConfig, EnvConfig, ModelConfig
 from colo_rl.envs import ENVIRONMENTS, ConversationEnvironment, UserTurns
 from colo_rl.models import load_model, load_tokenizer
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.rollout.base import Completion, SamplingParams
+from colo_rl.rollout.base import Capabilities, Completion, SamplingParams
 from colo_rl.rollout.hf import HFEngine
 from colo_rl.rollout.multiturn import Episode, MultiTurnRollout, episode_metrics, policy_texts
 from colo_rl.train.batch import build_batch, response_logprobs
@@ -254,7 +254,7 @@ def test_a_collective_engine_gets_every_turn_with_the_same_params(tok):
     calls it every turn (with nothing to generate), with the params the other ranks use."""
     env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
     engine = ScriptedEngine(tok, [["The answer is 1.<|im_end|>"], [], []])
-    engine.lockstep_generate = True
+    engine.capabilities = Capabilities(lockstep_generate=True)
     (ep,) = MultiTurnRollout(env, tok, max_turns=3, max_total_tokens=100).generate(
         engine, [encode(tok, "Q:")], SamplingParams(max_new_tokens=40))
     assert ep.turns == 1 and [len(c) for c in engine.calls] == [1, 0, 0]

@@ -417,7 +417,8 @@ def test_the_embedded_models_context_length_is_known_before_its_conversion(tmp_p
 
 
 def test_sglang_context_length_longer_than_the_models_is_refused_unless_allowed(tmp_path, monkeypatch):
-    from colo_rl.runtime import SGLANG_LONGER_CONTEXT_VARIABLE, check_input_paths, run_context_length
+    from colo_rl.rollout.sglang.compat import SGLANG_LONGER_CONTEXT_VARIABLE
+    from colo_rl.runtime import check_input_paths, run_context_length
 
     model = _model_dir(tmp_path, {"model_type": "llama", "max_position_embeddings": 1024})
     longer = _cfg([f"model.path={model}", "rollout=sglang", "+rollout.sglang_kwargs.context_length=4096"])

@@ -24,7 +24,7 @@ from typing import Optional
 from colo_rl import dist
 from colo_rl.errors import HandoffError
 from colo_rl.lora import lora_enabled
-from colo_rl.rollout.base import HandoffStats
+from colo_rl.rollout.base import HandoffStats, capabilities_of
 from colo_rl.train.actor import plan_buckets
 from colo_rl.train.adapters import (adapter_names, base_names, gathered_external, gathered_merged, merge_buckets,
                                     sized_buckets)
@@ -35,9 +35,9 @@ HANDOFF_MODES = ("full", "adapter", "merged")
 
 
 def engine_takes_adapters(engine) -> bool:
-    """Feature detection: does this engine apply LoRA adapters it is given as tensors?"""
-    supports = getattr(engine, "supports_adapters", None)
-    return callable(supports) and callable(getattr(engine, "load_adapter", None)) and bool(supports())
+    """Does this engine apply LoRA adapters it is given as tensors? It declares the capability
+    (`Capabilities.adapters`) and, as started, says so (`supports_adapters()`)."""
+    return capabilities_of(engine).adapters and bool(engine.supports_adapters())
 
 
 def choose_lora_handoff(model_cfg, engine) -> tuple[str, str]:

@@ -15,12 +15,9 @@ from colo_rl.colocate.handoff import WeightHandoff, choose_lora_handoff
 from colo_rl.colocate.memory import Ledger, MemoryManager
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.envs import turns_end_at_strings
-from colo_rl.lora import apply_lora, lora_enabled
-from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import PhaseGuard
+from colo_rl.rollout import ENGINES
 from colo_rl.rollout.base import ALL_TAGS, RolloutEngine
-from colo_rl.rollout.hf import HFEngine
-from colo_rl.rollout.sglang import SGLangEngine, prepare_rank_payload
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.adapters import BaseReference
@@ -66,19 +63,10 @@ def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
 
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
-    if cfg.rollout.engine == "sglang":
-        # tool calls: the engine stops a turn at a call's closing tag, which needs its tokenizer (and a
-        # detokenizer decoding every output); other runs stay token ids in, token ids out
-        return SGLangEngine.create(cfg, tokenizer, dtype, guard, stop_strings=turns_end_at_strings(cfg.env))
-    model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
-    if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
-        model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
-    model = model.to(dist.device())
-    # each rank samples its own stream; the prime stride keeps a sweep's neighbouring rollout.seed
-    # values from sharing a stream across ranks (seed s on rank 1 is not seed s+1 on rank 0)
-    return HFEngine(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)),
-                    tokenizer.pad_token_id, guard=guard, max_batch=cfg.rollout.eval_batch_size,
-                    seed=cfg.rollout.seed + 7919 * dist.rank(), tokenizer=tokenizer)
+    """The run's engine (rollout.engine, from the ENGINES registry) for this rank. With tool calls it
+    must stop a turn at a call's closing tag (`stop_strings`)."""
+    return ENGINES.get(cfg.rollout.engine).create(cfg, tokenizer, dtype, guard,
+                                                  stop_strings=turns_end_at_strings(cfg.env))
 
 
 def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,
@@ -86,20 +74,21 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     """with_optimizer=False: a frozen ZeRO-3 actor whose only job is to hand its weights to the
     engine (recipes/eval.py)."""
     guard = PhaseGuard()
-    tp_size = cfg.rollout.tp_size if cfg.rollout.engine == "sglang" else 1
+    engine_cls = ENGINES.get(cfg.rollout.engine)
+    tp_size = cfg.rollout.tp_size if engine_cls.capabilities.tensor_parallel else 1
     layout = current_layout(tp_size)
     actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=grad_accum, with_optimizer=with_optimizer,
                            guard=guard)
     ref = reference_model(cfg, actor, dtype, total_steps, guard) if cfg.algo.kl_coef > 0 else None
     reward_model = RewardModel(cfg, dtype, guard=guard) if cfg.reward.model.path else None
     frozen = frozen_paging(cfg, guard, ref, reward_model)
-    # SGLang sizes its memory from what is free when it starts: start it with the trainer paged out.
-    with trainer_paged_out(actor, enabled=cfg.rollout.engine == "sglang", frozen=frozen):
+    # An engine that sizes its memory from what is free when it starts (SGLang) starts with the trainer paged out.
+    with trainer_paged_out(actor, enabled=engine_cls.sizes_memory_at_start, frozen=frozen):
         engine = build_engine(cfg, tokenizer, dtype, guard) if layout["owns_engine"] else None
         if engine is not None:
             engine.sleep(ALL_TAGS)  # weights come from the trainer's handoff, never from disk
     if tp_size > 1:  # every rank of a TP group reaches its group's engine through the group's first rank
-        engine = TPGroupEngine.build(engine, tp_size, guard=guard, prepare_payload=prepare_rank_payload)
+        engine = TPGroupEngine.build(engine, tp_size, guard=guard, prepare_payload=engine_cls.tp_rank_payload)
     mode, why = choose_lora_handoff(cfg.model, engine)
     if mode != "full":
         log.info("LoRA handoff: %s (%s)", "adapters only, the base once" if mode == "adapter" else

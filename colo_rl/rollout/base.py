@@ -1,11 +1,16 @@
-"""The rollout engine protocol shared by the in-process HF engine and SGLang."""
+"""The rollout engine protocol shared by the in-process HF engine and SGLang, and the engine registry:
+`@ENGINES.register("name")` on an `Engine` subclass makes `rollout.engine=name` a choice; the class carries
+the engine's rules (how it is built, where it runs, its context length, what it can do)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol
 
 import torch
+
+from colo_rl.errors import ConfigError
+from colo_rl.registry import Registry
 
 # What `sleep` / `wake` take: SGLang's memory-occupation tags.
 WEIGHTS = "weights"
@@ -48,18 +53,38 @@ class HandoffStats:
     content: str = "full"
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine can do beyond the protocol, declared on its class (`capabilities = Capabilities(...)`)
+    and read where used through `capabilities_of(engine)`; an engine declares only what it has."""
+
+    # rollout.tp_size > 1 splits one engine over that many GPUs of a node
+    tensor_parallel: bool = False
+    # `supports_adapters() -> bool` (this instance, as started) + `load_adapter(named_tensors)`: LoRA
+    # adapters applied unmerged, every adapter tensor (adapter-file names) at once (colocate/handoff.py)
+    adapters: bool = False
+    # `rng_state()` / `set_rng_state(state)`: the sampling RNG, saved in checkpoints (checkpoint/compat.py)
+    sampling_rng: bool = False
+    # `generate` is a collective every rank of a group calls the same number of times (rollout/multiturn.py)
+    lockstep_generate: bool = False
+    # `inner`: the engine a wrapper drives (TPGroupEngine; None on the ranks that do not own it), where a
+    # checkpoint looks for the sampling RNG
+    wraps_engine: bool = False
+
+
+NO_CAPABILITIES = Capabilities()
+
+
+def capabilities_of(engine: Any) -> Capabilities:
+    """The engine's declared capabilities (none for None or an engine that declares none)."""
+    declared = getattr(engine, "capabilities", NO_CAPABILITIES)
+    return declared if isinstance(declared, Capabilities) else NO_CAPABILITIES
+
+
 class RolloutEngine(Protocol):
     """What the colocated loop asks of an engine (HFEngine, SGLangEngine, TPGroupEngine; each is
-    checked against this in tests/test_engine_protocol.py).
-
-    Optional, found by feature where used:
-    - `supports_adapters() -> bool` + `load_adapter(named_tensors)`: LoRA adapters applied unmerged,
-      every adapter tensor (adapter-file names) at once (colocate/handoff.py choose_lora_handoff);
-    - `rng_state()` / `set_rng_state(state)`: the sampling RNG, saved in checkpoints (checkpoint/compat.py);
-    - `lockstep_generate = True`: `generate` is a collective every rank of a group calls the same
-      number of times (rollout/multiturn.py);
-    - `inner`: the engine a wrapper drives (TPGroupEngine; None on the ranks that do not own it),
-      where a checkpoint looks for the sampling RNG."""
+    checked against this in tests/test_engine_protocol.py). What an engine can do beyond it is
+    declared in its `capabilities` (`Capabilities`), not found by probing."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """Completions for each prompt's token ids, `params.n` per prompt, contiguous."""
@@ -78,3 +103,58 @@ class RolloutEngine(Protocol):
 
     def shutdown(self) -> None:
         """Stop the engine and release everything it holds."""
+
+
+class Engine:
+    """A registered engine's rules, read before it starts (classmethods: no engine is built). A new
+    engine subclasses this, registers under its `rollout.engine` name, and overrides what differs;
+    colo_rl then compares no engine names anywhere else.
+
+        @ENGINES.register("vllm")
+        class VLLMEngine(Engine):
+            title = "vLLM"
+            capabilities = Capabilities(tensor_parallel=True)
+            @classmethod
+            def create(cls, cfg, tokenizer, dtype, guard, stop_strings): ...
+    """
+
+    title: ClassVar[str] = "this engine"  # its name in messages
+    capabilities: ClassVar[Capabilities] = NO_CAPABILITIES
+    # It sizes its memory from what is free when it starts: the trainer is paged out around `create`.
+    sizes_memory_at_start: ClassVar[bool] = False
+    # What it runs where it takes no tensor parallelism (the tp_size refusal says it).
+    without_tp: ClassVar[str] = "runs a whole model on every rank"
+    # With tensor parallelism: (named_tensors) -> (payload, keepalive), each TP rank's share of a weight
+    # update, gathered by TPGroupEngine on the engine's rank (rollout/tp_group.py).
+    tp_rank_payload: ClassVar[Optional[Callable[[list], tuple[Any, Any]]]] = None
+
+    @classmethod
+    def create(cls, cfg: Any, tokenizer: Any, dtype: torch.dtype, guard: Any, stop_strings: bool) -> "RolloutEngine":
+        """The engine for this rank, its weights released (they come from the trainer's handoff).
+        `stop_strings`: the run's turns end at strings (SamplingParams.stop must be honoured)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        """The run's config against what this engine can do (part of config.validate)."""
+        tp = cfg.rollout.tp_size
+        if tp > 1 and not cls.capabilities.tensor_parallel:
+            splitters = [ENGINES.get(n) for n in ENGINES if ENGINES.get(n).capabilities.tensor_parallel]
+            names = " or ".join(f"{c.title}'s" for c in splitters) or "a tensor-parallel"
+            use = " or ".join(f"rollout={n}" for n in ENGINES if ENGINES.get(n).capabilities.tensor_parallel)
+            raise ConfigError(f"rollout.tp_size={tp} splits {names} engine over GPUs; rollout.engine={cfg.rollout.engine} "
+                              f"{cls.without_tp} and would ignore it: use {use} (on GPUs) or leave rollout.tp_size=1")
+
+    @classmethod
+    def check_runs_here(cls, cfg: Any) -> None:
+        """What it needs is installed and its device is here (at start-up, in seconds)."""
+
+    @classmethod
+    def context_length(cls, cfg: Any, model_length: Optional[int]) -> tuple[Optional[int], str]:
+        """The longest sequence it takes for this run (None: unknown), and where that figure comes from;
+        `model_length`: the model's own (config.json)."""
+        return model_length, "config.json"
+
+
+# rollout.engine's choices: every Engine subclass registered here (colo_rl/rollout/__init__.py imports them all).
+ENGINES: Registry[type[Engine]] = Registry("rollout.engine")

@@ -18,14 +18,34 @@ from typing import Iterable, Optional
 
 import torch
 
-from colo_rl.lora import external_name, is_adapter
+from colo_rl import dist
+from colo_rl.lora import apply_lora, external_name, is_adapter, lora_enabled
+from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
+from colo_rl.rollout.base import (ALL_TAGS, ENGINES, KV_CACHE, WEIGHTS, Capabilities, Completion, Engine,
+                                  SamplingParams)
 
 log = logging.getLogger("colo_rl")
 
 
-class HFEngine:
+@ENGINES.register("hf")
+class HFEngine(Engine):
+    title = "the HF engine"
+    # Stop strings: always honoured (it holds the tokenizer). Adapters: when built PEFT-wrapped.
+    capabilities = Capabilities(adapters=True, sampling_rng=True)
+
+    @classmethod
+    def create(cls, cfg, tokenizer, dtype: torch.dtype, guard: Optional[PhaseGuard], stop_strings: bool) -> "HFEngine":
+        model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
+        if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
+            model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
+        model = model.to(dist.device())
+        # each rank samples its own stream; the prime stride keeps a sweep's neighbouring rollout.seed
+        # values from sharing a stream across ranks (seed s on rank 1 is not seed s+1 on rank 0)
+        return cls(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)), tokenizer.pad_token_id,
+                   guard=guard, max_batch=cfg.rollout.eval_batch_size, seed=cfg.rollout.seed + 7919 * dist.rank(),
+                   tokenizer=tokenizer)
+
     def __init__(self, model: torch.nn.Module, eos_token_ids: Iterable[int], pad_token_id: int,
                  guard: Optional[PhaseGuard] = None, max_batch: int = 64, seed: int = 0, tokenizer=None):
         self.model = model.eval()

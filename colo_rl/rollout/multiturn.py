@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 
 from colo_rl.envs import Environment, Step
 from colo_rl.errors import EnvError
-from colo_rl.rollout.base import Completion, SamplingParams
+from colo_rl.rollout.base import Completion, SamplingParams, capabilities_of
 
 
 @dataclass
@@ -86,7 +86,7 @@ class MultiTurnRollout:
         contexts = [list(p) for p in prompts for _ in range(n)]
         starts = [problems[k // n] if problems is not None else None for k in range(len(episodes))]
         active = list(range(len(episodes)))
-        lockstep = getattr(engine, "lockstep_generate", False)
+        lockstep = capabilities_of(engine).lockstep_generate
         every_turn = getattr(self.env, "answers_every_turn", False)
         sessions = []
         try:

@@ -28,7 +28,7 @@ import torch.distributed as tdist
 from colo_rl import dist
 from colo_rl.errors import ConfigError, HandoffError
 from colo_rl.phase import Phase
-from colo_rl.rollout.base import ALL_TAGS, Completion, SamplingParams
+from colo_rl.rollout.base import ALL_TAGS, Capabilities, Completion, SamplingParams
 
 
 def engine_rank_layout(world_size: int, tp_size: int, local_world_size: Optional[int] = None) -> list[dict]:
@@ -112,12 +112,12 @@ class TPGroupEngine:
 
     # generate is a collective of the group: every rank calls it equally often with the same params
     # (colo_rl/rollout/multiturn.py then runs every turn on every rank, with nothing to generate if need be)
-    lockstep_generate = True
+    capabilities = Capabilities(lockstep_generate=True, wraps_engine=True)
 
     def __init__(self, inner, layout: dict, group, guard=None,
                  prepare_payload: Optional[Callable[[list], tuple[Any, Any]]] = None):
         # prepare_payload(named_tensors) -> (payload, keepalive): this rank's share of a weight update
-        # (SGLang's: rollout.sglang.prepare_rank_payload, passed in by colocate/setup.py).
+        # (the engine class's tp_rank_payload, passed in by colocate/setup.py).
         if layout["owns_engine"] != (inner is not None):
             raise ValueError(f"rank {layout['rank']}: the group's first rank must hold the engine and only it "
                              f"(owns_engine={layout['owns_engine']}, engine given: {inner is not None})")

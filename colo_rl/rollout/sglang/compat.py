@@ -36,6 +36,11 @@ def import_first(candidates: Iterable[tuple[str, str]]) -> Any:
     return None
 
 
+# SGLang's context length where config.json names none, and the variable that lets it run past the
+# model's own (its get_context_length, ModelConfig._derive_context_length).
+SGLANG_DEFAULT_CONTEXT_LENGTH = 2048
+SGLANG_LONGER_CONTEXT_VARIABLE = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+
 NOT_INSTALLED = ("rollout.engine=sglang needs SGLang, which is not installed in this environment: on a CUDA "
                  "machine `pip install -e '.[gpu]'` (torch 2.11) or `'.[gpu-torch213]'` (torch 2.13), offline "
                  "`make gpu-wheels` then `make gpu-install` (README, SGLang on a GPU); or use rollout.engine=hf")

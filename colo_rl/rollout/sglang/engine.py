@@ -11,20 +11,23 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from colo_rl import dist
 from colo_rl.cuda_toolkit import prepare_jit_builds
-from colo_rl.errors import EngineStateError, HandoffError, SGLangEngineError
+from colo_rl.errors import ConfigError, EngineStateError, HandoffError, SGLangEngineError
 from colo_rl.models import eos_token_ids, model_config, resolve_model_path
 from colo_rl.phase import Phase
-from colo_rl.rollout.base import ALL_TAGS, KV_CACHE, WEIGHTS, Completion, SamplingParams
+from colo_rl.rollout.base import ALL_TAGS, ENGINES, KV_CACHE, WEIGHTS, Capabilities, Completion, Engine, SamplingParams
 from colo_rl.rollout.sglang.compat import (
     REQUIRED_SERVER_ARGS,
+    SGLANG_DEFAULT_CONTEXT_LENGTH,
+    SGLANG_LONGER_CONTEXT_VARIABLE,
     _plain_dict,
     check_cpu_engine_kwargs,
+    check_engine_runs_here,
     engine_base_gpu_id,
     engine_device,
     engine_free_bytes,
@@ -144,12 +147,40 @@ def engine_model_dir(model_cfg) -> str:
 _WRITTEN_MODEL_DIRS: set[str] = set()  # what engine_model_dir wrote: the only directories shutdown removes
 
 
-class SGLangEngine:
+@ENGINES.register("sglang")
+class SGLangEngine(Engine):
     """The colo_rl engine protocol on SGLang's offline Engine (one per TP group, on its first rank).
 
     With tp_size > 1, wrap it in colo_rl.rollout.tp_group.TPGroupEngine: every TP rank must
     contribute a payload for its own GPU, so `load_weights` alone only serves tp_size == 1.
     """
+
+    title = "SGLang"
+    # Stop strings: honoured when started with its tokenizer (create(stop_strings=True)). Adapters: when
+    # this SGLang has load_lora_adapter_from_tensors and tp_size is 1 (supports_adapters()).
+    capabilities = Capabilities(tensor_parallel=True, adapters=True)
+    sizes_memory_at_start = True
+    tp_rank_payload = staticmethod(prepare_rank_payload)
+
+    @classmethod
+    def check_runs_here(cls, cfg: Any) -> None:
+        check_engine_runs_here(cfg.rollout.engine, cfg.rollout.sglang_kwargs)
+
+    @classmethod
+    def context_length(cls, cfg: Any, model_length: Optional[int]) -> tuple[Optional[int], str]:
+        """rollout.sglang_kwargs.context_length when set (SGLang refuses to start when it is more than
+        the model's, unless told otherwise), else the model's, else SGLang's default."""
+        derived = (model_length, "config.json") if model_length is not None else (
+            SGLANG_DEFAULT_CONTEXT_LENGTH, "SGLang's default: config.json names none")
+        override = cfg.rollout.sglang_kwargs.get("context_length")
+        if override is None:
+            return derived
+        allowed = os.environ.get(SGLANG_LONGER_CONTEXT_VARIABLE, "").lower() in ("1", "true", "yes", "y")
+        if int(override) > derived[0] and not allowed:
+            raise ConfigError(f"rollout.sglang_kwargs.context_length={override} is more than model.path="
+                              f"{cfg.model.path!r} takes ({derived[0]}, {derived[1]}): SGLang would refuse to start. "
+                              f"Lower it, or set {SGLANG_LONGER_CONTEXT_VARIABLE}=1 if the model does take longer inputs")
+        return int(override), "rollout.sglang_kwargs.context_length"
 
     def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
                  supported_tags: Iterable[str] = ALL_TAGS, api=None, child_failure: Optional[ChildFailure] = None,
