@@ -1,7 +1,7 @@
 """Named registries: a decorator registers a function under a name, `get` finds it or says which names exist.
 
-The config's choices are the registries' names (`colo_rl/config/validation.py` reads them), so adding an
-algorithm is one decorated function: the option accepts it everywhere at once.
+The config's choices are the registries' names (`colo_rl/config/schema.py` names them beside the options), so
+adding an algorithm is one decorated function: the option accepts it everywhere at once.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from colo_rl.checkpoint import (COMPLETE, CheckpointError, CheckpointManager, ca
                                 config_container, newest_checkpoint, resolve_resume, restore_rng)
 from colo_rl.config import RunConfig, TrainerConfig
 from colo_rl.data.sampler import EpochSampler
+from colo_rl.rollout.base import Capabilities
 from conftest import ROOT, child_env, python_path
 
 
@@ -165,6 +166,8 @@ def test_world_size_change_is_refused(tmp_path, monkeypatch):
 
 
 class SeededEngine:
+    capabilities = Capabilities(sampling_rng=True)
+
     def __init__(self, seed):
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -191,7 +194,7 @@ def test_rng_states_round_trip_including_the_engine_and_tolerate_engines_without
     assert state["engine_sampling"] is None and restore_rng(state, no_rng) == []
     notes = restore_rng(capture_rng(engine), no_rng)
     assert notes and "no set_rng_state" in notes[0]
-    wrapped = SimpleNamespace(inner=engine)  # a TPGroupEngine-like wrapper holds the engine
+    wrapped = SimpleNamespace(inner=engine, capabilities=Capabilities(wraps_engine=True))  # as TPGroupEngine
     assert capture_rng(wrapped)["engine_sampling"] is not None
 
 

@@ -26,12 +26,12 @@ a directory counts as a checkpoint only with its final name *and* its COMPLETE m
 Assumes the run directory is on one filesystem that every rank sees (one node, or a shared FS).
 """
 
-from colo_rl.checkpoint.compat import REFUSED, HARMLESS, capture_rng, compare_configs, config_container, restore_rng
+from colo_rl.checkpoint.compat import capture_rng, compare_configs, config_container, restore_rng
 from colo_rl.checkpoint.export import FINAL_EXPORT, export_checkpoint_to_hf, export_hf, hf_model_dir, main
 from colo_rl.checkpoint.manager import (CHECKPOINTS, COMPLETE, DS_TAG, CheckpointManager, complete_checkpoints,
                                         is_complete, newest_checkpoint, resolve_resume, step_dir_name)
 from colo_rl.errors import CheckpointError
 
-__all__ = ["CHECKPOINTS", "COMPLETE", "DS_TAG", "FINAL_EXPORT", "hf_model_dir", "HARMLESS", "REFUSED", "CheckpointError", "CheckpointManager",
+__all__ = ["CHECKPOINTS", "COMPLETE", "DS_TAG", "FINAL_EXPORT", "hf_model_dir", "CheckpointError", "CheckpointManager",
            "capture_rng", "compare_configs", "complete_checkpoints", "config_container", "export_checkpoint_to_hf",
            "export_hf", "is_complete", "main", "newest_checkpoint", "resolve_resume", "restore_rng", "step_dir_name"]

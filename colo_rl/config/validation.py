@@ -4,152 +4,33 @@ registries, value ranges, cross-key rules, keys a recipe does not read), run bef
 from __future__ import annotations
 
 import difflib
-import math
-from dataclasses import fields
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.algos import GROUP_ESTIMATORS
 from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import check_reward_config
+from colo_rl.rollout import ENGINES
 
-from colo_rl.config.schema import AlgoConfig, EnvConfig, EvalConfig, RunConfig, TrainerConfig
+from colo_rl.config.options import RECIPE_NAMES, WARN, Resume, Rules, option_rules
+from colo_rl.config.schema import RunConfig
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("auto", "bf16", "fp32"),
-    "model.lora.handoff": ("auto", "merged"),
-    "data.overlong_policy": ("drop", "truncate", "error"),
-    "rollout.engine": ("hf", "sglang"),
-    "env.format": ("auto", "json", "tags", "llama"),
-    # The algorithm choices are the registries' names: registering a function adds the choice.
-    "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
-    "algo.policy_loss": tuple(POLICY_LOSSES.names()),
-    "algo.kl_estimator": tuple(KL_ESTIMATORS.names()),
-    "algo.loss_agg": tuple(LOSS_AGGREGATIONS.names()),
-    "algo.dpo_loss": tuple(DPO_LOSSES.names()),
-    "trainer.lr_schedule": ("constant", "cosine"),
-    "trainer.zero_stage": (0, 1, 2, 3),
-    "colocate.paging": ("auto", "on", "off"),
-}
+# Each option's rules (range, choices, which recipes read it, the resume rule) sit beside its field in
+# schema.py (`opt(...)`, config/options.py); this is them by dotted key, applied by `validate`.
+OPTIONS: dict[str, Rules] = option_rules(RunConfig)
 
-
-
-# ---------------------------------------------------------------------------------------------
-# What each recipe reads, as data (one entry per recipe): the algo group it runs, whether its
-# estimator is group-based, and the keys it does not read (with what to use instead). A key listed
-# here and set on the command line is refused: it would be accepted and then silently ignored.
-_GRPO_ONLY = {
-    "trainer.total_steps": "set trainer.max_steps (a cap) or trainer.epochs",
-    "trainer.mini_batches_per_step": "GRPO only",
-    "rollout.prompts_per_step": "GRPO only", "rollout.group_size": "GRPO only",
-    "rollout.max_new_tokens": "evaluation uses rollout.eval_max_new_tokens",
-    "rollout.temperature": "evaluation decodes greedily", "rollout.top_p": "evaluation decodes greedily",
-    "colocate.handoff_check_max_mean_abs": "GRPO only",
-    "algo.scale_by_std": "GRPO only", "algo.clip_low": "GRPO only", "algo.clip_high": "GRPO only",
-    "algo.kl_coef": "GRPO only", "algo.kl_estimator": "GRPO only", "algo.loss_agg": "GRPO only",
-    "algo.tis_cap": "GRPO only", "algo.adv_estimator": "GRPO only", "algo.policy_loss": "GRPO only",
-    "algo.clip_ratio_c": "GRPO only", "algo.entropy_coef": "GRPO only", "algo.kl_in_reward": "GRPO only",
-    "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
-    "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
-    "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
-    "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
-    "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
-    **{f"env.{f.name}": "multi-turn rollouts are for GRPO and recipes/eval.py" for f in fields(EnvConfig)},
-}
-# SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
-_NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases"}
-_DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
-             "algo.precompute_ref_logprobs": "DPO only"}
-_EVAL_ONLY = {f"eval.{f.name}": "recipes/eval.py only" for f in fields(EvalConfig)}
-# recipes/eval.py trains nothing: its actor only holds the weights the engine gets through the handoff.
-_EVAL_READS = ("trainer.seed", "trainer.zero_stage", "colocate.offload_pin_memory")
-_NOT_EVAL = {**{f"algo.{f.name}": "recipes/eval.py trains nothing" for f in fields(AlgoConfig) if f.name != "name"},
-             **{f"trainer.{f.name}": "recipes/eval.py trains nothing" for f in fields(TrainerConfig)
-                if f"trainer.{f.name}" not in _EVAL_READS},
-             "rollout.prompts_per_step": "set eval.samples", "rollout.group_size": "set eval.samples",
-             "rollout.max_new_tokens": "set rollout.eval_max_new_tokens (greedy and sampled)",
-             "colocate.handoff_check_max_mean_abs": "GRPO only", "resume": "an evaluation is not resumed",
-             "data.train_size": "recipes/eval.py reads held-out problems only", "data.seed": "no training order",
-             "data.shuffle": "no training order", "data.max_seq_len": "set data.max_prompt_tokens"}
+# What each recipe runs: its algo group, and whether its advantage estimator sees prompt groups.
 RECIPES: dict[str, dict[str, Any]] = {
-    "eval": {"algo": None, "group_based": False, "ignores": {**_NOT_EVAL, **_NO_PAGING}},
-    "grpo": {"algo": "grpo", "group_based": True, "ignores": {
-        **_DPO_ONLY, **_EVAL_ONLY,
-        "trainer.max_steps": "set trainer.total_steps", "trainer.epochs": "set trainer.total_steps",
-        "trainer.batch_size": "set rollout.prompts_per_step (x rollout.group_size completions)",
-        "trainer.eval_generate": "GRPO always evaluates with generation (trainer.eval_every)",
-        "data.max_seq_len": "set data.max_prompt_tokens and "
-                                                                        "rollout.max_new_tokens"}},
-    "sft": {"algo": "sft", "group_based": False, "ignores": {**_GRPO_ONLY, **_DPO_ONLY, **_EVAL_ONLY, **_NO_PAGING}},
-    "dpo": {"algo": "dpo", "group_based": False, "ignores": {**_GRPO_ONLY, **_EVAL_ONLY, **_NO_PAGING}},
+    "grpo": {"algo": "grpo", "group_based": True},
+    "sft": {"algo": "sft", "group_based": False},
+    "dpo": {"algo": "dpo", "group_based": False},
+    "eval": {"algo": None, "group_based": False},
 }
+assert tuple(RECIPES) == RECIPE_NAMES, "config/options.py RECIPE_NAMES names the recipes RECIPES describes"
 
-# Value ranges types cannot express: key -> (accepts the value, what it must be).
-RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "trainer.lr": (lambda v: v > 0, "must be > 0"),
-    "model.lora.rank": (lambda v: v >= 0, "must be >= 0 (0 = full fine-tune, no adapters)"),
-    "model.lora.alpha": (lambda v: v > 0, "must be > 0 (the adapter update is scaled by alpha / rank)"),
-    "model.lora.dropout": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "model.lora.target_modules": (lambda v: len(v) > 0, "must name at least one module (e.g. [q_proj,v_proj])"),
-    "trainer.warmup_steps": (lambda v: v >= 0, "must be >= 0"),
-    "trainer.min_lr_ratio": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "trainer.weight_decay": (lambda v: v >= 0, "must be >= 0"),
-    "trainer.betas": (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "must be two values in [0, 1)"),
-    "trainer.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 = no clipping)"),
-    "trainer.micro_batch_size": (lambda v: v > 0, "must be a positive integer"),
-    "trainer.mini_batches_per_step": (lambda v: v > 0, "must be a positive integer"),
-    "trainer.total_steps": (lambda v: v > 0, "must be a positive integer"),
-    "trainer.epochs": (lambda v: v > 0, "must be a positive integer"),
-    "trainer.batch_size": (lambda v: v > 0, "must be a positive integer"),
-    "trainer.max_steps": (lambda v: v >= 0, "must be >= 0 (0 = all epochs)"),
-    "trainer.eval_every": (lambda v: v >= 0, "must be >= 0 (0 = at the start and the end only)"),
-    "trainer.save_every": (lambda v: v >= 0, "must be >= 0 (0 = only the final checkpoint)"),
-    "trainer.max_nonfinite_steps": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.prompts_per_step": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.group_size": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.max_new_tokens": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.eval_max_new_tokens": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.eval_batch_size": (lambda v: v > 0, "must be a positive integer"),
-    "rollout.temperature": (lambda v: v > 0, "must be > 0 (greedy decoding is used for evaluation only)"),
-    "rollout.top_p": (lambda v: 0 < v <= 1, "must be in (0, 1] (1 = no nucleus cut)"),
-    "rollout.tp_size": (lambda v: v > 0, "must be a positive integer"),
-    "algo.kl_coef": (lambda v: v >= 0, "must be >= 0 (0 = no KL penalty, no reference model)"),
-    "algo.clip_low": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    "algo.clip_high": (lambda v: v >= 0, "must be >= 0"),
-    "algo.tis_cap": (lambda v: v is None or v > 0, "must be > 0, or null for no truncated importance sampling"),
-    "algo.clip_ratio_c": (lambda v: v is None or v > 1, "must be > 1 (e.g. 3.0), or null for no dual-clip"),
-    "algo.entropy_coef": (lambda v: v >= 0, "must be >= 0"),
-    "algo.kl_target": (lambda v: v is None or v > 0, "must be > 0, or null for a fixed coefficient"),
-    "algo.kl_horizon": (lambda v: v > 0, "must be a positive integer"),
-    "algo.max_sampling_rounds": (lambda v: v >= 0, "must be >= 0"),
-    "algo.overlong_buffer_len": (lambda v: v >= 0, "must be >= 0 (0 = no overlong shaping)"),
-    "algo.overlong_penalty": (lambda v: v >= 0, "must be >= 0"),
-    "trainer.ppo_epochs": (lambda v: v > 0, "must be a positive integer"),
-    "algo.beta": (lambda v: v > 0, "must be > 0"),
-    "algo.label_smoothing": (lambda v: 0 <= v < 0.5, "must be in [0, 0.5)"),
-    "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
-    "reward.workers": (lambda v: v >= 0, "must be >= 0 (0 = call the reward functions in the trainer's process)"),
-    "reward.timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
-    "data.train_size": (lambda v: v >= 0, "must be >= 0 (0 = every record of data.path)"),
-    "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
-    "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
-    "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
-    "eval.samples": (lambda v: v >= 0, "must be >= 0 (0 = greedy accuracy only)"),
-    "data.max_operations": (lambda v: v >= 2, "must be >= 2 (a multi-operand problem has at least 2 operations)"),
-    "data.max_factor": (lambda v: v >= 2, "must be >= 2"),
-    "env.max_turns": (lambda v: v > 0, "must be a positive integer"),
-    "env.max_total_tokens": (lambda v: v > 0, "must be a positive integer"),
-    "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),
-    "env.tool_memory_mb": (lambda v: v >= 64, "must be >= 64 (a Python interpreter needs that much to start)"),
-    "env.max_output_chars": (lambda v: v > 0, "must be a positive integer"),
-    "env.reward_weight": (lambda v: math.isfinite(v), "must be a finite number"),
-}
-
-# Optional keys whose null is a setting (off), not a missing value.
-NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target")
 # Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
 FREE_KEYS = ("rollout.sglang_kwargs",)
 
@@ -170,28 +51,26 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
     if recipe not in RECIPES:
         raise ConfigError(f"recipe={recipe!r} is not one of {list(RECIPES)}")
     spec = RECIPES[recipe]
-    ignored = spec["ignores"]
     for ov in overrides:
         key = _override_key(ov)
-        if key in ignored:
-            raise ConfigError(f"{key} is not read by recipes/{recipe}.py ({ignored[key]}): remove it from the "
-                              f"command line")
+        rules = OPTIONS.get(key)
+        if rules is not None and recipe not in rules.scope.reads:
+            raise ConfigError(f"{key} is not read by recipes/{recipe}.py ({rules.scope.instead[recipe]}): remove it "
+                              f"from the command line")
     if spec["algo"] is not None and obj.algo.name != spec["algo"]:
         raise ConfigError(f"algo={obj.algo.name} is not {recipe}'s algo group: recipes/{recipe}.py runs "
                           f"algo={spec['algo']}" + (f" (for {obj.algo.name.upper()} run recipes/{obj.algo.name}.py)"
                                                     if obj.algo.name in RECIPES else ""))
-    for key, allowed in CHOICES.items():
+    for key, rules in OPTIONS.items():  # the rules beside each field, for the options this recipe reads
+        if recipe not in rules.scope.reads:
+            continue
         value = _get(obj, key)
-        if key not in ignored and value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-    for key, (ok, what) in RANGES.items():
-        value = _get(obj, key)
-        if key not in ignored and (value is None and key not in NULLABLE or not ok(value)):
-            raise ConfigError(f"{key}={value!r} {what}")
-    if "rollout.tp_size" not in ignored and obj.rollout.tp_size > 1 and obj.rollout.engine != "sglang":
-        raise ConfigError(f"rollout.tp_size={obj.rollout.tp_size} splits SGLang's engine over GPUs; "
-                          f"rollout.engine={obj.rollout.engine} runs a whole model on every rank and would ignore it: "
-                          f"use rollout=sglang (on GPUs) or leave rollout.tp_size=1")
+        allowed = rules.allowed()
+        if allowed is not None and value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {allowed}")
+        if rules.check is not None and not rules.check.accepts(value):
+            raise ConfigError(f"{key}={value!r} {rules.check.what}")
+    ENGINES.get(obj.rollout.engine).check_config(obj)
     if spec["group_based"] and obj.algo.adv_estimator in GROUP_ESTIMATORS and obj.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: algo.adv_estimator={obj.algo.adv_estimator}'s "
                           f"baseline is the other completions of the same prompt, so a group of one learns nothing; "
@@ -202,7 +81,7 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
     if recipe == "eval":
         check_eval_rules(obj)
     check_reward_config(obj.reward)
-    if "env.name" not in ignored:
+    if recipe in OPTIONS["env.name"].scope.reads:
         check_env_config(obj.env)
 
 
@@ -305,6 +184,18 @@ def check_schema_keys(cfg: DictConfig) -> None:
 def _override_key(override: str) -> str:
     """`+trainer.lr=1`, `~x`, `trainer.lr=1` -> the dotted key."""
     return override.lstrip("+~").split("=", 1)[0].strip()
+
+
+def resume_rule(key: str) -> Resume:
+    """May a resumed run change this flattened config key? Its option's rule; a key inside a free dict
+    (rollout.sglang_kwargs.x) takes that option's; a key the schema no longer has takes its group's
+    rule when every option of the group shares one (data.*: refused, colocate.*: silent); else WARN."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in OPTIONS:
+            return OPTIONS[".".join(parts[:n])].resume
+    group = {r.resume for k, r in OPTIONS.items() if k.startswith(f"{parts[0]}.")}
+    return group.pop() if len(group) == 1 else WARN
 
 
 def _get(obj: Any, dotted: str) -> Any:

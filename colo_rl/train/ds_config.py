@@ -13,7 +13,7 @@ from typing import Iterator, Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.config import ConfigError
+from colo_rl.errors import ConfigError
 from colo_rl.phase import PhaseGuard
 
 log = logging.getLogger("colo_rl")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from colo_rl import algos, dist
-from colo_rl.config import ConfigError
+from colo_rl.errors import ConfigError
 from colo_rl.data.files import DataError
 from colo_rl.train.packing import pack_bins, packed_batch, packed_pairs
 from colo_rl.train.batch import TokenBatch, build_batch, micro_batches
