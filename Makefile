@@ -76,7 +76,7 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py $(ARGS)
 
-# Multi-turn GRPO with a calculator tool on harder arithmetic (README "Multi-turn rollouts").
+# Multi-turn GRPO with a calculator tool on harder arithmetic (docs/tools.md).
 demo-tools: $(STAMP)
 	$(TORCHRUN) recipes/grpo.py env=calculator data=arithmetic_hard $(ARGS)
 

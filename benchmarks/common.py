@@ -268,6 +268,11 @@ def refresh_readme(out_dir: Path = RESULTS) -> Path:
              "benchmark and device, the latest run. Reproduce with `make bench` (CPU) or `make bench-gpu`; each "
              "section names the exact command, machine and versions. Older runs stay in this folder as "
              "`<benchmark>-<device>-<date>.json/.md`.", ""]
+    runs = out_dir / "runs.md"
+    if runs.exists():  # the recipes' measured runs, written by hand (the README's figures moved here)
+        body = _strip_title(runs.read_text())
+        parts += ["## Measured runs", "", "\n".join("#" + ln if ln.startswith("## ") else ln
+                                                 for ln in body.splitlines()), ""]
     for name in names:
         for (b, device), r in sorted(latest.items()):
             if b != name:

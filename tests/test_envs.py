@@ -163,7 +163,7 @@ def test_environment_adds_the_tool_instructions_to_the_prompt():
 def test_python_tool_has_no_network_where_user_namespaces_allow():
     from colo_rl.envs.tools import network_isolated
     if not network_isolated():
-        pytest.skip("no unprivileged `unshare -rn` here: the python tool cannot cut the network (README limitation)")
+        pytest.skip("no unprivileged `unshare -rn` here: the python tool cannot cut the network (docs/tools.md limitation)")
     code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2); print('connected')\n" \
            "except OSError as e:\n    print('blocked', e.errno)"
     assert run_python(code, 5.0, 256, 100).startswith("blocked")

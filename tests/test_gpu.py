@@ -147,7 +147,7 @@ def test_reference_model_is_paged_with_the_trainer(tmp_path):
 # failure signals its parent, and inside pytest that would end the whole suite.
 needs_sglang = pytest.mark.skipif(importlib.util.find_spec("sglang") is None and not GPU_STACK_REQUIRED,
                                   reason="SGLang is not installed here (make gpu-wheels here, make gpu-install "
-                                         "on the GPU machine; see colo_rl/colocate/NOTES.md)")
+                                         "on the GPU machine; see docs/history.md)")
 # Extra engine arguments for the worker (rollout.sglang_kwargs), as JSON; `make gpu-check` sets them.
 SGLANG_KWARGS = os.environ.get("COLO_RL_SGLANG_KWARGS", "{}")
 

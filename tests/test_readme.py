@@ -1,6 +1,7 @@
-"""The README's commands and option names are the ones colo_rl accepts: every recipe command line and
+"""The documentation's commands and option names are the ones colo_rl accepts (README.md, the topic
+pages in docs/ and the measured runs in benchmarks/results/runs.md): every recipe command line and
 `make ... ARGS="..."` example composes with its recipe's config and passes the start-up validation
-(with the README's own example files, written where the command expects them), and every config key
+(with the docs' own example files, written where the command expects them), and every config key
 named in backticks exists in the schema. A renamed key or group fails here, not in a user's first run."""
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from colo_rl.errors import ConfigError
 from colo_rl.loggers import unavailable as logger_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# docs/config.md is generated from the schema itself (tests/test_config_reference.py keeps it current)
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "config.md"),
+         ROOT / "benchmarks" / "results" / "runs.md"]
+TEXTS = {str(p.relative_to(ROOT)): p.read_text() for p in PAGES}
+README = "\n".join(TEXTS.values())  # every page, for what may be on any of them
 register_configs()
 
 # `make <target> ARGS="..."`: the recipe each target runs and the overrides the Makefile adds
@@ -31,9 +36,14 @@ OVERRIDE = re.compile(r"^[+~]?[a-z_][\w.]*=")
 FILE_SUFFIX = re.compile(r"\.(md|py|json|jsonl|yaml|png|txt|db)$")
 
 
-def readme_commands() -> list[tuple[int, str, list[str]]]:
-    """(README line, recipe, overrides) for each command line, `\\` continuations joined."""
-    lines, out, i = README.splitlines(), [], 0
+def readme_commands() -> list[tuple[str, str, list[str]]]:
+    """(page:line, recipe, overrides) for each command line of every page, `\\` continuations joined."""
+    return [(f"{name}:{number}", recipe, overrides) for name, text in TEXTS.items()
+            for number, recipe, overrides in page_commands(text)]
+
+
+def page_commands(text: str) -> list[tuple[int, str, list[str]]]:
+    lines, out, i = text.splitlines(), [], 0
     while i < len(lines):
         number, line = i + 1, lines[i]
         while line.rstrip().endswith("\\") and i + 1 < len(lines):
@@ -88,7 +98,7 @@ def test_the_readme_has_commands_to_check():
 
 
 @pytest.mark.parametrize("number,recipe,overrides", [c for c in COMMANDS if TYPO_EXAMPLE not in c[2]],
-                         ids=[f"README:{c[0]}" for c in COMMANDS if TYPO_EXAMPLE not in c[2]])
+                         ids=[c[0] for c in COMMANDS if TYPO_EXAMPLE not in c[2]])
 def test_readme_command_is_accepted(number, recipe, overrides, tmp_path, monkeypatch):
     write_readme_examples(tmp_path)
     monkeypatch.chdir(tmp_path)  # relative paths in the commands are read from the launch directory
@@ -123,12 +133,13 @@ def test_config_keys_named_in_the_readme_exist():
     schema = OmegaConf.structured(RunConfig)
     sections = set(schema.keys())
     missing = []
-    for span in re.finditer(r"`([^`\n]+)`", README):
-        for token in span.group(1).split():
-            key = re.match(r"^\+?([a-z_]+(?:\.[a-z_0-9]+)+)", token)
-            if (not key or key.group(1).split(".")[0] not in sections or FILE_SUFFIX.search(key.group(1))
-                    or key.group(1).startswith(FREE_KEYS) or TYPO_EXAMPLE.split("=")[0] in token):
-                continue
-            if OmegaConf.select(schema, key.group(1), default=KeyError) is KeyError:
-                missing.append(f"README:{README[:span.start()].count(chr(10)) + 1}: {key.group(1)}")
+    for name, text in TEXTS.items():
+        for span in re.finditer(r"`([^`\n]+)`", text):
+            for token in span.group(1).split():
+                key = re.match(r"^\+?([a-z_]+(?:\.[a-z_0-9]+)+)", token)
+                if (not key or key.group(1).split(".")[0] not in sections or FILE_SUFFIX.search(key.group(1))
+                        or key.group(1).startswith(FREE_KEYS) or TYPO_EXAMPLE.split("=")[0] in token):
+                    continue
+                if OmegaConf.select(schema, key.group(1), default=KeyError) is KeyError:
+                    missing.append(f"{name}:{text[:span.start()].count(chr(10)) + 1}: {key.group(1)}")
     assert not missing, missing

@@ -4,7 +4,7 @@ Its pin_memory part replaces torch's tensor factories in every process of `make 
 imports sglang.srt.lora (the venv's .pth puts tests/sglang_cpu_shims/ on sys.path, so Python runs
 its sitecustomize.py everywhere). Once, that made every later `from_pretrained` in the process leave
 the rotary `inv_freq` buffer uninitialised: the greedy answers of the next test module's HF engine
-were EOS (the test-order dependency in colo_rl/colocate/NOTES.md). Checked in a fresh interpreter,
+were EOS (the test-order dependency in docs/history.md). Checked in a fresh interpreter,
 since the patch is process-wide and cannot be undone.
 """
 

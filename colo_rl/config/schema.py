@@ -73,7 +73,7 @@ class ModelConfig:
     random_init: bool = opt(False, ALL, resume=ANOTHER_MODEL)
     hidden_size: int = opt(0, ALL, resume=ANOTHER_MODEL)
     num_layers: int = opt(0, ALL, resume=ANOTHER_MODEL)
-    # LoRA adapters on a frozen base (model.lora.rank > 0); see README "LoRA".
+    # LoRA adapters on a frozen base (model.lora.rank > 0); see docs/lora.md.
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -126,7 +126,7 @@ class RewardModelConfig:
 @dataclass
 class RewardConfig:
     # Registered names (math_verify, last_number, format) or `path/to/my_rewards.py:function` (a
-    # relative path from the launch directory); README "Your own reward" has the signatures.
+    # relative path from the launch directory); docs/rewards.md has the signatures.
     functions: list[str] = opt(scope=ALL, factory=lambda: ["math_verify"])
     # One weight per reward source: each of `functions` in order, then the reward model; [] = 1.0 each.
     weights: list[float] = opt(scope=reads("grpo", "eval", others="GRPO only (evaluation checks answers only)"),
@@ -201,7 +201,7 @@ class EnvConfig:
     # Multi-turn rollouts (colo_rl/envs): none = one completion per prompt; calculator | python |
     # calculator_python = the policy may call those tools, reads each result and goes on; retry = a
     # wrong stated answer is told so and the policy tries again; path/to/file.py:Name = your own
-    # environment, one object per episode (README, "Your own environment").
+    # environment, one object per episode (docs/tools.md, "Your own environment").
     name: str = opt("none", MULTI_TURN)
     # policy turns per episode (a call in the last turn is not run)
     max_turns: int = opt(4, MULTI_TURN, check=POSITIVE_INT)

@@ -124,7 +124,7 @@ class MultiTurnRollout:
         if every_turn and len(episodes) > 1 and all(e.tool_errors for e in episodes):
             # An environment that answers every turn fails only through a bug of its own: not a run to go on with.
             raise EnvError(f"the environment failed on all {len(episodes)} episodes of this batch; the latest "
-                           f"failure: {getattr(self.env, 'last_error', None)}. Fix it (README, 'Your own "
+                           f"failure: {getattr(self.env, 'last_error', None)}. Fix it (docs/tools.md, 'Your own "
                            f"environment': Name(problem), step(self, turn) -> str | None)")
         return episodes
 

@@ -43,7 +43,7 @@ SGLANG_LONGER_CONTEXT_VARIABLE = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 NOT_INSTALLED = ("rollout.engine=sglang needs SGLang, which is not installed in this environment: on a CUDA "
                  "machine `pip install -e '.[gpu]'` (torch 2.11) or `'.[gpu-torch213]'` (torch 2.13), offline "
-                 "`make gpu-wheels` then `make gpu-install` (README, SGLang on a GPU); or use rollout.engine=hf")
+                 "`make gpu-wheels` then `make gpu-install` (docs/gpu.md); or use rollout.engine=hf")
 NO_GPU = ("rollout.engine=sglang runs SGLang on a CUDA GPU and torch sees none here (torch.cuda.is_available() "
           "is False): use rollout.engine=hf, which runs on CPU too")
 
