@@ -101,6 +101,8 @@ def test_engines_are_registered_with_their_rules_on_the_class():
     assert issubclass(hf, Engine) and issubclass(sglang, Engine)
     assert (hf.capabilities.tensor_parallel, sglang.capabilities.tensor_parallel) == (False, True)
     assert (hf.sizes_memory_at_start, sglang.sizes_memory_at_start) == (False, True)
+    assert hf.capabilities.stop_strings and sglang.capabilities.stop_strings
+    assert (hf.capabilities.sampling_rng, sglang.capabilities.sampling_rng) == (True, False)
     assert sglang.tp_rank_payload is not None and hf.tp_rank_payload is None
     engines = {OmegaConf.load(p).engine for p in (ROOT / "conf" / "rollout").glob("*.yaml")}
     assert engines == set(ENGINES.names())  # each engine has its YAML group

@@ -64,9 +64,13 @@ def trainer_paged_out(actor, enabled: bool = True, frozen: tuple = ()):
 
 def build_engine(cfg, tokenizer, dtype: torch.dtype, guard: PhaseGuard):
     """The run's engine (rollout.engine, from the ENGINES registry) for this rank. With tool calls it
-    must stop a turn at a call's closing tag (`stop_strings`)."""
-    return ENGINES.get(cfg.rollout.engine).create(cfg, tokenizer, dtype, guard,
-                                                  stop_strings=turns_end_at_strings(cfg.env))
+    is asked to stop a turn at a call's closing tag (`stop_strings`)."""
+    engine_cls = ENGINES.get(cfg.rollout.engine)
+    stops = turns_end_at_strings(cfg.env)
+    if stops and not engine_cls.capabilities.stop_strings:
+        log.info("%s does not stop at a tool call's closing tag: it samples on to EOS and each turn is cut after "
+                 "the call", engine_cls.title)
+    return engine_cls.create(cfg, tokenizer, dtype, guard, stop_strings=stops)
 
 
 def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int,

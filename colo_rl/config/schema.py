@@ -1,8 +1,13 @@
-"""Structured configs: every option has one home, a type and a default.
+"""Structured configs: every option has one home, a type, a default, its rules and its help.
 
 The dataclasses are registered with Hydra's ConfigStore; each recipe's YAML lists its schema first
 in the defaults list, so the composed config is typed and in struct mode: a misspelled override
 (`trainer.lrr=1`) fails at start-up naming the key, and a wrong type (`trainer.lr=fast`) too.
+
+Each field is `opt(default, scope, check=, choices=, resume=)` (config/options.py): which recipes read
+it, its range or choices, whether a resume may change it; validation.py applies them in one pass. The
+comment beside a field is its help: docs/config.md is generated from both
+(`python -m colo_rl.config.reference`).
 """
 
 from __future__ import annotations

@@ -60,6 +60,9 @@ class Capabilities:
 
     # rollout.tp_size > 1 splits one engine over that many GPUs of a node
     tensor_parallel: bool = False
+    # honours SamplingParams.stop when `create(stop_strings=True)` asked for it; without, a tool turn
+    # samples on to EOS and rollout/multiturn.py cuts it after the call (the same tokens, more sampling)
+    stop_strings: bool = False
     # `supports_adapters() -> bool` (this instance, as started) + `load_adapter(named_tensors)`: LoRA
     # adapters applied unmerged, every adapter tensor (adapter-file names) at once (colocate/handoff.py)
     adapters: bool = False
@@ -139,11 +142,11 @@ class Engine:
         """The run's config against what this engine can do (part of config.validate)."""
         tp = cfg.rollout.tp_size
         if tp > 1 and not cls.capabilities.tensor_parallel:
-            splitters = [ENGINES.get(n) for n in ENGINES if ENGINES.get(n).capabilities.tensor_parallel]
-            names = " or ".join(f"{c.title}'s" for c in splitters) or "a tensor-parallel"
-            use = " or ".join(f"rollout={n}" for n in ENGINES if ENGINES.get(n).capabilities.tensor_parallel)
-            raise ConfigError(f"rollout.tp_size={tp} splits {names} engine over GPUs; rollout.engine={cfg.rollout.engine} "
-                              f"{cls.without_tp} and would ignore it: use {use} (on GPUs) or leave rollout.tp_size=1")
+            splitters = [n for n in ENGINES if ENGINES.get(n).capabilities.tensor_parallel]
+            titles = " or ".join(f"{ENGINES.get(n).title}'s" for n in splitters)
+            raise ConfigError(f"rollout.tp_size={tp} splits {titles} engine over GPUs; rollout.engine="
+                              f"{cfg.rollout.engine} {cls.without_tp} and would ignore it: use "
+                              f"{' or '.join(f'rollout={n}' for n in splitters)} (on GPUs) or leave rollout.tp_size=1")
 
     @classmethod
     def check_runs_here(cls, cfg: Any) -> None:

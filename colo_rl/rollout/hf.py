@@ -32,7 +32,7 @@ log = logging.getLogger("colo_rl")
 class HFEngine(Engine):
     title = "the HF engine"
     # Stop strings: always honoured (it holds the tokenizer). Adapters: when built PEFT-wrapped.
-    capabilities = Capabilities(adapters=True, sampling_rng=True)
+    capabilities = Capabilities(stop_strings=True, adapters=True, sampling_rng=True)
 
     @classmethod
     def create(cls, cfg, tokenizer, dtype: torch.dtype, guard: Optional[PhaseGuard], stop_strings: bool) -> "HFEngine":

@@ -158,7 +158,7 @@ class SGLangEngine(Engine):
     title = "SGLang"
     # Stop strings: honoured when started with its tokenizer (create(stop_strings=True)). Adapters: when
     # this SGLang has load_lora_adapter_from_tensors and tp_size is 1 (supports_adapters()).
-    capabilities = Capabilities(tensor_parallel=True, adapters=True)
+    capabilities = Capabilities(tensor_parallel=True, stop_strings=True, adapters=True)
     sizes_memory_at_start = True
     tp_rank_payload = staticmethod(prepare_rank_payload)
 
@@ -179,7 +179,8 @@ class SGLangEngine(Engine):
         if int(override) > derived[0] and not allowed:
             raise ConfigError(f"rollout.sglang_kwargs.context_length={override} is more than model.path="
                               f"{cfg.model.path!r} takes ({derived[0]}, {derived[1]}): SGLang would refuse to start. "
-                              f"Lower it, or set {SGLANG_LONGER_CONTEXT_VARIABLE}=1 if the model does take longer inputs")
+                              f"Lower it, or set {SGLANG_LONGER_CONTEXT_VARIABLE}=1 if the model does take longer "
+                              f"inputs")
         return int(override), "rollout.sglang_kwargs.context_length"
 
     def __init__(self, engine, tp_size: int, eos_token_ids: list[int], guard=None,
