@@ -116,7 +116,7 @@ bench: $(BENCH_STAMP)
 
 # ---- GPU machine: its image has torch 2.11 (CUDA 13), transformers, accelerate, peft; what it lacks
 # (DeepSpeed, Hydra, SGLang 0.5.17's stack, the embedded model) travels as wheels packed in parts of
-# <= 60 MiB (benchmarks/gpu/carry.py; colo_rl/colocate/NOTES.md says how a run goes).
+# <= 60 MiB (benchmarks/gpu/carry.py; docs/history.md says how a run goes).
 #   here:            make gpu-wheels             -> .whl/part1 .. .whl/partN (+ SHA256SUMS in each)
 #                    make gpu-wheels-check       -> the carried set imports the engine path (py3.12 venv)
 #                    make gpu-compile-check      -> the CUDA code compiled on first use compiles (nvcc 13.0, sm_90)
