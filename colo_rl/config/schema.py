@@ -163,10 +163,16 @@ class EnvConfig:
     # tags (<calculator>...</calculator>) where it declares none; llama | json | tags force one.
     format: str = "auto"
     tool_timeout_s: float = 5.0  # wall-clock limit per call (python: also its CPU-time limit)
-    tool_memory_mb: int = 512  # python tool: address-space limit of its subprocess
+    # python tool: address-space limit of each of its processes and, where a cgroup can be made, of the whole call
+    tool_memory_mb: int = 512
     # python tool: each call first re-runs the episode's earlier successful calls (output hidden), so
     # variables and functions persist within an episode, as in a notebook.
     python_keep_state: bool = False
+    # python tool: where the policy's code runs: bwrap = a bubblewrap sandbox (docs/sandbox.md; start-up
+    # refuses env=python where it cannot be made); none = unsandboxed, with a warning (trusted code only).
+    python_sandbox: str = "bwrap"
+    python_max_processes: int = 16  # python tool: processes (threads count) alive at once in one call
+    python_output_bytes: int = 65536  # python tool: a call printing more than this is killed
     max_output_chars: int = 256  # an observation (a tool's output, an environment's message) is cut to this
     # An environment class's own score of each episode (its reward() method), times this, is added to
     # the verifiers' reward (metric reward_source/env).

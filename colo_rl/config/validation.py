@@ -24,6 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.overlong_policy": ("drop", "truncate", "error"),
     "rollout.engine": ("hf", "sglang"),
     "env.format": ("auto", "json", "tags", "llama"),
+    "env.python_sandbox": ("bwrap", "none"),
     # The algorithm choices are the registries' names: registering a function adds the choice.
     "algo.adv_estimator": tuple(ADV_ESTIMATORS.names()),
     "algo.policy_loss": tuple(POLICY_LOSSES.names()),
@@ -145,6 +146,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "env.tool_timeout_s": (lambda v: v > 0, "must be > 0"),
     "env.tool_memory_mb": (lambda v: v >= 64, "must be >= 64 (a Python interpreter needs that much to start)"),
     "env.max_output_chars": (lambda v: v > 0, "must be a positive integer"),
+    "env.python_max_processes": (lambda v: v >= 1, "must be >= 1 (the interpreter itself counts)"),
+    "env.python_output_bytes": (lambda v: v >= 1024, "must be >= 1024"),
     "env.reward_weight": (lambda v: math.isfinite(v), "must be a finite number"),
 }
 
