@@ -177,6 +177,7 @@ class CgroupPlan:
         try:
             for parent in plan.parents.values():
                 os.makedirs(parent, exist_ok=True)
+                plan._remove_stale(parent)
             if plan.v2:
                 _write(os.path.join(plan.parents[""], "cgroup.subtree_control"), "+memory +pids +cpu")
             probe = plan.create("probe", Limits())
@@ -185,6 +186,17 @@ class CgroupPlan:
             log.info("no per-call cgroup here (%s): the process limit times the per-process memory limit bounds a call", e)
             return None
         return plan
+
+    @staticmethod
+    def _remove_stale(parent: str) -> None:
+        """Empty call cgroups left by a trainer that died mid-call (named <pid>_<n>; that pid is gone)."""
+        for name in os.listdir(parent):
+            pid = name.split("_", 1)[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
 
     def create(self, name: str, limits: Limits) -> list[str]:
         made: list[str] = []
@@ -252,7 +264,7 @@ class CgroupPlan:
                     if time.monotonic() > deadline:
                         log.warning("could not remove the python tool's cgroup %s", path)
                         break
-                    time.sleep(0.005)
+                    time.sleep(0.001)  # its last processes are still being reaped
 
 
 # ------------------------------------------------------------------------- the sandbox
