@@ -67,6 +67,8 @@ def test_python_tool_gets_an_empty_environment_and_a_scratch_directory(tmp_path)
 def test_python_tool_reports_the_exception_line():
     with pytest.raises(ToolError, match="ZeroDivisionError"):
         run_python("print(1 / 0)", 5.0, 256, 200)
+    with pytest.raises(ToolError, match=r"^SyntaxError: '\(' was never closed \(line 2\)$"):
+        run_python("print(1)\nx = (1,", 5.0, 256, 200)  # nothing ran: the code does not compile
 
 
 # ------------------------------------------------------------------ formats

@@ -61,8 +61,10 @@ def describe(exc, filename):
         if tb.tb_frame.f_code.co_filename == filename:
             line = tb.tb_lineno
         tb = tb.tb_next
+    if isinstance(exc, SyntaxError):
+        line = exc.lineno if exc.filename == filename else None
     text = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return text + (f" (line {line})" if line is not None and not isinstance(exc, SyntaxError) else "")
+    return text + (f" (line {line})" if line is not None else "")
 status = {"replay_failed": [], "error": None}
 scope = {"__name__": "__main__"}
 cells = job.pop("cells")
