@@ -466,3 +466,15 @@ def test_an_unsandboxed_run_says_so_loudly(monkeypatch, caplog):
     assert "UNSANDBOXED" in caplog.text and box.describe().startswith("none (UNSANDBOXED")
     with pytest.raises(ConfigError, match=r"env.python_sandbox='docker' is not one of \['bwrap', 'none'\]"):
         sandbox_module.get_sandbox("docker")
+
+
+@needs_bwrap
+def test_a_machine_where_bwrap_cannot_make_the_sandbox_is_refused_with_what_to_enable(monkeypatch):
+    """As bubblewrap answers without unprivileged user namespaces (its real message)."""
+    monkeypatch.setattr(sandbox_module, "_SANDBOXES", {})
+    refuse = ["/bin/sh", "-c", "echo 'bwrap: No permissions to creating new namespace, likely because the kernel "
+              "does not allow non-privileged user namespaces.' >&2; exit 1"]
+    monkeypatch.setattr(sandbox_module.Sandbox, "_command", lambda self, uid: refuse)
+    with pytest.raises(ConfigError, match=r"cannot make the sandbox here \(bwrap: No permissions to creating new "
+                                          r"namespace.*kernel.unprivileged_userns_clone=1.*apparmor_restrict_unprivil"):
+        sandbox_module.get_sandbox("bwrap")
