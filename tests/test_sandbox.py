@@ -174,9 +174,8 @@ def test_policy_cannot_read_answers_secrets_or_other_episodes(plant, name):
 
 
 # ------------------------------------------------------------------ writing outside the sandbox
+@needs_bwrap
 def test_policy_cannot_rewrite_the_reward_file_or_site_packages(plant):
-    if not HAVE_BWRAP:
-        pytest.skip(needs_bwrap.kwargs["reason"])
     target = Path(_site_packages()) / f"{plant.marker}.py"
     result = plant.call(plant.fmt(
         "ok = []\nfor path in ({p.reward!r}, {site!r} + '/" + plant.marker + ".py', {site!r} + '/sitecustomize.py'):\n"
