@@ -15,7 +15,7 @@ PINNED := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 # The torch the constraints were taken with (its CPU build here; CUDA machines get its CUDA build).
 TORCH_VERSION := 2.13.0
 
-.PHONY: install test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu lock
+.PHONY: install install-sandbox test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu lock
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,7 +41,18 @@ ifneq ($(HAS_CUDA),1)
 endif
 	touch $@
 
-install: $(STAMP)
+install: $(STAMP) install-sandbox
+
+# The python tool's sandbox (docs/sandbox.md): the distribution's bubblewrap. Installed here where we
+# are root and have apt-get; otherwise this prints what to run, and env=python is refused at start-up
+# until it is (env.python_sandbox=none runs the policy's code unsandboxed).
+install-sandbox:
+	@if command -v bwrap >/dev/null 2>&1; then echo "python tool sandbox: $$(bwrap --version) ($$(command -v bwrap))"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap && bwrap --version; \
+	else echo "note: the python tool's sandbox needs bubblewrap, not installed and not installable here (not root" \
+	  "or no apt-get): run 'sudo apt-get install -y bubblewrap' (Fedora: 'sudo dnf install bubblewrap');" \
+	  "until then env=python is refused at start-up (docs/sandbox.md)"; fi
 
 # SGLang's real engine on CPU for the tests (tests/test_sglang_cpu*.py): sglang without its CUDA
 # dependencies, then its CPU-usable ones (tests/sglang_cpu_requirements.txt) under constraints that
@@ -67,7 +78,7 @@ sglang-cpu: $(SGLANG_CPU_STAMP)
 
 TEST_DEPS := $(STAMP) $(if $(HAS_CUDA),,$(SGLANG_CPU_STAMP))
 
-test: $(TEST_DEPS)
+test: $(TEST_DEPS) install-sandbox
 	$(PY) -m pytest -q --durations=20 tests
 
 test-fast: $(STAMP)

@@ -58,13 +58,17 @@ def test_python_tool_memory_limit_holds():
 
 
 def test_python_tool_gets_an_empty_environment_and_a_scratch_directory(tmp_path):
-    out = run_python("import os; print(sorted(os.environ), os.getcwd())", 5.0, 256, 300)
-    assert "colo_rl_py_" in out and "PYTHONPATH" not in out
+    out = run_python("import os; print(sorted(os.environ), os.getcwd(), os.listdir('.'))", 5.0, 256, 300)
+    assert out == "['HOME', 'LC_CTYPE', 'PATH', 'PWD'] /tmp []"  # the sandbox's private /tmp, nothing inherited
+    unsandboxed = run_python("import os; print(sorted(os.environ), os.getcwd())", 5.0, 256, 300, sandbox="none")
+    assert "colo_rl_py_" in unsandboxed and "PYTHONPATH" not in unsandboxed
 
 
 def test_python_tool_reports_the_exception_line():
     with pytest.raises(ToolError, match="ZeroDivisionError"):
         run_python("print(1 / 0)", 5.0, 256, 200)
+    with pytest.raises(ToolError, match=r"^SyntaxError: '\(' was never closed \(line 2\)$"):
+        run_python("print(1)\nx = (1,", 5.0, 256, 200)  # nothing ran: the code does not compile
 
 
 # ------------------------------------------------------------------ formats
@@ -160,13 +164,10 @@ def test_environment_adds_the_tool_instructions_to_the_prompt():
     assert json_env.chat_template_kwargs()["tools"][0]["function"]["name"] == "calculator"
 
 
-def test_python_tool_has_no_network_where_user_namespaces_allow():
-    from colo_rl.envs.tools import network_isolated
-    if not network_isolated():
-        pytest.skip("no unprivileged `unshare -rn` here: the python tool cannot cut the network (docs/tools.md limitation)")
+def test_python_tool_has_no_network():
     code = "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2); print('connected')\n" \
            "except OSError as e:\n    print('blocked', e.errno)"
-    assert run_python(code, 5.0, 256, 100).startswith("blocked")
+    assert run_python(code, 5.0, 256, 100).startswith("blocked")  # tests/test_sandbox.py: the red team
 
 
 # ------------------------------------------------------------------ config

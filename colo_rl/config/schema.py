@@ -219,11 +219,18 @@ class EnvConfig:
     format: str = opt("auto", MULTI_TURN, choices=("auto", "json", "tags", "llama"))
     # wall-clock limit per call (python: also its CPU-time limit)
     tool_timeout_s: float = opt(5.0, MULTI_TURN, check=gt(0))
-    # python tool: address-space limit of its subprocess
+    # python tool: address-space limit of each of its processes and, where a cgroup can be made, of the whole call
     tool_memory_mb: int = opt(512, MULTI_TURN, check=ge(64, "a Python interpreter needs that much to start"))
     # python tool: each call first re-runs the episode's earlier successful calls (output hidden), so
     # variables and functions persist within an episode, as in a notebook.
     python_keep_state: bool = opt(False, MULTI_TURN)
+    # python tool: where the policy's code runs: bwrap = a bubblewrap sandbox (docs/sandbox.md; start-up
+    # refuses env=python where it cannot be made); none = unsandboxed, with a warning (trusted code only).
+    python_sandbox: str = opt("bwrap", MULTI_TURN, choices=("bwrap", "none"))
+    # python tool: processes (threads count) alive at once in one call
+    python_max_processes: int = opt(16, MULTI_TURN, check=ge(1, "the interpreter itself counts"))
+    # python tool: a call printing more than this is killed
+    python_output_bytes: int = opt(65536, MULTI_TURN, check=ge(1024))
     # an observation (a tool's output, an environment's message) is cut to this
     max_output_chars: int = opt(256, MULTI_TURN, check=POSITIVE_INT)
     # An environment class's own score of each episode (its reward() method), times this, is added to

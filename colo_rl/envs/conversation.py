@@ -29,7 +29,8 @@ import threading
 from typing import Any, Callable, Optional
 
 from colo_rl.envs.calls import ParsedTurn
-from colo_rl.envs.environment import ENVIRONMENTS, Environment, Step, call_with_timeout
+from colo_rl.envs.environment import ENVIRONMENTS, TOOL_ENVIRONMENTS, Environment, Step, call_with_timeout
+from colo_rl.envs.sandbox import get_sandbox
 from colo_rl.envs.tools import truncate
 from colo_rl.envs.turns import UserTurns
 from colo_rl.errors import ConfigError
@@ -216,7 +217,10 @@ def _takes(fn, *args) -> bool:
 
 
 def check_env_config(cfg) -> None:
-    """env.name at start-up: none, a registered environment, or a file's class."""
+    """env.name at start-up: none, a registered environment, or a file's class; an environment with
+    the python tool also needs its sandbox (env.python_sandbox), made here once: fail closed."""
+    if "python" in TOOL_ENVIRONMENTS.get(cfg.name, ()):
+        get_sandbox(cfg.python_sandbox)
     if cfg.name == "none" or cfg.name in ENVIRONMENTS:
         return
     if split_spec(cfg.name) is None:

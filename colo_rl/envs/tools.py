@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import ast
 import operator
-import os
-import shutil
-import subprocess
-import sys
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from colo_rl.envs.sandbox import CallResult, Limits, get_sandbox
 from colo_rl.registry import Registry
 
 
@@ -117,78 +115,46 @@ def calculator(cfg) -> Tool:
 
 
 # ------------------------------------------------------------------------- python
-def _unshare_works() -> bool:
-    """Can this machine run a command in a fresh network namespace without root (user namespaces)?"""
-    exe = shutil.which("unshare")
-    if exe is None:
-        return False
-    try:
-        return subprocess.run([exe, "-rn", "true"], capture_output=True, timeout=5).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+def python_limits(cfg) -> Limits:
+    return Limits(timeout_s=cfg.tool_timeout_s, memory_mb=cfg.tool_memory_mb, processes=cfg.python_max_processes,
+                  output_bytes=cfg.python_output_bytes)
 
 
-_NO_NETWORK: list[bool] = []  # probed once per process
+_KILLED_BY = {signal.SIGKILL: "memory, time or process limit", signal.SIGXCPU: "CPU-time limit",
+              signal.SIGXFSZ: "file-size limit", signal.SIGSEGV: "crashed, often the memory limit"}
 
 
-def network_isolated() -> bool:
-    if not _NO_NETWORK:
-        _NO_NETWORK.append(_unshare_works())
-    return _NO_NETWORK[0]
+def observation(result: CallResult, limits: Limits, max_output_chars: int) -> str:
+    """What the policy reads for a finished call: its output, or a ToolError naming why it failed
+    (the exception it raised, after what it printed; the limit it hit)."""
+    text = result.output.decode("utf-8", errors="replace").strip()
+    if result.stopped == "timeout":
+        raise ToolError(f"timed out after {limits.timeout_s:g} s")
+    if result.stopped == "output":
+        raise ToolError(truncate(text, max_output_chars // 2) + f"\nstopped: printed more than {limits.output_bytes} bytes")
+    if result.returncode == 0:
+        return truncate(text, max_output_chars)
+    if result.error is not None:  # keep the exception whole: cut what was printed before it
+        printed = truncate(text, max(0, max_output_chars - len(result.error) - 1)) if text else ""
+        raise ToolError(f"{printed}\n{result.error}" if printed else result.error)
+    rc = result.returncode
+    signum = -rc if rc is not None and rc < 0 else rc - 128 if rc is not None and rc > 128 else None  # bwrap: 128 + n
+    if result.oom:
+        raise ToolError(f"killed: the call went over its memory limit ({limits.memory_mb} MB)")
+    if signum in _KILLED_BY:
+        raise ToolError(f"killed by signal {signum} ({_KILLED_BY[signum]})")
+    tail = text.splitlines()[-1] if text else ""
+    raise ToolError(truncate(tail or f"exit status {result.returncode}", max_output_chars))
 
 
-# Set in the child interpreter before the tool's code runs (not in a preexec_fn: that is unsafe in a
-# process with threads, and the rollout runs tools from a thread pool next to torch's threads).
-# Earlier cells (env.python_keep_state) run first in the same namespace, their output discarded.
-_PRELUDE = """import resource, sys
-mem, cpu = int(sys.argv[1]), int(sys.argv[2])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-import contextlib, io, json
-cells = json.loads(sys.argv[3])
-del sys.argv[1:], mem, cpu, resource
-scope = {"__name__": "__main__"}
-for k, cell in enumerate(cells[:-1]):
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            exec(compile(cell, f"<earlier call {k + 1}>", "exec"), scope)
-        except SystemExit:  # it ended its own call early; the calls after it still run
-            pass
-exec(compile(cells[-1], "<tool>", "exec"), scope)
-"""
-
-
-def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int,
-               earlier: Sequence[str] = ()) -> str:
-    """Run `code` in a fresh, isolated interpreter (`python -I -S`, empty environment, its own
-    temporary working directory and session) under address-space, CPU-time and file-size limits and
-    a wall-clock timeout; no network where user namespaces allow (`unshare -rn`; otherwise sockets
-    still work: a documented limitation). `earlier` cells run first in the same namespace, their
-    output discarded (within the same limits). Returns stdout (+ stderr), cut to `max_output_chars`."""
-    import json
-    import tempfile
-
-    cells = json.dumps([*earlier, code])
-    cmd = [sys.executable, "-I", "-S", "-c", _PRELUDE, str(memory_mb << 20), str(max(1, int(timeout_s + 1))), cells]
-    if network_isolated():
-        cmd = ["unshare", "-rn", *cmd]
-    with tempfile.TemporaryDirectory(prefix="colo_rl_py_") as cwd:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": cwd}, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # its own session: whatever it spawned goes too
-            proc.communicate()
-            raise ToolError(f"timed out after {timeout_s:g} s") from None
-    text = out.decode("utf-8", errors="replace").strip()
-    if proc.returncode != 0:
-        tail = text.splitlines()[-1] if text else f"exit status {proc.returncode}"
-        if proc.returncode < 0:
-            tail = f"killed by signal {-proc.returncode} (time or memory limit)"
-        raise ToolError(truncate(tail, max_output_chars))
-    return truncate(text, max_output_chars)
+def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int, earlier: Sequence[str] = (),
+               sandbox: str = "bwrap", **limits: int) -> str:
+    """Run `code` in the python tool's sandbox (colo_rl/envs/sandbox.py: bubblewrap, or none) under a
+    wall-clock timeout, memory, process, CPU-time and output limits. `earlier` cells run first in the
+    same namespace, their output discarded. Returns its output, cut to `max_output_chars`; raises
+    ToolError with the exception (or the limit hit) when it fails."""
+    bounds = Limits(timeout_s=timeout_s, memory_mb=memory_mb, **limits)
+    return observation(get_sandbox(sandbox).run([*earlier, code], bounds), bounds, max_output_chars)
 
 
 def _code(args: dict[str, Any]) -> str:
@@ -200,19 +166,32 @@ def _code(args: dict[str, Any]) -> str:
 
 @TOOLS.register("python")
 def python(cfg) -> Tool:
+    box = get_sandbox(cfg.python_sandbox)  # fails closed at start-up where the sandbox cannot be made
+    limits = python_limits(cfg)
+
     def run(args: dict[str, Any]) -> str:
-        return run_python(_code(args), cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.max_output_chars)
+        return observation(box.run([_code(args)], limits), limits, cfg.max_output_chars)
 
     def episode_runner() -> Callable[[dict[str, Any]], str]:
         """env.python_keep_state: each call re-runs the episode's earlier successful calls first (a
-        fresh process every time, so nothing else leaks between calls or episodes)."""
+        fresh sandbox every time, so nothing else leaks between calls or episodes). An earlier call
+        that fails when re-run (it read a file it wrote, timing, randomness) is dropped from the
+        episode and the observation starts with a note naming it and its error."""
         cells: list[str] = []
 
         def run_in_episode(args: dict[str, Any]) -> str:
             code = _code(args)
-            out = run_python(code, cfg.tool_timeout_s, cfg.tool_memory_mb, cfg.max_output_chars, earlier=cells)
-            cells.append(code)  # only a call that succeeded: a failing one raised ToolError above
-            return out
+            result = box.run([*cells, code], limits)
+            notes = [f"note: earlier call {k + 1} failed when re-run ({error}); its state is gone"
+                     for k, error in result.replay_failed]
+            for k, _ in reversed(result.replay_failed):
+                del cells[k]
+            try:
+                out = observation(result, limits, cfg.max_output_chars)
+            except ToolError as e:
+                raise ToolError("\n".join([*notes, str(e)])) from None
+            cells.append(code)  # only a call that succeeded: a failing one would fail every later one
+            return "\n".join([*notes, out]) if notes else out
 
         return run_in_episode
 

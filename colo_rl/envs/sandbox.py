@@ -1,0 +1,506 @@
+"""The python tool's sandbox: the policy's code runs where it cannot harm the trainer, read the
+answers or outlive its call (docs/sandbox.md says what is isolated and what is not).
+
+`bwrap` (bubblewrap): a fresh interpreter (`python -I -S -u`, stdlib only) in new pid, mount,
+network, IPC, UTS and cgroup namespaces (and a user namespace when the trainer is not root); the
+filesystem is a read-only view of /usr, the interpreter's prefix and the loader's cache only, plus
+a small private writable /tmp and /dev/shm; no capabilities, its own session, an unprivileged uid
+(as root: a uid of its own per concurrent call); pid 1 of its namespace dies with the call (and
+with the trainer), and every process in the namespace with it.
+Limits per call: a cgroup (memory, processes, one CPU) where this process can make one (cgroup v1
+hierarchies or a v2 subtree it can write); otherwise RLIMIT_NPROC (counting only the call's own
+processes) times the per-process RLIMIT_AS. Per process always: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE.
+`none`: the same interpreter and limits without namespaces (a loud warning at start-up).
+
+The code travels on stdin (never argv: no size limit, not in /proc/*/cmdline); output (stdout and
+stderr, one pipe) is read as it comes, up to a byte cap; the launcher reports the exception (and
+earlier cells that failed on replay) on its own pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from colo_rl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+SANDBOX_KINDS = ("bwrap", "none")
+# As root, each concurrent call runs as a uid of its own from this range (no account needs to exist).
+CALL_UID_BASE, CALL_UID_SLOTS = 1_900_000_000, 4096
+TMP_BYTES = 16 << 20  # each of the call's /tmp and /dev/shm
+
+# Runs inside the sandbox before the policy's code (our code: argv is fine for it). Reads the job
+# from stdin, sets the per-process limits, replays earlier cells (env.python_keep_state) with their
+# output hidden, runs the last one, and writes what failed as JSON on the status fd.
+_LAUNCHER = r"""
+import json, os, resource, sys
+job = json.loads(sys.stdin.buffer.read())
+null = os.open("/dev/null", os.O_RDONLY); os.dup2(null, 0); os.close(null)
+status_fd = job["status_fd"]
+os.set_inheritable(status_fd, False)
+for name, value in job["rlimits"].items():
+    resource.setrlimit(getattr(resource, name), (value, value))
+import contextlib, io, traceback
+def describe(exc, filename):
+    line, tb = None, exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    if isinstance(exc, SyntaxError):
+        line = exc.lineno if exc.filename == filename else None
+    text = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return text + (f" (line {line})" if line is not None else "")
+status = {"replay_failed": [], "error": None}
+scope = {"__name__": "__main__"}
+cells = job.pop("cells")
+del job
+for k, cell in enumerate(cells[:-1]):
+    name = f"<earlier call {k + 1}>"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            exec(compile(cell, name, "exec"), scope)
+        except SystemExit:  # it ended its own call early; the calls after it still run
+            pass
+        except BaseException as exc:
+            status["replay_failed"].append([k, describe(exc, name)])
+code = 0
+try:
+    exec(compile(cells[-1], "<tool>", "exec"), scope)
+except SystemExit as exc:
+    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    if exc.code is not None and not isinstance(exc.code, int):
+        print(exc.code, file=sys.stderr)
+except BaseException as exc:
+    status["error"], code = describe(exc, "<tool>"), 1
+try:
+    sys.stdout.flush(); sys.stderr.flush()
+except Exception:
+    pass
+try:
+    os.write(status_fd, json.dumps(status).encode())
+except OSError:
+    pass
+os._exit(code)
+"""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One call's bounds. memory_mb: per process (RLIMIT_AS) and, with a cgroup, for the whole call."""
+
+    timeout_s: float = 5.0
+    memory_mb: int = 512
+    processes: int = 16  # tasks (threads count) alive at once in the call
+    output_bytes: int = 1 << 16  # stdout + stderr read before the call is killed
+    file_bytes: int = 1 << 20  # RLIMIT_FSIZE: the largest file one process may write
+
+    def rlimits(self, nproc: bool) -> dict[str, int]:
+        out = {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": max(1, int(self.timeout_s + 1)),
+               "RLIMIT_FSIZE": self.file_bytes, "RLIMIT_CORE": 0}
+        if nproc:
+            out["RLIMIT_NPROC"] = self.processes
+        return out
+
+
+@dataclass
+class CallResult:
+    output: bytes
+    returncode: Optional[int]
+    error: Optional[str] = None  # the exception the code raised ("ZeroDivisionError: ... (line 3)")
+    replay_failed: list[tuple[int, str]] = field(default_factory=list)  # (earlier cell index, its exception)
+    stopped: Optional[str] = None  # "timeout" | "output": why we killed it
+    oom: bool = False  # the call's cgroup killed a process for memory
+
+
+# ------------------------------------------------------------------------- cgroups
+def _cgroup_dirs() -> dict[str, str]:
+    """Where this process's cgroups are, per controller ("" = the v2 unified tree), by mount point."""
+    own: dict[str, str] = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, ctrls, path = line.rstrip("\n").split(":", 2)
+            for c in (ctrls.split(",") if ctrls else [""]):
+                own[c] = path
+    out: dict[str, str] = {}
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mnt, fstype, opts, *_ = line.split()
+            if fstype == "cgroup2" and "" in own:
+                out.setdefault("", mnt + own[""])
+            elif fstype == "cgroup":
+                for c in ("memory", "pids", "cpu"):
+                    if c in opts.split(",") and c in own:
+                        out.setdefault(c, mnt + own[c])
+    return out
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class CgroupPlan:
+    """Per-call cgroups under this process's own: v1 `memory`, `pids`, `cpu` hierarchies, or a v2
+    subtree with those controllers enabled. `probe()` returns None where we cannot create them."""
+
+    def __init__(self, parents: dict[str, str], v2: bool):
+        self.parents, self.v2 = parents, v2
+
+    @classmethod
+    def probe(cls) -> Optional["CgroupPlan"]:
+        try:
+            dirs = _cgroup_dirs()
+        except OSError:
+            return None
+        v1 = {c: os.path.join(dirs[c], "colo_rl_py") for c in ("memory", "pids") if c in dirs}
+        if len(v1) == 2:
+            if "cpu" in dirs:
+                v1["cpu"] = os.path.join(dirs["cpu"], "colo_rl_py")
+            plan = cls(v1, v2=False)
+        elif "" in dirs and os.path.exists(os.path.join(dirs[""], "cgroup.controllers")):
+            plan = cls({"": os.path.join(dirs[""], "colo_rl_py")}, v2=True)
+        else:
+            return None
+        try:
+            for parent in plan.parents.values():
+                os.makedirs(parent, exist_ok=True)
+                plan._remove_stale(parent)
+            if plan.v2:
+                _write(os.path.join(plan.parents[""], "cgroup.subtree_control"), "+memory +pids +cpu")
+            probe = plan.create("probe", Limits())
+            plan.remove(probe)
+        except OSError as e:
+            log.info("no per-call cgroup here (%s): the process limit times the per-process memory limit bounds a call", e)
+            return None
+        return plan
+
+    @staticmethod
+    def _remove_stale(parent: str) -> None:
+        """Empty call cgroups left by a trainer that died mid-call (named <pid>_<n>; that pid is gone)."""
+        for name in os.listdir(parent):
+            pid = name.split("_", 1)[0]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                try:
+                    os.rmdir(os.path.join(parent, name))
+                except OSError:
+                    pass
+
+    def create(self, name: str, limits: Limits) -> list[str]:
+        made: list[str] = []
+        try:
+            for ctrl, parent in self.parents.items():
+                path = os.path.join(parent, name)
+                os.mkdir(path)
+                made.append(path)
+                for key, value in self._settings(ctrl, limits).items():
+                    try:
+                        _write(os.path.join(path, key), value)
+                    except OSError:
+                        if key not in ("memory.memsw.limit_in_bytes", "memory.swap.max"):  # no swap accounting
+                            raise
+        except OSError:
+            self.remove(made)
+            raise
+        return made
+
+    def _settings(self, ctrl: str, limits: Limits) -> dict[str, str]:
+        mem, procs = str(limits.memory_mb << 20), str(limits.processes)
+        if self.v2:
+            return {"memory.max": mem, "memory.swap.max": "0", "pids.max": procs, "cpu.max": "100000 100000"}
+        return {"memory": {"memory.limit_in_bytes": mem, "memory.memsw.limit_in_bytes": mem},
+                "pids": {"pids.max": procs}, "cpu": {"cpu.cfs_period_us": "100000", "cpu.cfs_quota_us": "100000"}}[ctrl]
+
+    @staticmethod
+    def procs_files(made: list[str]) -> list[str]:
+        return [os.path.join(p, "cgroup.procs") for p in made]
+
+    @staticmethod
+    def oom_killed(made: list[str]) -> bool:
+        for path in made:
+            for name in ("memory.events", "memory.oom_control"):
+                try:
+                    with open(os.path.join(path, name)) as f:
+                        for line in f:
+                            key, _, value = line.partition(" ")
+                            if key == "oom_kill" and int(value) > 0:
+                                return True
+                except OSError:
+                    pass
+        return False
+
+    @staticmethod
+    def remove(made: list[str]) -> None:
+        """Kill whatever is still in the call's cgroups, then remove them (bounded: 2 s)."""
+        deadline = time.monotonic() + 2.0
+        for path in made:
+            while True:
+                try:
+                    with open(os.path.join(path, "cgroup.procs")) as f:
+                        pids = [int(p) for p in f.read().split()]
+                except OSError:
+                    break
+                for pid in pids:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                try:
+                    os.rmdir(path)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        log.warning("could not remove the python tool's cgroup %s", path)
+                        break
+                    time.sleep(0.001)  # its last processes are still being reaped
+
+
+# ------------------------------------------------------------------------- the sandbox
+def _interpreter() -> tuple[str, str]:
+    """(the base interpreter, its prefix): the venv's python resolved to the one it was made from."""
+    prefix = os.path.realpath(sys.base_prefix)
+    exe = os.path.join(prefix, "bin", f"python{sys.version_info.major}.{sys.version_info.minor}")
+    return (exe if os.path.exists(exe) else os.path.realpath(sys.executable)), prefix
+
+
+class Sandbox:
+    """How this machine runs the python tool's calls (probed once per process: `get_sandbox`).
+
+    As root, bwrap runs privileged (it mounts as root: the interpreter may live under /root) and
+    the code runs as a uid of its own per concurrent call (`setpriv` inside the sandbox): no user
+    namespace, so RLIMIT_NPROC counts exactly that call's processes. Otherwise bwrap runs
+    unprivileged in a new user namespace: the count is that namespace's."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.python, prefix = _interpreter()
+        self.as_root = os.geteuid() == 0 and kind == "bwrap"
+        self.cgroups = CgroupPlan.probe() if kind == "bwrap" else None
+        self._lock = threading.Lock()
+        self._free_uids = list(range(CALL_UID_BASE + CALL_UID_SLOTS - 1, CALL_UID_BASE - 1, -1))
+        self._calls = 0
+        self.view: list[str] = []  # bwrap's arguments for the read-only filesystem view
+        if kind != "bwrap":
+            return
+        self.bwrap, self.setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+        self.view = ["--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):  # merged /usr: keep the links
+            if os.path.islink(top):
+                self.view += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                self.view += ["--ro-bind", top, top]
+        if not prefix.startswith("/usr/"):
+            parts = prefix.strip("/").split("/")
+            for k in range(1, len(parts)):  # bwrap would make the parents 0700 (e.g. /root): searchable instead
+                self.view += ["--perms", "0755", "--dir", "/" + "/".join(parts[:k])]
+            self.view += ["--ro-bind", prefix, prefix]
+        for path in ("/etc/ld.so.cache", "/etc/localtime"):
+            if os.path.exists(path):
+                self.view += ["--ro-bind", path, path]
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "none (UNSANDBOXED: the policy's code runs as the trainer's user, with its files and network)"
+        bound = ("a cgroup per call (memory, processes, 1 CPU)" if self.cgroups is not None else
+                 "RLIMIT_NPROC x per-process RLIMIT_AS (no writable cgroup here)")
+        who = (f"a uid of its own per call ({CALL_UID_BASE}+)" if self.as_root else
+               f"uid {os.geteuid()} in a user namespace of its own")
+        return f"bwrap ({self.bwrap}), {who}, {bound}"
+
+    def _command(self, uid: Optional[int]) -> list[str]:
+        inner = [self.python, "-I", "-S", "-u", "-c", _LAUNCHER]
+        if self.kind == "none":
+            return inner
+        if self.as_root:
+            namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+                          "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            inner = [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                     "--", *inner]
+        else:
+            namespaces = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
+        return [self.bwrap, *namespaces, "--die-with-parent", "--new-session", "--hostname", "sandbox", *self.view,
+                "--proc", "/proc", "--dev", "/dev",
+                "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+                "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm",
+                "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+                "--chdir", "/tmp", "--", *inner]
+
+    def run(self, cells: Sequence[str], limits: Limits) -> CallResult:
+        """Run the cells (earlier ones replayed silently, the last one's output kept) in one call."""
+        with self._lock:
+            self._calls += 1
+            name = f"{os.getpid()}_{self._calls}"
+            if self.as_root and not self._free_uids:
+                raise RuntimeError(f"more than {CALL_UID_SLOTS} python tool calls at once")
+            uid = self._free_uids.pop() if self.as_root else None
+        made: list[str] = []
+        status_r, status_w = os.pipe()
+        scratch = None
+        try:
+            cmd = self._command(uid)
+            if self.cgroups is not None:
+                made = self.cgroups.create(name, limits)
+                # The shell joins the call's cgroups, then becomes bwrap: everything after it is inside.
+                joins = "".join(f"echo $$ > {shlex.quote(p)} && " for p in self.cgroups.procs_files(made))
+                cmd = ["/bin/sh", "-c", joins + 'exec "$@"', "sh", *cmd]
+            job = json.dumps({"cells": list(cells), "status_fd": status_w,
+                              "rlimits": limits.rlimits(nproc=self.kind == "bwrap")}).encode()
+            # none: a scratch directory of its own (bwrap: the sandbox's private /tmp).
+            scratch = tempfile.TemporaryDirectory(prefix="colo_rl_py_") if self.kind == "none" else None
+            cwd = scratch.name if scratch is not None else "/"
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    pass_fds=(status_w,), cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": cwd},
+                                    start_new_session=True)
+            os.close(status_w)
+            status_w = -1
+            try:
+                result = self._collect(proc, job, status_r, limits)
+            finally:
+                self._kill(proc)
+                for pipe in (proc.stdin, proc.stdout):
+                    pipe.close()
+            if made:
+                result.oom = self.cgroups.oom_killed(made)
+            return result
+        finally:
+            if status_w >= 0:
+                os.close(status_w)
+            os.close(status_r)
+            if made:
+                self.cgroups.remove(made)
+            if scratch is not None:
+                scratch.cleanup()
+            if uid is not None:
+                with self._lock:
+                    self._free_uids.append(uid)
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """The call's whole tree: its session (none), its pid namespace via bwrap's death (bwrap)."""
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+        elif self.kind == "none":
+            try:  # children left behind in its session (a setsid'd child escapes: docs/sandbox.md)
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        proc.wait()
+
+    @staticmethod
+    def _collect(proc: subprocess.Popen, job: bytes, status_r: int, limits: Limits) -> CallResult:
+        """Feed stdin and read output and status as they come, until the process exits (then a short
+        drain: a stray child holding the pipe never blocks us), the deadline or the byte cap."""
+        deadline = time.monotonic() + limits.timeout_s
+        out, status = bytearray(), bytearray()
+        sel = selectors.DefaultSelector()
+        pidfd = os.pidfd_open(proc.pid)
+        for f in (proc.stdin, proc.stdout):
+            os.set_blocking(f.fileno(), False)
+        sel.register(proc.stdout, selectors.EVENT_READ, "out")
+        sel.register(status_r, selectors.EVENT_READ, "status")
+        sel.register(pidfd, selectors.EVENT_READ, "exit")
+        sel.register(proc.stdin, selectors.EVENT_WRITE, "in")
+        pending, stopped, exited_at, reading = memoryview(job), None, None, 2
+        try:
+            while stopped is None and (exited_at is None or reading):
+                now = time.monotonic()
+                if exited_at is None and now >= deadline:
+                    stopped = "timeout"
+                    break
+                if exited_at is not None and now - exited_at > 0.2:
+                    break  # it exited but something it left holds the pipe: do not wait for it
+                wait = deadline - now if exited_at is None else exited_at + 0.2 - now
+                for key, _ in sel.select(timeout=max(wait, 0.0)):
+                    if key.data == "in":
+                        try:
+                            pending = pending[os.write(proc.stdin.fileno(), pending):]
+                        except BlockingIOError:
+                            continue
+                        except BrokenPipeError:
+                            pending = pending[:0]
+                        if not pending:
+                            sel.unregister(proc.stdin)
+                            proc.stdin.close()
+                    elif key.data == "exit":
+                        sel.unregister(pidfd)
+                        exited_at = time.monotonic()
+                    else:
+                        try:
+                            chunk = os.read(key.fd, 1 << 16)
+                        except BlockingIOError:
+                            continue
+                        if not chunk:
+                            sel.unregister(key.fileobj)
+                            reading -= 1
+                            continue
+                        (out if key.data == "out" else status).extend(chunk)
+                        if len(out) > limits.output_bytes:
+                            stopped = "output"
+                            break
+        finally:
+            sel.close()
+            os.close(pidfd)
+        returncode = proc.poll() if stopped is None else None
+        result = CallResult(bytes(out[:limits.output_bytes]), returncode, stopped=stopped)
+        try:
+            parsed = json.loads(status.decode()) if status else {}
+            result.error = parsed.get("error") if isinstance(parsed.get("error"), str) else None
+            result.replay_failed = [(int(k), str(e)) for k, e in parsed.get("replay_failed", [])]
+        except (ValueError, TypeError, AttributeError):
+            pass  # the code wrote over its status pipe: only its own report suffers
+        return result
+
+_SANDBOXES: dict[str, Sandbox] = {}
+
+_INSTALL = ("install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora/RHEL: `dnf install "
+            "bubblewrap`; or `make install-sandbox` as root)")
+
+
+def get_sandbox(kind: str) -> Sandbox:
+    """This process's sandbox of that kind, probed on first use with a real call: a machine where it
+    cannot be made is refused here (fail closed), naming what to install or enable."""
+    if kind not in SANDBOX_KINDS:
+        raise ConfigError(f"env.python_sandbox={kind!r} is not one of {list(SANDBOX_KINDS)}")
+    if kind in _SANDBOXES:
+        return _SANDBOXES[kind]
+    if kind == "none":
+        log.warning("env.python_sandbox=none: the python tool runs the POLICY'S CODE UNSANDBOXED, as this user: it can "
+                    "read the training data and your files, kill the trainer, use the network and leave processes "
+                    "behind. Use env.python_sandbox=bwrap (docs/sandbox.md) for anything but a trusted test.")
+        _SANDBOXES[kind] = Sandbox("none")
+        return _SANDBOXES[kind]
+    if shutil.which("bwrap") is None:
+        raise ConfigError(f"env.python_sandbox=bwrap: the python tool's sandbox needs the `bwrap` program, which is not "
+                          f"on PATH: {_INSTALL}. env.python_sandbox=none runs the policy's code unsandboxed (unsafe).")
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        raise ConfigError("env.python_sandbox=bwrap as root needs `setpriv` (util-linux) to run the code as an "
+                          "unprivileged uid: `apt-get install -y util-linux`")
+    box = Sandbox("bwrap")
+    result = box.run(["print(6 * 7)"], Limits(timeout_s=20.0))
+    if result.output.strip() != b"42" or result.returncode != 0:
+        said = result.output.decode(errors="replace").strip()[-400:]
+        raise ConfigError(
+            f"env.python_sandbox=bwrap: bubblewrap is installed but cannot make the sandbox here ({said or result.stopped}). "
+            "It needs unprivileged user namespaces: enable them (sysctl kernel.unprivileged_userns_clone=1; on Ubuntu "
+            "24.04 sysctl kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap; in Docker "
+            "run with --security-opt seccomp=unconfined --security-opt apparmor=unconfined). "
+            "env.python_sandbox=none runs the policy's code unsandboxed (unsafe).")
+    log.info("python tool sandbox: %s", box.describe())
+    _SANDBOXES[kind] = box
+    return box
