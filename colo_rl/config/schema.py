@@ -55,7 +55,8 @@ class DataConfig:
     # None = the embedded, procedurally generated arithmetic task.
     # Otherwise a JSONL / Parquet file or a local HF `datasets` directory.
     path: Optional[str] = None
-    train_size: int = 20000
+    # Training problems: the embedded task's count (null: 20000); with data.path a cap (null: every record).
+    train_size: Optional[int] = None
     eval_size: int = 200
     # Training order (shuffles, epochs); None = trainer.seed.
     seed: Optional[int] = None

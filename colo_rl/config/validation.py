@@ -133,7 +133,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "reward.workers": (lambda v: v >= 0, "must be >= 0 (0 = call the reward functions in the trainer's process)"),
     "reward.timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
-    "data.train_size": (lambda v: v >= 0, "must be >= 0 (0 = every record of data.path)"),
+    "data.train_size": (lambda v: v is None or v >= 0, "must be >= 0, or null (every record of data.path; the "
+                                                       "embedded task: 20000)"),
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
     "data.max_seq_len": (lambda v: v > 0, "must be a positive integer"),
@@ -149,7 +150,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 # Optional keys whose null is a setting (off), not a missing value.
-NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target")
+NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target", "data.train_size")
 # Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
 FREE_KEYS = ("rollout.sglang_kwargs",)
 

@@ -129,6 +129,10 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     order = list(range(len(problems)))
     random.Random(data_cfg.split_seed).shuffle(order)
     held = [problems[i] for i in order[:data_cfg.eval_size]]
-    train = [problems[i] for i in order[data_cfg.eval_size:]][: data_cfg.train_size or None]
+    rest = [problems[i] for i in order[data_cfg.eval_size:]]
+    train = rest[: data_cfg.train_size or None]
+    log.info("data.path=%s: %d records: %d held out (data.eval_size), %d trained on (%s)", data_cfg.path,
+             len(problems), len(held), len(train),
+             "every other record" if len(train) == len(rest) else f"data.train_size={data_cfg.train_size} of {len(rest)}")
     return train, held
 
