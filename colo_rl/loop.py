@@ -121,7 +121,12 @@ def main(recipe_cls: Callable[..., Recipe], hydra_cfg, recipe: str) -> None:
     process exits with 128 + the signal's number."""
     t0 = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe=recipe)
-    instance = recipe_cls(ctx)
+    try:
+        instance = recipe_cls(ctx)  # data, rewards, models, engine: a refusal here leaves no stub run dir
+    except runtime.CLEAN_ERRORS:
+        if ctx.made_run_dir:
+            runtime.remove_stub_run_dir(ctx.run_dir)
+        raise
     result = run(instance, ctx.cfg, ctx.ckpt, instance.metrics, instance.start_metrics)
     instance.metrics.close()
     if not result.stopped_by:
