@@ -119,6 +119,7 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
                               data_cfg.max_operations, data_cfg.max_factor)
         train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
         as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v),  # noqa: E731
+                                                origin=f"arithmetic:{s}[{i}]",
                                                 fields={"question": f"What is {e}?", "answer": str(v)})
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
