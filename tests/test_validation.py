@@ -521,11 +521,3 @@ def test_an_error_only_one_rank_meets_is_said_by_that_rank():
     assert proc.returncode == 2, lines
     assert lines == ["error (rank 1): data shard 1 holds no records"], lines
 
-
-def test_launcher_exit_code_prefers_a_ranks_own_error_over_the_agents_sigterm():
-    from types import SimpleNamespace
-
-    from colo_rl.launch import exit_code
-
-    assert exit_code({0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=2)}) == 2
-    assert exit_code({0: SimpleNamespace(exitcode=-9)}) == 137
