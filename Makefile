@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.colo_rl-installed
+# The venv's programs first, as in an activated venv: its ninja builds DeepSpeed's JIT ops here and in
+# every run (colo_rl/__init__.py does the same), so none rebuilds what another ninja built.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 NPROC ?= 2
 # torchrun without its failure report after a rank's one-line error (colo_rl/launch.py)
 TORCHRUN := $(PY) -m colo_rl.launch --standalone --nproc_per_node=$(NPROC)
