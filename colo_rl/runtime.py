@@ -225,6 +225,11 @@ def check_input_paths(cfg: RunConfig) -> None:
     context, source = run_context_length(cfg)  # resolves model.path first: FileNotFoundError naming it
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
+    if cfg.data.eval_path is not None:
+        if cfg.data.path is None:
+            raise ConfigError("data.eval_path is a held-out file for data.path's records; the embedded task "
+                              "(data.path=null) holds out its own problems: set data.path too, or drop data.eval_path")
+        resolve_data_path(cfg.data.eval_path, "data.eval_path")
     if context is not None:
         check_context_length(cfg, context, source)
 

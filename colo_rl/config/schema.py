@@ -57,6 +57,13 @@ class DataConfig:
     path: Optional[str] = None
     # Training problems: the embedded task's count (null: 20000); with data.path a cap (null: every record).
     train_size: Optional[int] = None
+    # A held-out file of its own (GRPO; same layout as data.path): data.eval_size of its records are
+    # evaluated on (0: all) and data.path is trained on whole. None = hold out data.eval_size of data.path.
+    eval_path: Optional[str] = None
+    # Where a record's prompt / answer are (dotted for nested, e.g. reward_model.ground_truth); None =
+    # the first of prompt / question / messages, and of answer / ground_truth / solution / reward_model.ground_truth.
+    prompt_key: Optional[str] = None
+    answer_key: Optional[str] = None
     eval_size: int = 200
     # Training order (shuffles, epochs); None = trainer.seed.
     seed: Optional[int] = None

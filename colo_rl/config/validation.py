@@ -57,6 +57,9 @@ _GRPO_ONLY = {
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
     "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
     "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
+    "data.eval_path": "GRPO only (SFT / DPO hold out data.eval_size records of data.path)",
+    "data.prompt_key": "GRPO and recipes/eval.py only (SFT / DPO read prompt / messages)",
+    "data.answer_key": "GRPO and recipes/eval.py only",
     **{f"env.{f.name}": "multi-turn rollouts are for GRPO and recipes/eval.py" for f in fields(EnvConfig)},
 }
 # SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
@@ -73,7 +76,8 @@ _NOT_EVAL = {**{f"algo.{f.name}": "recipes/eval.py trains nothing" for f in fiel
              "rollout.max_new_tokens": "set rollout.eval_max_new_tokens (greedy and sampled)",
              "colocate.handoff_check_max_mean_abs": "GRPO only", "resume": "an evaluation is not resumed",
              "data.train_size": "recipes/eval.py reads held-out problems only", "data.seed": "no training order",
-             "data.shuffle": "no training order", "data.max_seq_len": "set data.max_prompt_tokens"}
+             "data.shuffle": "no training order", "data.max_seq_len": "set data.max_prompt_tokens",
+             "data.eval_path": "recipes/eval.py evaluates data.path"}
 RECIPES: dict[str, dict[str, Any]] = {
     "eval": {"algo": None, "group_based": False, "ignores": {**_NOT_EVAL, **_NO_PAGING}},
     "grpo": {"algo": "grpo", "group_based": True, "ignores": {
