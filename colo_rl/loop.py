@@ -97,8 +97,8 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
                 with timer("eval"):
                     last_eval = recipe.evaluate(step + 1)
                 step_metrics.update({**last_eval, **timer.pop()})
-            metrics.log(step + 1, step_metrics)
             progress.advance()
+            metrics.log(step + 1, step_metrics, progress=progress.status())  # i/N and ETA where no bar is drawn
             stopped_by = stop.requested()  # a collective: every rank stops after the same step
             if ckpt.due(step + 1) or stopped_by or last:
                 recipe.save(ckpt, step + 1)
