@@ -152,3 +152,12 @@ def test_a_user_file_is_used_whole_unless_data_train_size_caps_it(tmp_path, capl
     assert len(capped) == 100 and "(data.train_size=100 of 20050)" in caplog.text
     # the embedded task keeps its size when none is set
     assert len(load_problems(DataConfig(eval_size=5))[0]) == 20_000
+
+
+def test_the_sampler_names_the_indices_a_run_will_draw_without_moving():
+    sampler = EpochSampler(20, seed=3)
+    sampler.next_global(4)
+    planned = sampler.planned(6, 2)
+    drawn = sampler.next_global(6) + sampler.next_global(6)
+    assert planned == sorted(set(drawn)) and len(planned) == 12
+    assert EpochSampler(20, seed=3).planned(8, 10) == list(range(20))  # past an epoch: all of them
