@@ -139,3 +139,22 @@ def test_data_eval_path_is_checked_at_start_up(tmp_path, verl_file):
     cfg.data.path = None
     with pytest.raises(ConfigError, match="data.eval_path is a held-out file for data.path's records"):
         check_input_paths(cfg)
+
+
+def test_pass_at_k_needs_no_reward_function_so_none_is_called_without_its_columns(rewards):
+    """recipes/eval.py's sampled accuracy called every reward function without the record's fields:
+    a TRL function needing a column failed there."""
+    from colo_rl.evaluation import sample_counts
+    from colo_rl.rollout.base import Completion, SamplingParams
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [Completion(p, [5], [0.0], "stop") for p in prompts for _ in range(params.n)]
+
+    class Tokenizer:
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return ["The answer is 3."] * len(ids)
+
+    scorer = RewardScorer(RewardConfig(functions=[f"{rewards}:accuracy_reward"]))
+    counts = sample_counts(Engine(), Tokenizer(), [[1, 2]], ["3"], scorer, SamplingParams(max_new_tokens=4, n=2))
+    assert counts == [(2, 2, 2)]

@@ -147,8 +147,8 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     held = [problems[i] for i in order[:data_cfg.eval_size]]
     rest = [problems[i] for i in order[data_cfg.eval_size:]]
     train = rest[: data_cfg.train_size or None]
+    why = "every other record" if len(train) == len(rest) else f"data.train_size={data_cfg.train_size} of {len(rest)}"
     log.info("data.path=%s: %d records: %d held out (data.eval_size), %d trained on (%s)", data_cfg.path,
-             len(problems), len(held), len(train),
-             "every other record" if len(train) == len(rest) else f"data.train_size={data_cfg.train_size} of {len(rest)}")
+             len(problems), len(held), len(train), why)
     return train, held
 
