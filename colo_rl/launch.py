@@ -89,6 +89,16 @@ class StopForwarder:
     def __init__(self):
         self.received: list[int] = []
 
+    def exit_code(self, failures: dict) -> int:
+        """0 after a clean stop: one signal, and the ranks exited 128 + N after their checkpoint (a rank
+        that was slower to exit may have had the agent's SIGTERM: the checkpoint was complete by then,
+        every rank finishes it before any exits). Else 128 + the last signal's number."""
+        first = self.received[0]
+        codes = [f.exitcode for f in failures.values()]
+        clean = len(self.received) == 1 and 128 + first in codes and \
+            all(c in (128 + first, -signal.SIGTERM) for c in codes)
+        return 0 if clean else 128 + self.received[-1]
+
     def install(self) -> None:
         # torchelastic would turn these signals into an exception that ends the agent at once (a traceback,
         # exit 1, the ranks given 30 s); it keeps SIGHUP / SIGQUIT
@@ -133,10 +143,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        if stop.received:  # the ranks exit 128 + N after a stop: asked for, so not a failure
-            first = signal.Signals(stop.received[0])
-            clean = len(stop.received) == 1 and all(f.exitcode == 128 + first for f in e.failures.values())
-            sys.exit(0 if clean else 128 + stop.received[-1])
+        if stop.received:
+            sys.exit(stop.exit_code(e.failures))
         rank, failure = root_cause(e.failures)
         line = describe_failure(rank, failure)
         if line:

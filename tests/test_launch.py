@@ -77,3 +77,15 @@ def test_ctrl_c_is_a_clean_stop_that_exits_0_and_a_second_one_stops_now(signals)
         assert proc.returncode == 130, out + err
         assert "stopped by" not in out and "second SIGINT: stopping the ranks now" in err
         assert time.monotonic() - t0 < 6  # before the step would have ended
+
+
+def test_a_clean_stop_is_exit_0_even_when_a_slower_rank_had_the_agents_sigterm():
+    from colo_rl.launch import StopForwarder
+
+    stop = StopForwarder()
+    stop.received = [signal.SIGINT]
+    assert stop.exit_code({0: _failure(130), 1: _failure(-15)}) == 0
+    assert stop.exit_code({0: _failure(130), 1: _failure(130)}) == 0
+    assert stop.exit_code({0: _failure(1), 1: _failure(-15)}) == 130  # no rank stopped cleanly
+    stop.received = [signal.SIGINT, signal.SIGINT]
+    assert stop.exit_code({0: _failure(130), 1: _failure(-9)}) == 130  # stopped now
