@@ -73,13 +73,14 @@ def linear_modules(model) -> list[str]:
 def check_target_modules(model, targets) -> None:
     """Every model.lora.target_modules entry names a linear layer of the (unwrapped) model as PEFT
     matches it (the module's name, or its dotted tail); ConfigError listing the model's own linear
-    layer names otherwise (one typo among good names included)."""
+    layer names otherwise (one typo among good names included). At start-up on the model's skeleton
+    (models.model_skeleton), and again in apply_lora."""
     full = linear_modules(model)
     missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in full)]
     if missing:
         names = sorted({n.rsplit(".", 1)[-1] for n in full})
         raise ConfigError(f"model.lora.target_modules: {missing} match no linear layer of this model; its linear "
-                          f"layers are {names}: e.g. model.lora.target_modules=[{','.join(names[:2])}]")
+                          f"layers are {names}")
 
 
 def is_adapter(name: str) -> bool:

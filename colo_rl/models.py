@@ -230,6 +230,15 @@ def model_config(model_cfg) -> "transformers.PretrainedConfig":  # noqa: F821
     return config
 
 
+def model_skeleton(model_cfg):
+    """The model's modules without weights (on the meta device: seconds, no memory), for checks
+    that need only its structure (model.lora.target_modules)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config(model_cfg))
+
+
 def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
     """HF causal LM: pretrained weights, or seeded random weights when model.random_init."""
     from transformers import AutoModelForCausalLM

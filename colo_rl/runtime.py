@@ -30,7 +30,8 @@ from colo_rl.config.validation import check_context_length, check_generation_fit
 from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
-from colo_rl.models import known_context_length, resolve_dtype
+from colo_rl.lora import check_target_modules, lora_enabled
+from colo_rl.models import known_context_length, model_skeleton, resolve_dtype
 from colo_rl.rewards import RewardError
 from colo_rl.rollout.sglang import check_engine_runs_here
 
@@ -223,6 +224,8 @@ def check_input_paths(cfg: RunConfig) -> None:
     """The model and data the run names exist (seconds, before any process group or model), and
     the run's sequences fit the model's context."""
     context, source = run_context_length(cfg)  # resolves model.path first: FileNotFoundError naming it
+    if lora_enabled(cfg.model):  # the adapters' layer names, against the model's structure (no weights loaded)
+        check_target_modules(model_skeleton(cfg.model), cfg.model.lora.target_modules)
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
     if cfg.data.eval_path is not None:

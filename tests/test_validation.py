@@ -145,6 +145,10 @@ def _run(script, args, timeout=120, env=None):
     ("grpo.py", ["reward.functions=[nope]"], "unknown reward function 'nope'"),
     ("sft.py", ["trainer.total_steps=2"], "trainer.total_steps is not read by recipes/sft.py"),
     ("grpo.py", ["-m", "trainer.lr=1e-5,2e-5"], "Hydra multirun (-m) is not supported"),
+    # both after the model had loaded (a LoRA typo: PEFT's traceback), or with no hint (a hub id)
+    ("grpo.py", ["model.lora.rank=4", "model.lora.target_modules=[qproj,vproj]"],
+     "['qproj', 'vproj'] match no linear layer of this model; its linear layers are ['down_proj', 'gate_proj', "),
+    ("grpo.py", ["model.path=Qwen/Qwen2.5-0.5B-Instruct"], "It looks like a Hugging Face hub id: colo_rl never"),
     # it failed after the actor was built, on `Torch not compiled with CUDA enabled`
     pytest.param("grpo.py", ["rollout.engine=sglang"], NO_GPU if importlib.util.find_spec("sglang") else NOT_INSTALLED,
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")),
