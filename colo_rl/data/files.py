@@ -55,6 +55,9 @@ class Record:
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
+NULL_MEANS = {"data.path": "the embedded task", "data.eval_path": "data.eval_size records of data.path held out"}
+
+
 def resolve_data_path(path: str | Path, key: str = "data.path") -> Path:
     """A data file: as given (absolute, or relative to the current directory), else relative to the
     project root, so `data=gsm8k` works from any directory. Raises DataError saying where it looked."""
@@ -67,7 +70,7 @@ def resolve_data_path(path: str | Path, key: str = "data.path") -> Path:
     hint = (" data=gsm8k reads the GSM8K train split (JSONL, question / answer with '#### n') from "
             "../shared/data/gsm8k/train.jsonl beside the project; pass data.path=<your copy>."
             if "gsm8k" in str(path).lower() else f" Pass {key}=<a .jsonl / .json / .parquet file or a datasets "
-                                                 "directory>, or leave it null for the embedded task.")
+                                                 f"directory>, or leave it null ({NULL_MEANS.get(key, '')}).")
     raise DataError(f"{key}={str(path)!r} does not exist (looked for {where}).{hint}")
 
 
