@@ -57,6 +57,10 @@ class GRPORecipe:
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_problems, eval_problems = load_problems(cfg.data)
+        # the user's reward functions meet real records now, not after the model, engine and step-0 evaluation
+        self.scorer = RewardScorer(cfg.reward)
+        sample = train_problems[:REWARD_CHECK_RECORDS]
+        self.scorer.check_on_records([p.answer for p in sample], [p.fields for p in sample], [p.origin for p in sample])
         # env.name != none: multi-turn episodes (the prompts tell the policy about its tools)
         self.env = build_environment(cfg.env, self.tokenizer, cfg.data.use_chat_template)
         self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,
@@ -70,10 +74,6 @@ class GRPORecipe:
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
                  len(self.train), len(self.eval_set), builder.stats.dropped, builder.stats.truncated)
         check_held_out_size(len(self.eval_set), world)
-        # the user's reward functions meet real records now, not after the model, engine and step-0 evaluation
-        self.scorer = RewardScorer(cfg.reward)
-        sample = [p for p, _ in self.train[:REWARD_CHECK_RECORDS]]
-        self.scorer.check_on_records([p.answer for p in sample], [p.fields for p in sample], [p.origin for p in sample])
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.start_metrics = {"data/overlong_dropped": builder.stats.dropped,
                               "data/overlong_truncated": builder.stats.truncated}
