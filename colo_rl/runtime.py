@@ -7,10 +7,10 @@ import fcntl
 import functools
 import logging
 import os
-import shutil
-import socket
 import random
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
