@@ -28,13 +28,20 @@ def test_importing_colo_rl_puts_the_venvs_ninja_first():
     assert proc.stdout.strip() == str(VENV_BIN / "ninja"), proc.stdout + proc.stderr
 
 
+def _make_probe(target: str, command: str) -> str:
+    """What `command` prints inside the Makefile's `target` (its recipe replaced by the probe)."""
+    proc = subprocess.run(["make", "-s", "-f", "Makefile", "-f", "-", f"VENV={sys.prefix}",
+                           "-o", f"{sys.prefix}/.colo_rl-installed", target], input=f"{target}:\n\t@{command}\n",
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, env=child_env(PATH=SYSTEM_PATH))
+    return proc.stdout.strip()
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make")
-def test_the_makefile_builds_with_the_venvs_ninja():
-    probe = "print-ninja:\n\t@command -v ninja\n"
-    proc = subprocess.run(["make", "-s", "-f", "Makefile", "-f", "-", f"VENV={sys.prefix}", "print-ninja"],
-                          input=probe, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env=child_env(PATH=SYSTEM_PATH))
-    assert proc.stdout.strip() == str(VENV_BIN / "ninja"), proc.stdout + proc.stderr
+def test_the_makefile_builds_and_runs_with_the_venvs_ninja():
+    for target in ("demo", "test", "sft"):
+        assert _make_probe(target, "command -v ninja") == str(VENV_BIN / "ninja"), target
+    # the GPU machine's targets keep the image's python3
+    assert _make_probe("gpu-wheels", "command -v python3") != str(VENV_BIN / "python3")
 
 
 def test_a_rebuild_that_ninja_would_do_is_announced(tmp_path, monkeypatch, caplog):
