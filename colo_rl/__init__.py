@@ -17,8 +17,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 # One ninja builds them, however the run is started: torch runs the `ninja` first on PATH, and the
 # venv's (pip's, a newer version) and the system's write .ninja_log differently, so each rebuilt what
 # the other built (minutes each time) when `make` (system PATH) and an activated venv alternated.
-# The venv's bin comes first (as when activated); the Makefile does the same for its own builds.
+# In a venv, its bin comes first (as when activated); the Makefile does the same for its own builds.
+# Outside one (a system or image Python) PATH is left as it is.
 _VENV_BIN = os.path.join(sys.prefix, "bin")
-if os.path.isfile(os.path.join(_VENV_BIN, "ninja")) and \
+if sys.prefix != sys.base_prefix and os.path.isfile(os.path.join(_VENV_BIN, "ninja")) and \
         os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
