@@ -99,10 +99,12 @@ class StopForwarder:
             all(c in (128 + first, -signal.SIGTERM) for c in codes)
         return 0 if clean else 128 + self.received[-1]
 
-    def install(self) -> None:
-        # torchelastic would turn these signals into an exception that ends the agent at once (a traceback,
-        # exit 1, the ranks given 30 s); it keeps SIGHUP / SIGQUIT
-        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    def install(self, args) -> None:
+        """Handle STOP_SIGNALS here. torchrun's agent would turn them into an exception that ends it at
+        once (a traceback, exit 1, the ranks given 30 s): they are taken off its --signals-to-handle
+        (it keeps SIGHUP / SIGQUIT)."""
+        args.signals_to_handle = ",".join(s for s in args.signals_to_handle.split(",")
+                                          if s.strip() not in {sig.name for sig in STOP_SIGNALS})
         for sig in STOP_SIGNALS:
             signal.signal(sig, self)
 
@@ -139,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     # torchrun's own lines about a failed rank: the rank said what failed already
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     stop = StopForwarder()
-    stop.install()
+    stop.install(args)
     try:
         run(args)
     except ChildFailedError as e:

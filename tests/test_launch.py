@@ -93,3 +93,20 @@ def test_a_clean_stop_is_exit_0_even_when_a_slower_rank_had_the_agents_sigterm()
     assert stop.exit_code({0: _failure(1), 1: _failure(-15)}) == 130  # no rank stopped cleanly
     stop.received = [signal.SIGINT, signal.SIGINT]
     assert stop.exit_code({0: _failure(130), 1: _failure(-9)}) == 130  # stopped now
+
+
+def test_the_launcher_takes_sigint_and_sigterm_off_torchruns_signal_list():
+    from torch.distributed.run import get_args_parser
+
+    from colo_rl.launch import StopForwarder
+
+    args = get_args_parser().parse_args(["--nproc_per_node=2", "x.py"])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopForwarder()
+        stop.install(args)
+        assert args.signals_to_handle == "SIGHUP,SIGQUIT"
+        assert signal.getsignal(signal.SIGINT) is stop and signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
