@@ -76,10 +76,19 @@ def bottleneck_report(rows: Iterable[dict], n_gpus: int, skip: int = 1) -> dict:
 
 
 def format_report(report: dict) -> str:
+    """The report in words; with "measured_ranks" set and unlike "gpus" (a projection), what it assumes."""
     t, s = report["seconds_per_step"], report["shares"]
     lines = [f"bottleneck ({report['steps_measured']} steps, {report['gpus']} ranks): "
              f"{report['bound']}-bound; per step {t['step']:.2f} s = generation {100 * s['generation']:.0f} % + "
              f"training {100 * s['train']:.0f} % + switching {100 * s['switch']:.1f} % + other {100 * s['other']:.0f} %"]
+    measured = report.get("measured_ranks", report["gpus"])
+    if measured != report["gpus"]:  # --gpus N: the same seconds, relabelled
+        lines[0] = lines[0].replace(f"{report['gpus']} ranks)", f"projected to {report['gpus']} devices from a run "
+                                    f"of {measured or 'an unknown number of'} rank(s))")
+        lines.append(f"  the projection assumes each phase takes the measured seconds per step on {report['gpus']} "
+                     f"devices (each one as fast as a measured rank, the step's work spread as it was: a CPU run's "
+                     f"seconds are not a GPU's); only the split of the devices between generation and training is "
+                     f"modelled. Measure on the node itself for figures.")
     best = report.get("best_split")
     if best:
         lines.append(
@@ -103,14 +112,15 @@ def main(argv=None) -> int:
     if not metrics.is_file():
         p.error(f"{metrics}: no such file (a GRPO run directory holds metrics.jsonl)")
     rows = read_jsonl(metrics)
-    gpus = args.gpus
-    if gpus is None:
-        summary = args.run_dir / "summary.json"
-        gpus = json.loads(summary.read_text()).get("bottleneck", {}).get("gpus") if summary.is_file() else None
+    summary = args.run_dir / "summary.json"
+    measured = json.loads(summary.read_text()).get("bottleneck", {}).get("gpus") if summary.is_file() else None
+    gpus = args.gpus or measured
     if not gpus:
         p.error("the run's world size is not in summary.json: give --gpus N")
     try:
-        print(format_report(bottleneck_report(rows, gpus, args.skip)))
+        report = bottleneck_report(rows, gpus, args.skip)
+        report["measured_ranks"] = measured
+        print(format_report(report))
     except ValueError as e:
         p.error(f"{metrics}: {e}")
     return 0

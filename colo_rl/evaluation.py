@@ -89,7 +89,7 @@ def sample_counts(engine, tokenizer, prompt_ids: list[list[int]], answers: list[
     completions = generate_completions(engine, local_ids, params, multiturn,
                                        dist.shard(problems) if problems else None)[:len(local_ids) * n]
     texts = policy_texts(tokenizer, completions) if completions else []
-    correct = scorer.score(texts, [a for a in local_answers for _ in range(n)]).correct
+    correct = scorer.verify(texts, [a for a in local_answers for _ in range(n)]).correct  # no reward function is called
     mine = [(n, sum(correct[i * n:(i + 1) * n]), sum(len(c.token_ids) for c in completions[i * n:(i + 1) * n]))
             for i in range(len(local_ids))]
     return [row for part in dist.all_gather_objects(mine) for row in part]  # shards are contiguous, in rank order

@@ -97,8 +97,8 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
                 with timer("eval"):
                     last_eval = recipe.evaluate(step + 1)
                 step_metrics.update({**last_eval, **timer.pop()})
-            metrics.log(step + 1, step_metrics)
             progress.advance()
+            metrics.log(step + 1, step_metrics, progress=progress.status())  # i/N and ETA where no bar is drawn
             stopped_by = stop.requested()  # a collective: every rank stops after the same step
             if ckpt.due(step + 1) or stopped_by or last:
                 recipe.save(ckpt, step + 1)
@@ -121,7 +121,12 @@ def main(recipe_cls: Callable[..., Recipe], hydra_cfg, recipe: str) -> None:
     process exits with 128 + the signal's number."""
     t0 = time.perf_counter()
     ctx = runtime.start(hydra_cfg, recipe=recipe)
-    instance = recipe_cls(ctx)
+    try:
+        instance = recipe_cls(ctx)  # data, rewards, models, engine: a refusal here leaves no stub run dir
+    except runtime.CLEAN_ERRORS:
+        if ctx.made_run_dir:
+            runtime.remove_stub_run_dir(ctx.run_dir)
+        raise
     result = run(instance, ctx.cfg, ctx.ckpt, instance.metrics, instance.start_metrics)
     instance.metrics.close()
     if not result.stopped_by:

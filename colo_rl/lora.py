@@ -52,18 +52,35 @@ def apply_lora(model, lora_cfg, seed: int):
     lora_B starts at zero (the wrapped model equals the base)."""
     from peft import get_peft_model
 
+    check_target_modules(model, lora_cfg.target_modules)  # before PEFT, which raises its own when none matches
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        wrapped = get_peft_model(model, peft_config(lora_cfg))
-    missing = [m for m in lora_cfg.target_modules if not any(f".{m}." in n for n, _ in wrapped.named_parameters())]
-    if missing:  # PEFT raises when none matches; one that matches nothing is a typo too
-        raise ConfigError(f"model.lora.target_modules: {missing} match no module of this model; its linear "
-                          f"layers are {sorted(linear_module_names(model))}")
-    return wrapped
+        return get_peft_model(model, peft_config(lora_cfg))
 
 
-def linear_module_names(model) -> set[str]:
-    return {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+def linear_modules(model) -> list[str]:
+    """Full names of the layers LoRA can adapt (torch Linear, or transformers' Conv1D as in GPT-2)."""
+    kinds = [torch.nn.Linear]
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        kinds.append(Conv1D)
+    except ImportError:
+        pass
+    return [name for name, m in model.named_modules() if isinstance(m, tuple(kinds))]
+
+
+def check_target_modules(model, targets) -> None:
+    """Every model.lora.target_modules entry names a linear layer of the (unwrapped) model as PEFT
+    matches it (the module's name, or its dotted tail); ConfigError listing the model's own linear
+    layer names otherwise (one typo among good names included). At start-up on the model's skeleton
+    (models.model_skeleton), and again in apply_lora."""
+    full = linear_modules(model)
+    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in full)]
+    if missing:
+        names = sorted({n.rsplit(".", 1)[-1] for n in full})
+        raise ConfigError(f"model.lora.target_modules: {missing} match no linear layer of this model; its linear "
+                          f"layers are {names}")
 
 
 def is_adapter(name: str) -> bool:

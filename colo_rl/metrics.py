@@ -48,7 +48,7 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self.writers = [LOGGERS.get(name)(self.run_dir, config or {}) for name in loggers] if self.enabled else []
 
-    def log(self, step: int, metrics: dict[str, float], console: bool = True) -> None:
+    def log(self, step: int, metrics: dict[str, float], console: bool = True, progress: str = "") -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -59,7 +59,8 @@ class MetricsLogger:
             keys = shown or [k for k in row if k != "step"][:8]
             # named against every console key, not this row's: a metric keeps one name on every line
             names = console_names(self.console_keys if shown else keys)
-            log.info("step %d | %s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys))
+            log.info("step %d | %s%s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys),
+                     f" | {progress}" if progress else "")
 
     def close(self) -> None:
         for writer in self.writers:
@@ -102,15 +103,23 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 class Progress:
-    """A rich progress bar with ETA on rank 0 (plain log lines when output is not a terminal)."""
+    """A rich progress bar with ETA on rank 0; when output is not a terminal (nohup, SLURM, a pipe),
+    where rich would draw only the finished bar, `status()` is the step line's ending: `3/14, ETA 3m40s`."""
 
-    def __init__(self, total: int, description: str, start: int = 0):
+    def __init__(self, total: int, description: str, start: int = 0, terminal: Optional[bool] = None):
         self.bar = None
         self.task = None
+        self.lines = False
         if not dist.is_rank0():
             return
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as RichProgress
+
+        if not (Console().is_terminal if terminal is None else terminal):
+            self.lines, self.total, self.description = True, total, description
+            self.start, self.done, self.t0 = start, start, time.monotonic()
+            return
 
         self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
@@ -120,10 +129,26 @@ class Progress:
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
             self.bar.advance(self.task, n)
+        if self.lines:
+            self.done += n
+
+    def status(self) -> str:
+        """`i/N, elapsed ..., ETA ...` without a terminal (at this run's own pace); "" with the bar."""
+        if not self.lines or self.done == self.start:
+            return ""
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / (self.done - self.start) * (self.total - self.done)
+        return f"{self.done}/{self.total}, elapsed {_duration(elapsed)}, ETA {_duration(eta)}"
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def _duration(seconds: float) -> str:
+    """1h02m, 3m40s, 12s."""
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def plot_curves(rows: list[dict], out_path: Path, panels: list[tuple[str, list[str]]], title: str) -> Optional[Path]:

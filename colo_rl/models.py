@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -93,13 +94,28 @@ def align_special_tokens(tokenizer, config) -> list[str]:
     return changed
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id_hint(path: str) -> Optional[str]:
+    """For a model.path that looks like a Hugging Face hub id (`Qwen/Qwen2.5-0.5B-Instruct`) and is not
+    a directory here: how to download it (colo_rl never downloads). None for anything else."""
+    if not HUB_ID.match(path) or path.startswith(("./", "../")):
+        return None
+    local = f"models/{path.split('/')[-1]}"
+    return (f"It looks like a Hugging Face hub id: colo_rl never downloads models. Download it first, e.g. "
+            f"`huggingface-cli download {path} --local-dir {local}` (or `hf download ...`), then pass "
+            f"model.path={local}.")
+
+
 def resolve_model_path(path: str) -> Path:
     if path == "embedded":
         return embedded_model_dir()
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"model.path={path!r} does not exist. Pass an HF model directory (a colo_rl run's "
-                                "checkpoint-final/ is one) or model.path=embedded.")
+        raise FileNotFoundError(f"model.path={path!r} does not exist. " + (hub_id_hint(path) or
+                                "Pass an HF model directory (a colo_rl run's checkpoint-final/ is one) or "
+                                "model.path=embedded."))
     if not (p / "config.json").exists():
         raise FileNotFoundError(
             f"model.path={path!r}: no config.json in that directory. Pass an HF model directory "
@@ -212,6 +228,15 @@ def model_config(model_cfg) -> "transformers.PretrainedConfig":  # noqa: F821
     if model_cfg.random_init and model_cfg.num_layers:
         config.num_hidden_layers = model_cfg.num_layers
     return config
+
+
+def model_skeleton(model_cfg):
+    """The model's modules without weights (on the meta device: seconds, no memory), for checks
+    that need only its structure (model.lora.target_modules)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model_config(model_cfg))
 
 
 def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):

@@ -3,11 +3,14 @@ ranks, the resolved config on disk, seeds."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
 import random
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -27,7 +30,8 @@ from colo_rl.config.validation import check_context_length, check_generation_fit
 from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import EnvError
 from colo_rl.metrics import MetricsLogger
-from colo_rl.models import known_context_length, resolve_dtype
+from colo_rl.lora import check_target_modules, lora_enabled
+from colo_rl.models import known_context_length, model_skeleton, resolve_dtype
 from colo_rl.rewards import RewardError
 from colo_rl.rollout import ENGINES
 
@@ -40,6 +44,7 @@ class RunContext:
     run_dir: Path
     dtype: torch.dtype
     ckpt: Optional[CheckpointManager] = None  # resume=auto|<dir> resolved, the config checked against it
+    made_run_dir: bool = False  # this run created run_dir (a refused set-up removes it: remove_stub_run_dir)
 
 
 def seed_everything(seed: int) -> None:
@@ -48,19 +53,76 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def choose_run_dir(cfg: RunConfig) -> Path:
-    """Rank 0 picks the directory and broadcasts it: Hydra's timestamps differ per process."""
+# The run's exclusive lock on its directory: the holder's pid and host are written into it.
+RUN_LOCK = ".colo_rl.lock"
+# this process's locks, by directory: a second start() in one process (tests) keeps the one it holds
+_held_locks: dict[str, int] = {}
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Take the exclusive lock of `run_dir` (flock on RUN_LOCK), or raise ConfigError naming the run
+    that holds it. Two runs in one directory would interleave metrics.jsonl and overwrite each other's
+    checkpoints. The OS drops the lock when the holder ends however it ends (kill -9 included), so a
+    killed run never blocks its own resume; a stale lock file is just a file. flock is kept by
+    every process that inherited the descriptor, and Python opens it close-on-exec, so only a child
+    forked without exec (and still alive) keeps it after the run."""
+    key = str(run_dir)
+    if key in _held_locks:
+        return
+    fd = os.open(run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by another run (BlockingIOError); its pid and host are in the file
+        holder = os.read(fd, 512).decode(errors="replace").strip() or "a run that is still starting"
+        os.close(fd)
+        raise ConfigError(f"run dir {run_dir} is in use by another run ({holder}): two runs in one directory "
+                          f"would mix their metrics and overwrite each other's checkpoints. Wait for it to end "
+                          f"(or stop it: Ctrl-C / kill its pid; resume=auto continues it), or pass another "
+                          f"run_dir / run_name") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _held_locks[key] = fd
+
+
+def unlock_run_dirs() -> None:
+    """Release this process's run-directory locks (exit releases them anyway)."""
+    while _held_locks:
+        os.close(_held_locks.popitem()[1])
+
+
+def choose_run_dir(cfg: RunConfig) -> tuple[Path, bool]:
+    """Rank 0 picks the directory, takes its lock (lock_run_dir) and broadcasts it (Hydra's timestamps
+    differ per process); every rank raises the same refusal. Also: whether this run made it."""
+    outcome = None
     if dist.is_rank0():
         if cfg.run_dir:
             path = Path(cfg.run_dir)
         else:
             name = cfg.run_name or f"{cfg.recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
             path = Path(cfg.output_root) / name
-        path.mkdir(parents=True, exist_ok=True)
-        path = path.resolve()
-    else:
-        path = None
-    return Path(dist.broadcast_object(str(path) if path else None))
+        made = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            path = path.resolve()
+            lock_run_dir(path)
+            outcome = ("ok", str(path), made)
+        except (ConfigError, OSError) as e:
+            outcome = ("error", str(e) if isinstance(e, ConfigError) else f"run dir {path}: {e}", made)
+    outcome = dist.broadcast_object(outcome)
+    if outcome[0] == "error":
+        raise ConfigError(outcome[1])
+    return Path(outcome[1]), outcome[2]
+
+
+def remove_stub_run_dir(run_dir: Path) -> None:
+    """After a start-up refusal: remove the run directory this run made (rank 0), so a refused
+    command leaves nothing behind. Only one holding no checkpoint and no metrics row."""
+    metrics = run_dir / "metrics.jsonl"
+    if not dist.is_rank0() or (run_dir / "checkpoints").exists() or (metrics.exists() and metrics.stat().st_size):
+        return
+    unlock_run_dirs()
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def check_run_dir_shared(run_dir: Path) -> None:
@@ -106,8 +168,13 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     dist.init(debug=cfg.debug)
     dist.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    run_dir = choose_run_dir(cfg)
-    ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    run_dir, made = choose_run_dir(cfg)  # the run's lock on it, or a refusal naming the run holding it
+    try:
+        ckpt = CheckpointManager(run_dir, cfg)  # resolves resume=auto|<dir>; refuses a config that changes its meaning
+    except CheckpointError:
+        if made:
+            remove_stub_run_dir(run_dir)
+        raise
     if dist.is_rank0():  # the run is accepted: its config, and a metrics file of its own
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
         if ckpt.checkpoint is None:
@@ -118,7 +185,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
              str(dtype).replace("torch.", ""), run_dir)
-    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt)
+    return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt, made_run_dir=made)
 
 
 def metrics_logger(ctx: RunContext, console_keys: list[str]) -> MetricsLogger:
@@ -138,8 +205,15 @@ def check_input_paths(cfg: RunConfig) -> None:
     """The model and data the run names exist (seconds, before any process group or model), and
     the run's sequences fit the model's context."""
     context, source = run_context_length(cfg)  # resolves model.path first: FileNotFoundError naming it
+    if lora_enabled(cfg.model):  # the adapters' layer names, against the model's structure (no weights loaded)
+        check_target_modules(model_skeleton(cfg.model), cfg.model.lora.target_modules)
     if cfg.data.path is not None:
         resolve_data_path(cfg.data.path)  # DataError naming data.path and where it looked
+    if cfg.data.eval_path is not None:
+        if cfg.data.path is None:
+            raise ConfigError("data.eval_path is a held-out file for data.path's records; the embedded task "
+                              "(data.path=null) holds out its own problems: set data.path too, or drop data.eval_path")
+        resolve_data_path(cfg.data.eval_path, "data.eval_path")
     if context is not None:
         check_context_length(cfg, context, source)
 
@@ -205,3 +279,4 @@ def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]
 
 def finish() -> None:
     dist.cleanup()
+    unlock_run_dirs()

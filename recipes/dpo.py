@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=8 recipes/dpo.py data.path=pairs.jsonl model.path=out/sft/checkpoint-final
 
 Reference log-probs: with algo.precompute_ref_logprobs=true they are computed once, before the
-first step, with the starting weights (which are the reference) and cached for the whole run;
+first step, with the starting weights (which are the reference), for the pairs the run's steps
+draw (all of them once it covers an epoch), and cached for the whole run;
 with false a frozen ZeRO-3 reference model (no optimizer states) scores every micro-batch.
 
 One step (`DPORecipe.train_step`):
@@ -21,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
+from typing import Optional
 
 import hydra
 import torch
@@ -88,12 +91,15 @@ class DPORecipe:
         self.cache: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         timer = Timer()
         if algo.precompute_ref_logprobs:
+            # only the pairs the run's steps draw (from step 0: a resume's actor holds the starting weights too)
+            used = self.sampler.planned(tr.batch_size, self.plan.total_steps)
             with self.update_phase(), timer("ref_precompute"):
-                self.cache["train"] = self.logps_all(self.actor, self.train)
+                self.cache["train"] = self.logps_all(self.actor, self.train, used)
                 self.cache["eval"] = self.logps_all(self.actor, self.held) if self.held else (torch.zeros(0),
                                                                                              torch.zeros(0))
-            log.info("reference log-probs of %d pairs precomputed in %.1fs", len(self.train) + len(self.held),
-                     timer.seconds["ref_precompute"])
+            log.info("reference log-probs precomputed in %.1fs: %d of %d train pairs (those %d steps draw) and %d "
+                     "held-out", timer.seconds["ref_precompute"], len(used), len(self.train), self.plan.total_steps,
+                     len(self.held))
             if dist.is_rank0():
                 torch.save({k: {"chosen": c, "rejected": r} for k, (c, r) in self.cache.items()},
                            self.run_dir / "ref_logprobs.pt")
@@ -107,13 +113,14 @@ class DPORecipe:
     def engine(self):
         return self.colo.engine if self.colo is not None else None
 
-    def logps_all(self, model, pairs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen, rejected) sequence log-probs of every pair, each rank scoring its share."""
+    def logps_all(self, model, pairs: list, only: Optional[list[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) sequence log-probs of every pair (or of the pairs `only` lists: NaN for the
+        others), each rank scoring its share."""
         cfg = self.cfg
-        shard = dist.shard(list(range(len(pairs))))
+        shard = dist.shard(list(range(len(pairs))) if only is None else list(only))
         c, r = pair_logps(model, [pairs[i] for i in shard], cfg.trainer.micro_batch_size, self.pad,
                           self.length_normalised, cfg.trainer.packing, self.dtype)
-        chosen, rejected = torch.zeros(len(pairs)), torch.zeros(len(pairs))
+        chosen, rejected = torch.full((len(pairs),), math.nan), torch.full((len(pairs),), math.nan)
         for idx, ci, ri in dist.all_gather_objects((shard, c, r)):
             chosen[idx], rejected[idx] = ci, ri
         return chosen, rejected

@@ -46,7 +46,7 @@ def run_eval(ctx) -> dict:
     cfg, t0 = ctx.cfg, time.perf_counter()
     tokenizer = load_tokenizer(cfg.model.path)
     from_file = cfg.data.path is not None and cfg.eval.all_records
-    problems = file_problems(cfg.data.path) if from_file else load_problems(cfg.data)[1]
+    problems = file_problems(cfg.data.path, cfg.data.prompt_key, cfg.data.answer_key) if from_file else load_problems(cfg.data)[1]
     env = build_environment(cfg.env, tokenizer, cfg.data.use_chat_template)
     multiturn = None if env is None else MultiTurnRollout(env, tokenizer, cfg.env.max_turns, cfg.env.max_total_tokens)
     builder = PromptBuilder(tokenizer, cfg.data, env=env)

@@ -41,6 +41,7 @@ from colo_rl.train.packing import pack_groups
 
 log = logging.getLogger("colo_rl")
 
+REWARD_CHECK_RECORDS = 4  # records the user's reward functions are tried on at start-up
 CONSOLE = ["reward/mean", "reward/accuracy", "response/len_mean", "env/tool_calls", "train/clip_frac",
            "train/grad_norm", "handoff/logprob_diff_mean", "time/step", "eval/accuracy"]
 
@@ -56,6 +57,10 @@ class GRPORecipe:
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
         train_problems, eval_problems = load_problems(cfg.data)
+        # the user's reward functions meet real records now, not after the model, engine and step-0 evaluation
+        self.scorer = RewardScorer(cfg.reward)
+        sample = train_problems[:REWARD_CHECK_RECORDS]
+        self.scorer.check_on_records([p.answer for p in sample], [p.fields for p in sample], [p.origin for p in sample])
         # env.name != none: multi-turn episodes (the prompts tell the policy about its tools)
         self.env = build_environment(cfg.env, self.tokenizer, cfg.data.use_chat_template)
         self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,
@@ -89,7 +94,6 @@ class GRPORecipe:
         # ---- the colocated pieces: DeepSpeed actor (+ reference), rollout engine, phase switcher
         self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
                                     grad_accum=self.n_micro // cfg.trainer.mini_batches_per_step)
-        self.scorer = RewardScorer(cfg.reward)
         self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,

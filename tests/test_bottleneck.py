@@ -61,9 +61,15 @@ def test_the_command_reports_a_run_directory_and_names_what_is_missing(tmp_path,
     assert main([str(tmp_path), "--gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "rollout-bound" in out and "best split 6 gen / 2 train would take 8.50 s/step" in out
+    assert "from a run of an unknown number of rank(s)" in out and "the projection assumes" in out
     (tmp_path / "summary.json").write_text(json.dumps({"bottleneck": {"gpus": 2}}))
     assert main([str(tmp_path)]) == 0
-    assert "(3 steps, 2 ranks)" in capsys.readouterr().out  # world size from summary.json; step 1 dropped as warm-up
+    out = capsys.readouterr().out
+    assert "(3 steps, 2 ranks)" in out and "assumes" not in out  # world size from summary.json; step 1 dropped
+    assert main([str(tmp_path), "--gpus", "8"]) == 0  # a 2-rank run relabelled as 8 devices says so
+    out = capsys.readouterr().out
+    assert "(3 steps, projected to 8 devices from a run of 2 rank(s))" in out
+    assert "the projection assumes each phase takes the measured seconds per step on 8 devices" in out
     with pytest.raises(SystemExit, match="2"):
         main([str(tmp_path / "nowhere")])
     assert "metrics.jsonl: no such file" in capsys.readouterr().err

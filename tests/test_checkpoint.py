@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from colo_rl.checkpoint import (COMPLETE, CheckpointError, CheckpointManager, capture_rng, compare_configs,
+                                complete_checkpoints,
                                 config_container, newest_checkpoint, resolve_resume, restore_rng)
 from colo_rl.config import RunConfig, TrainerConfig
 from colo_rl.data.sampler import EpochSampler
@@ -249,3 +250,56 @@ def test_export_errors_speak_of_export_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: export: ") and message in err[0], err
         assert "resume=" not in err[0]
+
+
+# ---- a full disk: said before the save, the last complete checkpoint kept
+@pytest.fixture
+def free(monkeypatch):
+    """The checkpoint filesystem's free bytes, as the test sets them."""
+    from colo_rl.checkpoint import manager
+
+    space = SimpleNamespace(bytes=10**12)
+    monkeypatch.setattr(manager, "free_bytes", lambda path: space.bytes)
+    return space
+
+
+def test_a_save_without_room_is_refused_before_writing_and_the_last_checkpoint_stays(tmp_path, free):
+    mgr = save_steps(tmp_path, [1])
+    size = sum(f.stat().st_size for f in (tmp_path / "checkpoints" / "step-000001").rglob("*") if f.is_file())
+    free.bytes = size // 2
+    with pytest.raises(CheckpointError, match=rf"no space left on {tmp_path / 'checkpoints'}: needs ~0.0 MB, 0.0 MB "
+                                              rf"free; lower trainer.keep_last \(now 2\) or free space \(the last "
+                                              rf"complete checkpoint, step-000001, is intact"):
+        mgr.save(2, FakeActor(), EpochSampler(10, seed=1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]  # no partial one
+    assert resolve_resume("auto", tmp_path).name == "step-000001"
+
+
+def test_short_of_room_the_checkpoints_the_save_would_prune_go_first(tmp_path, free):
+    mgr = save_steps(tmp_path, [1, 2], keep_last=2)
+    free.bytes = 1  # room appears once step-000001 (pruned after this save anyway) is gone
+    real_prune = mgr._prune
+
+    def prune(keep=None):
+        real_prune(keep)
+        free.bytes = 10**12
+    mgr._prune = prune
+    mgr.save(3, FakeActor(), EpochSampler(10, seed=1))
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step-000002", "step-000003"]
+
+
+@pytest.mark.parametrize("error", [OSError(28, "No space left on device"),
+                                   RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                                                "failed writing file data/0: file write failed")])
+def test_a_disk_that_fills_during_the_save_is_one_clean_error_and_the_partial_checkpoint_goes(tmp_path, free, error):
+    mgr = save_steps(tmp_path, [1])
+
+    class FillsTheDisk(FakeActor):
+        def save_checkpoint(self, directory, tag):
+            super().save_checkpoint(directory, tag)
+            free.bytes = 4096
+            raise error
+
+    with pytest.raises(CheckpointError, match=r"no space left on .*: needs ~.* free; lower trainer.keep_last"):
+        mgr.save(2, FillsTheDisk(), EpochSampler(10, seed=1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000001"]

@@ -135,3 +135,29 @@ def test_harder_arithmetic_keeps_the_default_splits_and_adds_operations_and_fact
     factors = [int(toks[j]) for toks in (e.split() for e, _ in train) for i, t in enumerate(toks) if t == "*"
                for j in (i - 1, i + 1)]
     assert max(factors) > 12 and all(2 <= f <= 99 for f in factors)
+
+
+def test_a_user_file_is_used_whole_unless_data_train_size_caps_it(tmp_path, caplog):
+    """It was cut at 20,000 records (data.train_size's default for the embedded task) without a word."""
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20_100)))
+    with caplog.at_level("INFO", logger="colo_rl"):
+        train, held = load_problems(DataConfig(path=str(path), eval_size=50))
+    assert len(train) == 20_050 and len(held) == 50
+    assert len({p.answer for p in train + held}) == 20_100  # every record, none twice
+    assert "20100 records: 50 held out (data.eval_size), 20050 trained on (every other record)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="colo_rl"):
+        capped, _ = load_problems(DataConfig(path=str(path), eval_size=50, train_size=100))
+    assert len(capped) == 100 and "(data.train_size=100 of 20050)" in caplog.text
+    # the embedded task keeps its size when none is set
+    assert len(load_problems(DataConfig(eval_size=5))[0]) == 20_000
+
+
+def test_the_sampler_names_the_indices_a_run_will_draw_without_moving():
+    sampler = EpochSampler(20, seed=3)
+    sampler.next_global(4)
+    planned = sampler.planned(6, 2)
+    drawn = sampler.next_global(6) + sampler.next_global(6)
+    assert planned == sorted(set(drawn)) and len(planned) == 12
+    assert EpochSampler(20, seed=3).planned(8, 10) == list(range(20))  # past an epoch: all of them

@@ -104,3 +104,15 @@ def test_an_error_in_a_step_restores_the_signal_handlers(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         loop.run(Broken(3), cfg(0), Ckpt(tmp_path, 0), MetricsLogger(tmp_path, ["jsonl"]))
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_redirected_output_shows_each_steps_i_of_n_and_eta_on_its_line(tmp_path, caplog):
+    """Under nohup / SLURM (no terminal) rich drew only the finished bar, at the end."""
+    recipe = Script(total_steps=3, resume_at=1)
+    metrics = MetricsLogger(tmp_path, loggers=["jsonl"])
+    with caplog.at_level("INFO", logger="colo_rl"):
+        loop.run(recipe, cfg(eval_every=0), Ckpt(tmp_path, save_every=0), metrics)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("step 2 | ") and " | 2/3, elapsed 0s, ETA 0s" in lines[0], lines
+    assert lines[1].startswith("step 3 | ") and lines[1].endswith(" | 3/3, elapsed 0s, ETA 0s"), lines

@@ -142,10 +142,17 @@ def test_bad_lora_settings_are_refused_at_start_up(key, value, match):
         validate(cfg)
 
 
-def test_a_target_module_the_model_lacks_is_named():
-    with pytest.raises(ConfigError, match=r"\['qkv_proj'\] match no module"):
-        apply_lora(load_model(TINY, torch.float32, seed=1), LoraConfig(rank=2, target_modules=["q_proj", "qkv_proj"]),
-                   seed=1)
+@pytest.mark.parametrize("targets,missing", [(["q_proj", "qkv_proj"], ["qkv_proj"]),
+                                             (["qproj", "vproj"], ["qproj", "vproj"])])  # every one wrong: PEFT's own error
+def test_a_target_module_the_model_lacks_is_named_with_the_models_own_linear_layers(targets, missing):
+    model = load_model(TINY, torch.float32, seed=1)
+    with pytest.raises(ConfigError) as e:
+        apply_lora(model, LoraConfig(rank=2, target_modules=targets), seed=1)
+    assert f"{missing} match no linear layer of this model; its linear layers are ['down_proj', 'gate_proj', " \
+           "'k_proj', 'lm_head', 'o_proj', 'q_proj', 'up_proj', 'v_proj']" in str(e.value)
+    assert not any("lora" in n for n, _ in model.named_parameters())  # refused before PEFT touched the model
+    wrapped = apply_lora(model, LoraConfig(rank=2, target_modules=["self_attn.q_proj"]), seed=1)  # a dotted tail
+    assert any("q_proj.lora_A" in n for n, _ in wrapped.named_parameters())
 
 
 def test_a_checkpoint_from_before_lora_resumes_with_lora_off_and_is_refused_with_it_on():

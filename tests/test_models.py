@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from colo_rl.models import align_special_tokens, embedded_model_dir, eos_token_ids, load_tokenizer, model_config
 from colo_rl.config import ModelConfig
 
@@ -29,3 +31,17 @@ def test_a_tokenizer_read_as_transformers_5_12_reads_it_is_aligned_to_the_config
                        "pad_token 1 -> 2 (<|im_end|>), as the model config says"]
     assert (tok.eos_token_id, tok.pad_token_id) == (2, 2)
     assert align_special_tokens(tok, config) == []
+
+
+def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path):
+    from colo_rl.models import resolve_model_path
+
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_model_path("Qwen/Qwen2.5-0.5B-Instruct")
+    assert "model.path='Qwen/Qwen2.5-0.5B-Instruct' does not exist. It looks like a Hugging Face hub id: colo_rl " \
+           "never downloads models. Download it first, e.g. `huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct " \
+           "--local-dir models/Qwen2.5-0.5B-Instruct`" in str(e.value)
+    for path in (str(tmp_path / "nope"), "../models/x", "nope"):  # paths, not hub ids: no download hint
+        with pytest.raises(FileNotFoundError) as e:
+            resolve_model_path(path)
+        assert "hub id" not in str(e.value)

@@ -4,6 +4,8 @@ passed through; weights; the worker pool's timeout counted as a failure."""
 
 import json
 import math
+import subprocess
+import sys
 import time
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from colo_rl.config import ConfigError, DataConfig, RewardConfig, RewardModelConfig, RunConfig, validate
 from colo_rl.data import load_problems
 from colo_rl.rewards import RewardError, RewardScorer
+from conftest import ROOT, child_env
 
 USER_FILE = '''
 import math, time
@@ -242,3 +245,53 @@ def test_a_callable_object_is_named_by_its_entry(tmp_path):
     assert s.sources[0].batched is False
     with pytest.raises(RewardError, match=r"objects.py:score returned str 'high'"):
         s.score(["a"], ["1"])
+
+
+# ---------------------------------------------------------------- tried on real records at start-up
+CHECKED = '''
+def uses_solution(completion, truth, **kwargs):
+    return float(kwargs["solution"] in completion)  # a key the records lack: KeyError on every record
+
+def sometimes(completion, truth, **kwargs):
+    if truth == "1":
+        raise ValueError("no")
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("name,message", [
+    ("returns_text", r"the reward check on 2 record\(s\) of the data \(f.jsonl:1, f.jsonl:2\): reward function "
+                     r".*my_rewards.py:returns_text returned str '1.0'"),
+    ("needs_missing", r"the reward check .*: reward function .*my_rewards.py:needs_missing requires the record field "
+                      r"'topic', but the records have \['question'\]"),
+    ("uses_solution", r"the reward check .*: reward function .*checked.py:uses_solution failed on every one: "
+                      r"KeyError: 'solution'"),
+])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_functions_are_tried_on_real_records_before_the_run(user_file, name, message, workers):
+    (user_file.parent / "checked.py").write_text(CHECKED)
+    spec = f"{user_file.parent / 'checked.py' if name == 'uses_solution' else user_file}:{name}"
+    with pytest.raises(RewardError, match=message):
+        scorer(spec, workers=workers).check_on_records(["1", "2"], [{"question": "q"}] * 2, ["f.jsonl:1", "f.jsonl:2"])
+
+
+def test_the_reward_check_passes_a_function_that_fails_on_some_records(user_file):
+    (user_file.parent / "checked.py").write_text(CHECKED)
+    s = scorer(f"{user_file.parent / 'checked.py'}:sometimes", max_failure_rate=0.0)
+    s.check_on_records(["1", "2"], [{}, {}], ["a", "b"])  # one failure of two: the run decides, as it goes
+    assert s.max_failure_rate == 0.0  # restored
+
+
+def test_grpo_refuses_a_wrong_reward_function_before_the_model_loads(user_file, tmp_path):
+    """It was said only at step 1, after the model, the engine and the step-0 held-out evaluation."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "recipes/grpo.py", f"reward.functions=[{user_file}:returns_text]",
+                           f"run_dir={tmp_path}/run", "model=tiny"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=child_env(OMP_NUM_THREADS="1"))
+    seconds = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "error: the reward check on 4 record(s) of the data (arithmetic:train[0], " in out, out
+    assert "returns_text returned str '1.0'" in out, out
+    assert "step 0" not in out and "actor" not in out.lower(), out  # nothing slow started
+    print(f"refused in {seconds:.1f}s")

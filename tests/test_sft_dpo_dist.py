@@ -93,7 +93,9 @@ def test_dpo_step_under_zero3_from_the_sft_checkpoint(dpo_dirs):
         assert rows[1]["train/loss"] == pytest.approx(0.6931, abs=1e-3)  # step 1 starts at the reference
     cfg = (dpo_dirs["frozen"] / "config.yaml").read_text()
     assert "checkpoint-final" in cfg and "random_init: false" in cfg
-    assert (dpo_dirs["precomputed"] / "ref_logprobs.pt").exists()
+    cached = torch.load(dpo_dirs["precomputed"] / "ref_logprobs.pt")["train"]
+    # the 2 steps of 8 pairs draw 16 of the 24: only those are computed (it was all 24)
+    assert [int(torch.isfinite(cached[k]).sum()) for k in ("chosen", "rejected")] == [16, 16]
     assert _rows(dpo_dirs["precomputed"])[0]["time/ref_precompute"] > 0
 
 

@@ -145,6 +145,10 @@ def _run(script, args, timeout=120, env=None):
     ("grpo.py", ["reward.functions=[nope]"], "unknown reward function 'nope'"),
     ("sft.py", ["trainer.total_steps=2"], "trainer.total_steps is not read by recipes/sft.py"),
     ("grpo.py", ["-m", "trainer.lr=1e-5,2e-5"], "Hydra multirun (-m) is not supported"),
+    # both after the model had loaded (a LoRA typo: PEFT's traceback), or with no hint (a hub id)
+    ("grpo.py", ["model.lora.rank=4", "model.lora.target_modules=[qproj,vproj]"],
+     "['qproj', 'vproj'] match no linear layer of this model; its linear layers are ['down_proj', 'gate_proj', "),
+    ("grpo.py", ["model.path=Qwen/Qwen2.5-0.5B-Instruct"], "It looks like a Hugging Face hub id: colo_rl never"),
     # it failed after the actor was built, on `Torch not compiled with CUDA enabled`
     pytest.param("grpo.py", ["rollout.engine=sglang"], NO_GPU if importlib.util.find_spec("sglang") else NOT_INSTALLED,
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")),
@@ -522,11 +526,3 @@ def test_an_error_only_one_rank_meets_is_said_by_that_rank():
     assert proc.returncode == 2, lines
     assert lines == ["error (rank 1): data shard 1 holds no records"], lines
 
-
-def test_launcher_exit_code_prefers_a_ranks_own_error_over_the_agents_sigterm():
-    from types import SimpleNamespace
-
-    from colo_rl.launch import exit_code
-
-    assert exit_code({0: SimpleNamespace(exitcode=-15), 1: SimpleNamespace(exitcode=2)}) == 2
-    assert exit_code({0: SimpleNamespace(exitcode=-9)}) == 137

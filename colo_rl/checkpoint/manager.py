@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -74,6 +75,25 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
             return newest.resolve()
     raise CheckpointError(f"resume={resume!r}: no complete checkpoint in {path} or {path / CHECKPOINTS}. "
                           "Pass a checkpoint directory, or resume=null to start from scratch.")
+
+
+# Room asked for a save beyond the last checkpoint's size (a step's state grows a little: counters, RNGs).
+SPACE_MARGIN = 1.1
+# A failed write with less than this free on the checkpoint's filesystem was a full disk (torch.save's
+# C++ writer says only "file write failed").
+NEARLY_FULL_BYTES = 256 * 2**20
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _fsync_path(path: Path | str) -> None:
@@ -222,21 +242,31 @@ class CheckpointManager:
             return self.last_saved
         t0 = time.perf_counter()
         tmp = final.with_name(final.name + ".tmp")
+        self._check_space()  # collective: every rank refuses together, before anything is written
         if dist.is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        # DeepSpeed: every rank writes its own shards (model, optimizer, scheduler); barriers inside.
-        actor.save_checkpoint(str(tmp), DS_TAG)
-        torch.save(capture_rng(engine), tmp / f"rank{dist.rank():05d}.pt")
-        if dist.is_rank0():
-            state = {"step": step, "world_size": dist.world_size(), "time": time.time(),
-                     "dtype": str(actor.dtype).replace("torch.", ""),
-                     "sampler": sampler.state_dict() if sampler is not None else None,
-                     "actor": actor.counters() if hasattr(actor, "counters") else {}, "extra": extra or {}}
-            _write_file(tmp / "state.json", json.dumps(state, indent=1))
-            _write_file(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config_container(self.cfg))))
-        _fsync_tree(tmp)  # every rank flushes what it wrote before saying it is done
+        try:
+            # DeepSpeed: every rank writes its own shards (model, optimizer, scheduler); barriers inside.
+            actor.save_checkpoint(str(tmp), DS_TAG)
+            torch.save(capture_rng(engine), tmp / f"rank{dist.rank():05d}.pt")
+            if dist.is_rank0():
+                state = {"step": step, "world_size": dist.world_size(), "time": time.time(),
+                         "dtype": str(actor.dtype).replace("torch.", ""),
+                         "sampler": sampler.state_dict() if sampler is not None else None,
+                         "actor": actor.counters() if hasattr(actor, "counters") else {}, "extra": extra or {}}
+                _write_file(tmp / "state.json", json.dumps(state, indent=1))
+                _write_file(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config_container(self.cfg))))
+            _fsync_tree(tmp)  # every rank flushes what it wrote before saying it is done
+        except (OSError, RuntimeError) as e:  # this rank's write failed: a full disk is said as such
+            free = free_bytes(self.root)
+            if not (getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+                    or free < NEARLY_FULL_BYTES):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial checkpoint must not keep the disk full
+            raise CheckpointError(self._no_space(tree_bytes(self.last_saved) if self.last_saved else None,
+                                                 free)) from None
         dist.barrier()  # every rank's files are on disk
         if dist.is_rank0():
             _write_file(tmp / COMPLETE, json.dumps({"step": step, "world_size": dist.world_size()}) + "\n")
@@ -250,8 +280,33 @@ class CheckpointManager:
         log.info("checkpoint %s written in %.1fs", final, time.perf_counter() - t0)
         return final
 
-    def _prune(self) -> None:
-        if self.keep_last <= 0:
+    def _prune(self, keep: Optional[int] = None) -> None:
+        keep = self.keep_last if keep is None else keep
+        if keep <= 0:
             return
-        for old in complete_checkpoints(self.root)[:-self.keep_last]:
+        for old in complete_checkpoints(self.root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def _check_space(self) -> None:
+        """Before a save (collective; rank 0 looks): room for one more checkpoint the size of the newest
+        one (unknown before the first). Short of it, the checkpoints the save would prune go first (the
+        newest complete one is always kept); still short, CheckpointError saying what is needed."""
+        message = None
+        if dist.is_rank0():
+            newest = newest_checkpoint(self.root)
+            need = SPACE_MARGIN * tree_bytes(newest) if newest is not None else 0
+            if need and free_bytes(self.root) < need and self.keep_last > 1:
+                self._prune(self.keep_last - 1)  # these go after the save anyway
+            if need and (free := free_bytes(self.root)) < need:
+                message = self._no_space(need, free)
+        message = dist.broadcast_object(message)
+        if message:
+            raise CheckpointError(message)
+
+    def _no_space(self, need: Optional[float], free: int) -> str:
+        newest = newest_checkpoint(self.root)
+        kept = (f"the last complete checkpoint, {newest.name}, is intact: resume=auto continues from it"
+                if newest is not None else "no complete checkpoint yet")
+        needs = f"needs ~{_size(need)}, " if need else ""
+        return (f"no space left on {self.root}: {needs}{_size(free)} free; lower trainer.keep_last (now "
+                f"{self.keep_last}) or free space ({kept})")

@@ -87,9 +87,22 @@ class DataConfig:
     # None = the embedded, procedurally generated arithmetic task.
     # Otherwise a JSONL / Parquet file or a local HF `datasets` directory.
     path: Optional[str] = opt(None, ALL, resume=DATA_ORDER)
-    # Training problems (0 = every record of data.path) and held-out problems (0 = no held-out evaluation).
-    train_size: int = opt(20000, reads("grpo", "sft", "dpo", eval="recipes/eval.py reads held-out problems only"),
-                          check=ge(0, "0 = every record of data.path"), resume=DATA_ORDER)
+    # Training problems: the embedded task's count (null: 20000); with data.path a cap (null: every record).
+    train_size: Optional[int] = opt(None, reads("grpo", "sft", "dpo", eval="recipes/eval.py reads held-out problems only"),
+                                    check=Check(lambda v: v >= 0, "must be >= 0, or null (every record of data.path; "
+                                                "the embedded task: 20000)", nullable=True), resume=DATA_ORDER)
+    # A held-out file of its own (GRPO; same layout as data.path): data.eval_size of its records are
+    # evaluated on (0: all) and data.path is trained on whole. None = hold out data.eval_size of data.path.
+    eval_path: Optional[str] = opt(None, reads("grpo", others="GRPO only (SFT / DPO hold out data.eval_size records "
+                                               "of data.path)", eval="recipes/eval.py evaluates data.path"),
+                                   resume=DATA_ORDER)
+    # Where a record's prompt / answer are (dotted for nested, e.g. reward_model.ground_truth); None =
+    # the first of prompt / question / messages, and of answer / ground_truth / solution / reward_model.ground_truth.
+    prompt_key: Optional[str] = opt(None, reads("grpo", "eval", others="GRPO and recipes/eval.py only (SFT / DPO "
+                                                "read prompt / messages)"), resume=DATA_ORDER)
+    answer_key: Optional[str] = opt(None, reads("grpo", "eval", others="GRPO and recipes/eval.py only"),
+                                    resume=DATA_ORDER)
+    # Held-out problems (0 = no held-out evaluation).
     eval_size: int = opt(200, ALL, check=ge(0, "0 = no held-out evaluation"), resume=DATA_ORDER)
     # Training order (shuffles, epochs); None = trainer.seed.
     seed: Optional[int] = opt(None, reads("grpo", "sft", "dpo", eval="no training order"), resume=DATA_ORDER)

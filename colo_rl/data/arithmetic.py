@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Optional
 
 OPS = ("+", "-", "*")
 
@@ -49,9 +50,14 @@ class ArithmeticTask:
         return expr, value
 
 
-def make_arithmetic_splits(task: ArithmeticTask, train_size: int, eval_size: int, seed: int
+# The embedded task's training problems when data.train_size is not set (null or 0).
+EMBEDDED_TRAIN_SIZE = 20000
+
+
+def make_arithmetic_splits(task: ArithmeticTask, train_size: Optional[int], eval_size: int, seed: int
                            ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Seeded train and held-out problem lists with no expression in both.
+    """Seeded train and held-out problem lists with no expression in both; `train_size` null or 0:
+    EMBEDDED_TRAIN_SIZE.
 
     The held-out split is drawn first from its own stream, so it does not change when
     `train_size` changes: step-0 and final evaluations of different runs are comparable.
@@ -65,6 +71,7 @@ def make_arithmetic_splits(task: ArithmeticTask, train_size: int, eval_size: int
         tries += 1
         if tries > 100 * max(eval_size, 1):
             raise ValueError("data: the operand range is too small for that many distinct held-out problems")
+    train_size = train_size or EMBEDDED_TRAIN_SIZE
     train_rng = random.Random(seed)
     train: list[tuple[str, int]] = []
     tries = 0

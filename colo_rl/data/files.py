@@ -31,19 +31,34 @@ class Record:
             out.append(self.data[key])
         return out
 
-    def first_of(self, *keys: str) -> tuple[str, Any]:
+    def get(self, key: str) -> Any:
+        """The value of `key`; a dotted key reads nested objects (verl's `reward_model.ground_truth`)."""
+        value: Any = self.data
+        for part in key.split("."):
+            if not isinstance(value, dict) or value.get(part) is None:
+                return None
+            value = value[part]
+        return value
+
+    def first_of(self, *keys: str, option: str = "") -> tuple[str, Any]:
+        """The first of `keys` the record has (dotted: nested); a DataError naming them, and `option`
+        (the setting that names another key), otherwise."""
         for key in keys:
-            if self.data.get(key) is not None:
-                return key, self.data[key]
+            if (value := self.get(key)) is not None:
+                return key, value
+        hint = f"; or set {option}=<its key> (a.b for a nested one)" if option else ""
         raise DataError(
-            f"{self.origin}: needs one of the keys {list(keys)} (record has {sorted(self.data)})"
+            f"{self.origin}: needs one of the keys {list(keys)} (record has {sorted(self.data)}){hint}"
         )
 
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-def resolve_data_path(path: str | Path) -> Path:
+NULL_MEANS = {"data.path": "the embedded task", "data.eval_path": "data.eval_size records of data.path held out"}
+
+
+def resolve_data_path(path: str | Path, key: str = "data.path") -> Path:
     """A data file: as given (absolute, or relative to the current directory), else relative to the
     project root, so `data=gsm8k` works from any directory. Raises DataError saying where it looked."""
     p = Path(path).expanduser()
@@ -54,9 +69,9 @@ def resolve_data_path(path: str | Path) -> Path:
     where = f"{p.resolve()}" + ("" if p.is_absolute() else f" or {(PROJECT_ROOT / p).resolve()}")
     hint = (" data=gsm8k reads the GSM8K train split (JSONL, question / answer with '#### n') from "
             "../shared/data/gsm8k/train.jsonl beside the project; pass data.path=<your copy>."
-            if "gsm8k" in str(path).lower() else " Pass data.path=<a .jsonl / .json / .parquet file or a datasets "
-                                                 "directory>, or leave it null for the embedded task.")
-    raise DataError(f"data.path={str(path)!r} does not exist (looked for {where}).{hint}")
+            if "gsm8k" in str(path).lower() else f" Pass {key}=<a .jsonl / .json / .parquet file or a datasets "
+                                                 f"directory>, or leave it null ({NULL_MEANS.get(key, '')}).")
+    raise DataError(f"{key}={str(path)!r} does not exist (looked for {where}).{hint}")
 
 
 def read_records(path: str | Path) -> list[Record]:

@@ -85,10 +85,18 @@ class PromptBuilder:
 _GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
-def _problem_from_record(rec: Record, index: int) -> Problem:
-    """GSM8K (`question` + `answer` with '#### n'), or `prompt`/`messages` + `answer`/`ground_truth`."""
+PROMPT_KEYS = ("prompt", "question", "messages")
+# verl's layout keeps the truth under reward_model (its data_source / extra_info reach reward functions as fields)
+ANSWER_KEYS = ("answer", "ground_truth", "solution", "reward_model.ground_truth")
+
+
+def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = None,
+                         answer_key: Optional[str] = None) -> Problem:
+    """GSM8K (`question` + `answer` with '#### n'), or a prompt (text or message list) and an answer
+    under PROMPT_KEYS / ANSWER_KEYS, or under data.prompt_key / data.answer_key (dotted: nested)."""
     d = rec.data
-    if "question" in d and "answer" in d and isinstance(d["answer"], str) and "####" in d["answer"]:
+    if not (prompt_key or answer_key) and "question" in d and isinstance(d.get("answer"), str) \
+            and "####" in d["answer"]:
         (question,) = rec.require("question")
         m = _GSM8K_ANSWER.search(d["answer"])
         answer = m.group(1).replace(",", "").strip() if m else ""
@@ -96,8 +104,8 @@ def _problem_from_record(rec: Record, index: int) -> Problem:
             raise DataError(f"{rec.origin}: key 'answer' has no final answer after '####'")
         return Problem(id=str(d.get("id", index)), question=str(question), answer=answer, origin=rec.origin,
                        fields=dict(d))
-    _, prompt = rec.first_of("prompt", "question", "messages")
-    _, answer = rec.first_of("answer", "ground_truth", "solution")
+    _, prompt = rec.first_of(*([prompt_key] if prompt_key else PROMPT_KEYS), option="data.prompt_key")
+    _, answer = rec.first_of(*([answer_key] if answer_key else ANSWER_KEYS), option="data.answer_key")
     if isinstance(prompt, list):
         return Problem(id=str(d.get("id", index)), question="", answer=str(answer), messages=prompt, origin=rec.origin,
                        fields=dict(d))
@@ -107,9 +115,9 @@ def _problem_from_record(rec: Record, index: int) -> Problem:
                    fields=dict(d))
 
 
-def file_problems(path) -> list[Problem]:
+def file_problems(path, prompt_key: Optional[str] = None, answer_key: Optional[str] = None) -> list[Problem]:
     """Every record of a user file as a problem (file:line errors for a bad record)."""
-    return [_problem_from_record(r, i) for i, r in enumerate(read_records(path))]
+    return [_problem_from_record(r, i, prompt_key, answer_key) for i, r in enumerate(read_records(path))]
 
 
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
@@ -119,16 +127,28 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
                               data_cfg.max_operations, data_cfg.max_factor)
         train, held = make_arithmetic_splits(task, data_cfg.train_size, data_cfg.eval_size, data_cfg.split_seed)
         as_problem = lambda i, e, v, s: Problem(id=f"{s}-{i}", question=f"What is {e}?", answer=str(v),  # noqa: E731
+                                                origin=f"arithmetic:{s}[{i}]",
                                                 fields={"question": f"What is {e}?", "answer": str(v)})
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
-    problems = file_problems(data_cfg.path)
+    problems = file_problems(data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key)
+    if data_cfg.eval_path is not None:  # a validation file of its own: every record of data.path is trained on
+        held = file_problems(data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key)[: data_cfg.eval_size or None]
+        train = problems[: data_cfg.train_size or None]
+        log.info("data.path=%s: %d records, %d trained on (%s); data.eval_path=%s: %d held out", data_cfg.path,
+                 len(problems), len(train), "every record" if len(train) == len(problems) else
+                 f"data.train_size={data_cfg.train_size}", data_cfg.eval_path, len(held))
+        return train, held
     if len(problems) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
                         f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
     order = list(range(len(problems)))
     random.Random(data_cfg.split_seed).shuffle(order)
     held = [problems[i] for i in order[:data_cfg.eval_size]]
-    train = [problems[i] for i in order[data_cfg.eval_size:]][: data_cfg.train_size or None]
+    rest = [problems[i] for i in order[data_cfg.eval_size:]]
+    train = rest[: data_cfg.train_size or None]
+    why = "every other record" if len(train) == len(rest) else f"data.train_size={data_cfg.train_size} of {len(rest)}"
+    log.info("data.path=%s: %d records: %d held out (data.eval_size), %d trained on (%s)", data_cfg.path,
+             len(problems), len(held), len(train), why)
     return train, held
 

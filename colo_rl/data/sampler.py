@@ -38,6 +38,17 @@ class EpochSampler:
             self.position += take
         return out
 
+    def planned(self, batch_size: int, steps: int) -> list[int]:
+        """The distinct indices the next `steps` global batches draw, sorted (this sampler is not moved)."""
+        replay = EpochSampler(self.num_items, self.seed, self.shuffle)
+        replay.load_state_dict(self.state_dict())
+        used: set[int] = set()
+        for _ in range(steps):
+            used.update(replay.next_global(batch_size))
+            if len(used) == self.num_items:
+                break
+        return sorted(used)
+
     def next_local(self, global_batch_size: int) -> list[int]:
         return dist.shard(self.next_global(global_batch_size))
 

@@ -71,6 +71,27 @@ class RewardScorer:
         if self.pool is not None:
             self.pool.close()
 
+    def check_on_records(self, truths: list[str], fields: list[dict[str, Any]], origins: list[str]) -> None:
+        """Call the user's reward functions on a few real records before anything slow (the model, the
+        engine, the step-0 evaluation), each with the completion "The answer is <truth>.". A wrong return
+        type, a record field a function needs that the data lacks, or a function that raises on every
+        one of them is a RewardError now, naming the function and the records."""
+        if not any(s.file is not None for s in self.sources) or not truths:
+            return  # the registered functions are colo_rl's own
+        where = f"the reward check on {len(truths)} record(s) of the data ({', '.join(origins)})"
+        limit, self.max_failure_rate = self.max_failure_rate, 1.0
+        try:
+            res = self.score([f"The answer is {t}." for t in truths], truths, fields)
+        except RewardError as e:
+            raise RewardError(f"{where}: {e}") from None
+        finally:
+            self.max_failure_rate = limit
+        for src in self.sources:
+            failed = [m for m in res.failure_messages if m.startswith(f"{src.where}: ")]
+            if len(failed) == len(truths):
+                raise RewardError(f"{where}: reward function {src.where} failed on every one: "
+                                  f"{failed[0][len(src.where) + 2:]}")
+
     def verify(self, completions: list[str], truths: list[str]) -> RewardResult:
         """Correctness and format only (held-out evaluation): no reward source is called."""
         return RewardResult(

@@ -8,7 +8,20 @@
 
 told apart by the name of the first parameter (`completion` / `completions`) or, failing that, by its
 annotation (`str` / `list[str]`). `fields` are the record's other keys (one value each per-sample, one
-list each batched); a function without `**fields` gets only the keys it names as parameters. Every
+list each batched); a function without `**fields` gets only the keys it names as parameters.
+
+A function written for verl or TRL is taken as it is:
+
+    verl  def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+          (told by its `solution_str` parameter; a dict's "score" is the reward); data_source and
+          extra_info are the record's keys of those names
+    TRL   def reward(completions, **kwargs) -> list[float]  or  def reward(prompts, completions, ...)
+          (told by `prompts` first, or `completions` with no second positional parameter but a truth's
+          name: truths / answers / ground_truths); every argument by name: completions (as
+          [{"role": "assistant", "content": ...}] lists when the record's prompt is a message list),
+          prompts, and the record's keys as columns; a None score is 0
+
+Every
 mistake that can be seen without data (bad path, missing function, wrong signature) is a
 ConfigError at start-up naming the file and the function; a wrong return a RewardError on the batch
 that shows it.
@@ -39,8 +52,9 @@ class RewardSource:
     file: Optional[str] = None  # absolute path of a user file; None for a registered function
     fields: Optional[frozenset[str]] = frozenset()  # keyword parameters it takes; None = any (**fields)
     required: frozenset[str] = frozenset()  # keyword parameters without a default
-    positional: tuple[str, str] = ("completion", "truth")
+    positional: tuple[str, ...] = ("completion", "truth")
     checked_fields: set = field(default_factory=set)  # record key sets already checked (once each)
+    style: str = "colo_rl"  # colo_rl | verl | trl: how it is called (the module docstring)
 
     @property
     def where(self) -> str:
@@ -67,6 +81,10 @@ class RewardSource:
     def as_floats(self, value: Any, n: int) -> list[float]:
         """The call's return as n floats (NaN / inf kept: the scorer counts them as failures); a
         RewardError naming the file and function for a wrong type or length."""
+        if self.style == "verl" and isinstance(value, dict) and "score" in value:
+            value = value["score"]  # verl's compute_score may return {"score": ..., <extra metrics>}
+        if self.style == "trl" and isinstance(value, (list, tuple)):
+            value = [0.0 if v is None else v for v in value]  # TRL: None = this function does not apply
         if not self.batched:
             if isinstance(value, numbers.Real):
                 return [float(value)]
@@ -88,11 +106,28 @@ class RewardSource:
 
     def call(self, completions: list[str], truths: list[str], fields: list[dict[str, Any]]) -> list[float]:
         """Scores of the samples (batched: one call; per-sample: one call each). Exceptions propagate."""
+        if self.style == "verl":
+            return [self.as_floats(self.fn(**self.taken({"data_source": f.get("data_source"), "solution_str": c,
+                                                         "ground_truth": t, "extra_info": f.get("extra_info")})), 1)[0]
+                    for c, t, f in zip(completions, truths, fields)]
+        if self.style == "trl":
+            columns = _columns([self.select_fields(f) for f in fields])
+            chat = [isinstance(f.get("prompt"), list) for f in fields]
+            named = {**columns, "prompts": [f.get("prompt") for f in fields],
+                     "completions": [[{"role": "assistant", "content": c}] if conv else c
+                                     for c, conv in zip(completions, chat)]}
+            return self.as_floats(self.fn(**self.taken(named)), len(completions))
         if self.batched:
             columns = _columns([self.select_fields(f) for f in fields])
             return self.as_floats(self.fn(list(completions), list(truths), **columns), len(completions))
         return [self.as_floats(self.fn(c, t, **self.select_fields(f)), 1)[0]
                 for c, t, f in zip(completions, truths, fields)]
+
+
+    def taken(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The arguments this function's signature takes (all of them with **kwargs)."""
+        return arguments if self.fields is None else {k: v for k, v in arguments.items()
+                                                      if k in self.fields or k in self.positional}
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -126,6 +161,18 @@ def inspect_signature(spec: str, fn: Callable[..., Any], file: str) -> RewardSou
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward.functions: {where}: cannot read its signature ({e}); write it as {SIGNATURES}")
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    peer = peer_style(positional)
+    if peer is not None:
+        keywords = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        given = {"verl": VERL_ARGUMENTS, "trl": TRL_ARGUMENTS}[peer]
+        missing = [p.name for p in keywords if p.default is p.empty and p.name not in given]
+        if peer == "verl" and missing:
+            raise ConfigError(f"reward.functions: {where}{inspect.signature(fn)}: a verl-style function (it takes "
+                              f"solution_str) is called with {list(VERL_ARGUMENTS)} only; give {missing} defaults")
+        return RewardSource(label=spec, fn=fn, batched=peer == "trl", file=file, style=peer,
+                            fields=None if takes_any else frozenset(p.name for p in keywords),
+                            required=frozenset(missing), positional=tuple(given))
     if len(positional) < 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
         raise ConfigError(f"reward.functions: {where}{inspect.signature(fn)} must take the completion(s) and the "
                           f"truth(s) as its first two parameters: {SIGNATURES}")
@@ -145,6 +192,22 @@ def inspect_signature(spec: str, fn: Callable[..., Any], file: str) -> RewardSou
     return RewardSource(label=spec, fn=fn, batched=batched, file=file,
                         fields=None if takes_any else frozenset(p.name for p in keywords), required=required,
                         positional=(positional[0].name, positional[1].name))
+
+
+VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")
+TRL_ARGUMENTS = ("prompts", "completions")
+TRUTH_NAMES = ("truths", "answers", "ground_truths")  # colo_rl's batched second parameter, not a TRL column
+
+
+def peer_style(positional: list[inspect.Parameter]) -> Optional[str]:
+    """"verl" or "trl" for a function written for those (the module docstring), else None."""
+    names = [p.name for p in positional]
+    if "solution_str" in names:
+        return "verl"
+    if names[:1] == ["prompts"] or (names[:1] == ["completions"] and
+                                     (len(names) == 1 or names[1] not in TRUTH_NAMES)):
+        return "trl"
+    return None
 
 
 def _is_batched(param: inspect.Parameter) -> Optional[bool]:

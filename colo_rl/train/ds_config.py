@@ -7,6 +7,8 @@ import contextlib
 import logging
 import math
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -91,13 +93,31 @@ def check_pageable(zero_stage: int, ds_config: dict) -> None:
 
 def announce_op_build(name: str, what: str) -> bool:
     """Log a line before a JIT op build that would otherwise be minutes of silence (`make install`
-    prebuilds them into the venv's TORCH_EXTENSIONS_DIR). Returns whether a build is coming."""
+    prebuilds them into the venv's TORCH_EXTENSIONS_DIR): a first build, or a rebuild that ninja
+    (`ninja -n`, the ninja torch will run) says is due. Returns whether a build is coming."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if not root or any(Path(root).glob(f"{name}*/*.so")):
+    if not root:
+        return False
+    built = sorted(Path(root).glob(f"{name}*/*.so"))
+    if built and not ninja_has_work(built[0].parent):
         return False
     if dist.is_rank0():
-        log.info("building %s into %s (once per environment; a minute or more on a small CPU)", what, root)
+        log.info("%s %s into %s (%s; a minute or more on a small CPU)", "rebuilding" if built else "building",
+                 what, built[0].parent if built else root,
+                 "ninja finds it out of date" if built else "once per environment")
     return True
+
+
+def ninja_has_work(build_dir: Path) -> bool:
+    """Whether the `ninja` on PATH would rebuild anything in `build_dir` (a dry run: nothing is written)."""
+    ninja = shutil.which("ninja")
+    if ninja is None or not (build_dir / "build.ninja").is_file():
+        return False
+    try:
+        out = subprocess.run([ninja, "-n", "-C", str(build_dir)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and "no work to do" not in out.stdout
 
 
 def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto") -> bool:

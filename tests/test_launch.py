@@ -1,0 +1,112 @@
+"""colo_rl.launch: a dead rank is named (which, of what, where its output is); Ctrl-C is a clean
+stop that exits 0, a second one stops now."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from colo_rl.launch import describe_failure, exit_code, root_cause
+from conftest import ROOT, WORKERS, child_env, python_path
+
+
+def _failure(code, t=100, pid=7, error_file=""):
+    return SimpleNamespace(exitcode=code, timestamp=t, pid=pid, error_file=error_file)
+
+
+def test_the_root_cause_is_the_first_failure_and_a_killed_rank_before_the_one_that_lost_it():
+    # rank 1 SIGKILLed; rank 0 then failed on the closed connection (exit 1) in the same poll
+    failures = {0: _failure(1), 1: _failure(-9)}
+    assert root_cause(failures)[0] == 1 and exit_code(failures) == 137
+    # a rank's own error, the others stopped by the agent's SIGTERM
+    assert root_cause({0: _failure(-15), 1: _failure(2)})[0] == 1 and exit_code({0: _failure(-15), 1: _failure(2)}) == 2
+    # an earlier failure wins over a later one of any kind
+    assert root_cause({0: _failure(1, t=99), 1: _failure(-9, t=140)})[0] == 0
+
+
+def test_the_dead_ranks_line_says_which_rank_of_what_and_where_its_output_is(tmp_path):
+    line = describe_failure(1, _failure(-9, pid=4242))
+    assert line.startswith("error: rank 1 (pid 4242) was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert "its output is above" in line
+    (tmp_path / "stderr.log").write_text("boom\n")
+    line = describe_failure(0, _failure(1, error_file=str(tmp_path / "error.json")))
+    assert "rank 0 (pid 7) exited with code 1" in line and f"its output: {tmp_path / 'stderr.log'}" in line
+    assert describe_failure(0, _failure(2)) is None  # runtime.clean_errors said it already
+
+
+def _launch(*args):
+    return subprocess.Popen([sys.executable, "-m", "colo_rl.launch", "--standalone", "--nproc_per_node=2",
+                             str(WORKERS / "stop_worker.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_sigkill_is_named_by_the_launcher():
+    proc = _launch("dead", "60")
+    out, err = proc.communicate(timeout=180)
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 137, out + err
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1 (pid ") and "killed by SIGKILL" in lines[0], err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals", [1, 2])
+def test_ctrl_c_is_a_clean_stop_that_exits_0_and_a_second_one_stops_now(signals):
+    proc = _launch("stop", "40", "6")  # 4 minutes of 6-second steps unless stopped
+    try:
+        for line in proc.stdout:  # DeepSpeed's start-up notes come first
+            if line.strip() == "ready":
+                break
+        else:
+            pytest.fail(proc.stderr.read())
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        if signals == 2:  # during the step, past StopSignal.force_after_s (a forwarded copy is not a second)
+            time.sleep(3.5)
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "SignalException" not in err, err
+    if signals == 1:
+        assert proc.returncode == 0 and "Traceback" not in err, out + err
+        assert "stopped by SIGINT after step" in out and "continue with resume=auto" in out
+    else:
+        assert proc.returncode == 130, out + err
+        assert "stopped by" not in out and "second SIGINT: stopping the ranks now" in err
+        assert time.monotonic() - t0 < 6  # before the step would have ended
+
+
+def test_a_clean_stop_is_exit_0_even_when_a_slower_rank_had_the_agents_sigterm():
+    from colo_rl.launch import StopForwarder
+
+    stop = StopForwarder()
+    stop.received = [signal.SIGINT]
+    assert stop.exit_code({0: _failure(130), 1: _failure(-15)}) == 0
+    assert stop.exit_code({0: _failure(130), 1: _failure(130)}) == 0
+    assert stop.exit_code({0: _failure(1), 1: _failure(-15)}) == 130  # no rank stopped cleanly
+    stop.received = [signal.SIGINT, signal.SIGINT]
+    assert stop.exit_code({0: _failure(130), 1: _failure(-9)}) == 130  # stopped now
+
+
+def test_the_launcher_takes_sigint_and_sigterm_off_torchruns_signal_list():
+    from torch.distributed.run import get_args_parser
+
+    from colo_rl.launch import StopForwarder
+
+    args = get_args_parser().parse_args(["--nproc_per_node=2", "x.py"])
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop = StopForwarder()
+        stop.install(args)
+        assert args.signals_to_handle == "SIGHUP,SIGQUIT"
+        assert signal.getsignal(signal.SIGINT) is stop and signal.getsignal(signal.SIGTERM) is stop
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
