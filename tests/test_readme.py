@@ -80,10 +80,14 @@ def compose_for(recipe: str, overrides: list[str]):
 
 def write_readme_examples(where: Path) -> None:
     """The files the README's commands name: its environment class (the code block under
-    `# my_env.py`), a reward function of the documented shape, and the data files."""
+    `# my_env.py`), the reward files of the docs' python blocks headed `# <file>.py`, and a reward
+    function of the documented shape."""
     block = README.split("    # my_env.py\n", 1)[1].split("\n\n    torchrun", 1)[0]
     (where / "my_env.py").write_text("\n".join(line[4:] for line in block.splitlines()) + "\n")
-    (where / "rewards").mkdir()
+    for name, code in re.findall(r"```python\n# ([\w/]+\.py)\n(.*?)```", README, re.S):  # docs/data.md's rewards
+        (where / name).parent.mkdir(parents=True, exist_ok=True)
+        (where / name).write_text(code)
+    (where / "rewards").mkdir(exist_ok=True)
     (where / "rewards" / "my_rewards.py").write_text(
         "def score(completion: str, truth: str, **fields) -> float:\n    return float(truth in completion)\n")
 
