@@ -180,9 +180,16 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low = DAPO's clip-higher
     kl_coef: float = 0.0  # > 0 loads a frozen reference model
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    tis_cap: Optional[float] = None  # truncated importance sampling vs the rollout engine
+    kl_estimator: str = "k3"  # k1 | k2 | k3 (= low_var_kl) | abs | k1+ | k3+ (= low_var_kl+): + = k2's gradient
+    # token-mean | token-sum | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    loss_agg: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's constant length L (e.g. max_new_tokens)
+    tis_cap: Optional[float] = None  # truncated importance sampling vs the rollout engine (= rollout_correction tis_token)
+    # Train-inference mismatch correction (colo_rl/algos/correction.py): null | tis_token | tis_seq |
+    # mis_token | mis_seq | mis_geo | icepop, with the ratio's cap / band [lower, threshold].
+    rollout_correction: Optional[str] = None
+    rollout_is_threshold: float = 2.0  # TIS cap, or the masking band's upper edge
+    rollout_is_threshold_lower: Optional[float] = None  # mis_geo / icepop band's lower edge; null = 1 / threshold
     # Advantage estimator (colo_rl/algos/advantages.py): grpo | rloo | reinforce_pp | reinforce_pp_baseline.
     adv_estimator: str = "grpo"
     # Policy loss (colo_rl/algos/policy.py): ppo_clip | gspo | cispo.
@@ -190,7 +197,7 @@ class AlgoConfig:
     clip_ratio_c: Optional[float] = None  # dual-clip's bound on negative-advantage tokens (e.g. 3.0); null = off
     entropy_coef: float = 0.0  # entropy bonus in the loss
     kl_in_reward: bool = False  # true: k1 * kl_coef subtracted from the reward instead of a KL loss term
-    kl_target: Optional[float] = None  # with kl_in_reward: adapt kl_coef towards this KL per sequence
+    kl_target: Optional[float] = None  # with kl_in_reward: adapt kl_coef towards this KL per token (k1; verl's)
     kl_horizon: int = 10000  # the adaptive coefficient's horizon (sequences)
     # DAPO: drop groups whose rewards are all equal and sample more prompts (at most
     # max_sampling_rounds extra rounds) until the batch has prompts_per_step informative groups.

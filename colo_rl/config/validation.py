@@ -10,7 +10,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
+                           ROLLOUT_CORRECTIONS, TWO_SIDED_CORRECTIONS)
 from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
@@ -30,6 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.kl_estimator": tuple(KL_ESTIMATORS.names()),
     "algo.loss_agg": tuple(LOSS_AGGREGATIONS.names()),
     "algo.dpo_loss": tuple(DPO_LOSSES.names()),
+    "algo.rollout_correction": (None, *ROLLOUT_CORRECTIONS.names()),
     "trainer.lr_schedule": ("constant", "cosine"),
     "trainer.zero_stage": (0, 1, 2, 3),
     "colocate.paging": ("auto", "on", "off"),
@@ -55,6 +57,8 @@ _GRPO_ONLY = {
     "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
     "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
+    "algo.loss_scale_factor": "GRPO only", "algo.rollout_correction": "GRPO only",
+    "algo.rollout_is_threshold": "GRPO only", "algo.rollout_is_threshold_lower": "GRPO only",
     "reward.model.path": "GRPO only", "reward.weights": "GRPO only (evaluation checks answers only)",
     "reward.workers": "GRPO only", "reward.timeout_s": "GRPO only",
     **{f"env.{f.name}": "multi-turn rollouts are for GRPO and recipes/eval.py" for f in fields(EnvConfig)},
@@ -122,6 +126,11 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "algo.tis_cap": (lambda v: v is None or v > 0, "must be > 0, or null for no truncated importance sampling"),
     "algo.clip_ratio_c": (lambda v: v is None or v > 1, "must be > 1 (e.g. 3.0), or null for no dual-clip"),
     "algo.entropy_coef": (lambda v: v >= 0, "must be >= 0"),
+    "algo.loss_scale_factor": (lambda v: v is None or v > 0, "must be > 0 (a length in tokens), or null"),
+    "algo.rollout_is_threshold": (lambda v: v >= 1, "must be >= 1 (a ratio of 1, engine and trainer agreeing, "
+                                                    "must pass uncapped)"),
+    "algo.rollout_is_threshold_lower": (lambda v: v is None or 0 < v <= 1,
+                                        "must be in (0, 1], or null for 1 / algo.rollout_is_threshold"),
     "algo.kl_target": (lambda v: v is None or v > 0, "must be > 0, or null for a fixed coefficient"),
     "algo.kl_horizon": (lambda v: v > 0, "must be a positive integer"),
     "algo.max_sampling_rounds": (lambda v: v >= 0, "must be >= 0"),
@@ -149,7 +158,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 # Optional keys whose null is a setting (off), not a missing value.
-NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target")
+NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target", "algo.loss_scale_factor",
+            "algo.rollout_correction", "algo.rollout_is_threshold_lower")
 # Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
 FREE_KEYS = ("rollout.sglang_kwargs",)
 
@@ -273,9 +283,36 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
         raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} must be smaller than "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty ramps over the last "
                           f"overlong_buffer_len tokens)")
+    if algo.clip_ratio_c is not None and algo.policy_loss != "ppo_clip":
+        raise ConfigError(f"algo.clip_ratio_c={algo.clip_ratio_c} (dual-clip) bounds ppo_clip's token loss; "
+                          f"algo.policy_loss={algo.policy_loss} has no such term and would ignore it: remove "
+                          f"algo.clip_ratio_c or use algo.policy_loss=ppo_clip")
+    if (algo.loss_agg == "seq-mean-token-sum-norm") != (algo.loss_scale_factor is not None):
+        raise ConfigError(f"algo.loss_agg={algo.loss_agg} with algo.loss_scale_factor={algo.loss_scale_factor}: "
+                          f"seq-mean-token-sum-norm divides by a constant length and needs it (e.g. "
+                          f"algo.loss_scale_factor={cfg.rollout.max_new_tokens}, rollout.max_new_tokens); no other "
+                          f"aggregation reads algo.loss_scale_factor")
+    check_rollout_correction(algo)
     if algo.policy_loss == "gspo" and algo.clip_high > 0.05:
         raise ConfigError(f"algo.policy_loss=gspo clips a sequence-level ratio: algo.clip_low/clip_high of the "
                           f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
+
+
+def check_rollout_correction(algo: "AlgoConfig") -> None:
+    """algo.tis_cap is the token-level TIS of algo.rollout_correction: one of the two; the band's keys
+    only with a correction that reads them."""
+    if algo.tis_cap is not None and algo.rollout_correction is not None:
+        raise ConfigError(f"algo.tis_cap={algo.tis_cap} and algo.rollout_correction={algo.rollout_correction}: two "
+                          f"rollout corrections; tis_cap is rollout_correction=tis_token with "
+                          f"rollout_is_threshold=tis_cap: keep one")
+    default = AlgoConfig.rollout_is_threshold
+    if algo.rollout_correction is None and algo.rollout_is_threshold != default:
+        raise ConfigError(f"algo.rollout_is_threshold={algo.rollout_is_threshold} is read only with "
+                          f"algo.rollout_correction set (one of {ROLLOUT_CORRECTIONS.names()})")
+    if algo.rollout_is_threshold_lower is not None and algo.rollout_correction not in TWO_SIDED_CORRECTIONS:
+        raise ConfigError(f"algo.rollout_is_threshold_lower={algo.rollout_is_threshold_lower} is the lower edge of "
+                          f"a two-sided band ({list(TWO_SIDED_CORRECTIONS)}); algo.rollout_correction="
+                          f"{algo.rollout_correction} does not read it: remove it")
 
 
 def check_schema_keys(cfg: DictConfig) -> None:
