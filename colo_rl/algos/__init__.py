@@ -27,8 +27,7 @@ from colo_rl.algos.core import (ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_
 from colo_rl.algos.correction import TWO_SIDED as TWO_SIDED_CORRECTIONS
 from colo_rl.algos.correction import Correction, add_sums, mismatch_metrics, mismatch_sums, rollout_correction
 from colo_rl.algos.policy import (GSPO_LOG_RATIO_MAX, K3_BOUND, cispo_loss, gspo_loss, kl_abs, kl_k1, kl_k1_plus, kl_k2,
-                                  kl_k3, kl_k3_plus, kl_penalty, policy_loss, ppo_clip_loss, rl_loss,
-                                  truncated_is_weights)
+                                  kl_k3, kl_k3_plus, kl_penalty, policy_loss, ppo_clip_loss, rl_loss)
 from colo_rl.algos.preference import dpo_loss, ipo_loss, sequence_logprobs, sft_loss
 
 __all__ = [
@@ -40,5 +39,4 @@ __all__ = [
     "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "logprobs_from_logits", "masked_mean",
     "outcome_token_rewards", "overlong_penalty", "policy_loss", "ppo_clip_loss", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rl_loss", "rloo_advantages", "sequence_logprobs", "sft_loss",
-    "truncated_is_weights",
 ]

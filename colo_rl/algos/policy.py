@@ -96,8 +96,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         dual-clip (Ye et al. 2020), for A < 0 only:  l_t = min(l_t, -c A)      (c = clip_ratio_c > 1)
 
     Dual-clip bounds the loss of a negative-advantage token whose ratio has grown very large (the
-    plain clip leaves -r A unbounded there). w_t are optional truncated importance-sampling weights
-    pi_old / pi_rollout (TIS), 1 otherwise. Stats: clip fraction, dual-clip fraction, approx KL to
+    plain clip leaves -r A unbounded there). w_t are optional rollout-correction weights (keep_t *
+    w_t of colo_rl/algos/correction.py: TIS, masked IS, IcePop), 1 otherwise. Stats: clip fraction, dual-clip fraction, approx KL to
     pi_old, mean ratio.
     """
     adv = _broadcast(advantages)
@@ -186,11 +186,6 @@ def cispo_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_toke
         m = mask.float()
         stats = {"clip_frac": masked_mean((ratio != weight).float(), m), "ratio_mean": masked_mean(ratio, m)}
     return loss, stats
-
-
-def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
-    """TIS: w_t = min(pi_old(a_t) / pi_rollout(a_t), cap), correcting the trainer/engine mismatch."""
-    return torch.exp((old_logp.float() - rollout_logp.float()).clamp(max=20)).clamp(max=cap)
 
 
 def correction_of(algo) -> tuple[str, float, float | None] | None:
