@@ -14,7 +14,8 @@ the config uses, and the config's allowed values are the registry's names.
 Modules: core (registries, log-probs, entropy, aggregation), advantages (GRPO, RLOO, REINFORCE++,
 DAPO's dynamic-sampling filter and overlong shaping, KL in the reward), policy (PPO-clip with
 dual-clip, GSPO, CISPO, KL estimators, `rl_loss` = the whole GRPO-family loss), correction
-(train-inference mismatch: truncated / masked IS, IcePop, the mismatch metrics), preference (SFT NLL, DPO / IPO / hinge). Everything is re-exported here: `algos.rl_loss(...)`.
+(train-inference mismatch: truncated / masked IS, IcePop, the mismatch metrics), preference (SFT
+NLL, DPO / IPO / hinge). Everything is re-exported here: `algos.rl_loss(...)`.
 """
 
 from colo_rl.algos.advantages import (GROUP_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, AdaptiveKLController, global_whiten,
