@@ -262,6 +262,12 @@ def test_inconsistent_options_are_refused_at_start_up(overrides, message):
         _cfg(overrides)
 
 
+def test_reinforce_pp_takes_a_kl_target_without_kl_in_reward():
+    # REINFORCE++ puts the KL in the reward by definition: its coefficient adapts without algo.kl_in_reward
+    cfg = _cfg(["algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.05", "algo.kl_target=0.01"])
+    assert cfg.algo.kl_target == 0.01
+
+
 def test_consistent_new_options_are_accepted():
     cfg = _cfg(["algo.rollout_correction=icepop", "algo.rollout_is_threshold=3.0",
                 "algo.rollout_is_threshold_lower=0.4", "algo.loss_agg=seq-mean-token-sum-norm",

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
-                           ROLLOUT_CORRECTIONS, TWO_SIDED_CORRECTIONS)
+                           ROLLOUT_CORRECTIONS, TWO_SIDED_CORRECTIONS, kl_goes_in_reward)
 from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
@@ -277,7 +277,7 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
     if algo.kl_in_reward and algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (the KL's weight in the reward, and a "
                           "reference model to measure it against)")
-    if algo.kl_target is not None and not algo.kl_in_reward:
+    if algo.kl_target is not None and not kl_goes_in_reward(algo):  # REINFORCE++ puts it there by definition
         raise ConfigError("algo.kl_target adapts the KL-in-reward coefficient: set algo.kl_in_reward=true too")
     if algo.overlong_buffer_len >= cfg.rollout.max_new_tokens:
         raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} must be smaller than "
