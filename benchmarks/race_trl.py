@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import common  # noqa: E402
 
 LR = 1e-5
-SEED = 42
+SEED = 42  # the default --seed: both sides' model init, sampling and prompt order
 
 
 def median_step(seconds: list[float], skip: int) -> float:
@@ -72,10 +72,20 @@ def colo_overrides(args, run_dir: Path) -> list[str]:
         f"rollout.eval_batch_size={args.prompts * args.n}",  # the HF engine's batch: the whole step at once
         f"trainer.total_steps={args.steps}", "trainer.mini_batches_per_step=1", "algo.kl_coef=0.0",
         "algo.loss_agg=token-mean", "algo.clip_low=0.2", "algo.clip_high=0.2", f"trainer.lr={LR}",
-        "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.seed={SEED}",
+        "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.seed={args.seed}",
         f"trainer.micro_batch_size={args.colo_micro_batch}",
         "data.train_size=512", "data.eval_size=8", "rollout.eval_max_new_tokens=16",
         "logger=[jsonl]", "plots=false", f"run_dir={run_dir}", *args.colo_override]
+
+
+def colo_prompt_order(num_train: int, seed: int, steps: int, prompts: int) -> list[int]:
+    """The training problems colo_rl's recipe draws, step after step (its EpochSampler with data.seed):
+    TRL gets its dataset in this order, unshuffled, so step k of both sides trains on the same prompts
+    and the per-step rewards compare the learners, not the draw of problems."""
+    from colo_rl.data.sampler import EpochSampler
+
+    sampler = EpochSampler(num_train, seed=seed)
+    return [i for _ in range(steps) for i in sampler.next_global(prompts)]
 
 
 def run_colo(args, work: Path) -> dict:
@@ -107,6 +117,7 @@ def run_trl(args, work: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "trl", "--worker-json", str(out),
            "--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
            "--max-new-tokens", str(args.max_new_tokens), "--trl-micro-batch", str(args.trl_micro_batch),
+           "--seed", str(args.seed),
            *[a for o in args.colo_override for a in ("--colo-override", o)]]  # e.g. data.* for both sides
     t0 = time.perf_counter()
     load0 = len(common.LOAD.samples)
@@ -139,7 +150,9 @@ def trl_worker(args) -> None:
     tokenizer = load_tokenizer("embedded")
     train, _ = load_problems(cfg.data)
     builder = PromptBuilder(tokenizer, cfg.data)
-    dataset = Dataset.from_list([{"prompt": builder.messages(p), "answer": p.answer} for p in train])
+    train = [p for p in train if builder.encode(p) is not None]  # what colo_rl's recipe keeps
+    order = colo_prompt_order(len(train), cfg.data.seed, args.steps, args.prompts)
+    dataset = Dataset.from_list([{"prompt": builder.messages(train[i]), "answer": train[i].answer} for i in order])
     scorer = RewardScorer(cfg.reward)
     accuracy: list[float] = []
 
@@ -156,7 +169,7 @@ def trl_worker(args) -> None:
     else:
         model_cfg = ModelConfig()
     # fp32 weights; with bf16=True TRL trains under bf16 autocast (its standard mixed precision).
-    model = load_model(model_cfg, torch.float32, seed=SEED)
+    model = load_model(model_cfg, torch.float32, seed=args.seed)
     batch = args.prompts * args.n
     micro = args.trl_micro_batch or batch
     config = GRPOConfig(
@@ -171,7 +184,8 @@ def trl_worker(args) -> None:
         epsilon_high=cfg.algo.clip_high, loss_type="dapo", scale_rewards="group",  # dapo = token-mean over the batch
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to="none", log_completions=False,
         bf16=bf16, fp16=False, gradient_checkpointing=False, use_vllm=False, use_cpu=not on_gpu,
-        seed=SEED, data_seed=SEED, dataloader_num_workers=0, disable_tqdm=True,
+        seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        shuffle_dataset=False,  # the dataset is already in colo_rl's order (colo_prompt_order)
     )
     trainer = GRPOTrainer(model=model, reward_funcs=arithmetic_reward, args=config, train_dataset=dataset,
                           processing_class=tokenizer)
@@ -262,6 +276,7 @@ def markdown(result: dict) -> str:
     lines = [f"# Peer race vs TRL: {result['device']}, {result['date']}", "",
              f"{w['model']}, {w['dtype']}, {w['prompts']} prompts x {w['n']} completions, <= {w['max_new_tokens']} new "
              f"tokens, temperature 1.0, one optimizer step per batch, no reference model, {w['steps']} steps per side, "
+             f"seed {w.get('seed', SEED)}, the same prompts at each step on both sides, "
              f"one process each (colo_rl first). Median over steps {c['steps_kept'][0]}-{c['steps_kept'][-1]}.", "",
              "| | colo_rl | TRL GRPOTrainer |", "|---|---|---|",
              f"| **median s / step** | **{c['median_step_seconds']:.2f}** | **{t['median_step_seconds']:.2f}** |",
@@ -328,6 +343,7 @@ def chart(result: dict, path: Path) -> Path:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seed", type=int, default=SEED, help="both sides' seed (model init, sampling, prompt order)")
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of the median (default 2: steps 3-8)")
     p.add_argument("--model", choices=["embedded", "tiny"], default="embedded")
     p.add_argument("--prompts", type=int, default=8)
@@ -362,6 +378,7 @@ def main(argv=None) -> int:
     result = {"work": {"model": "SmolLM2-135M-Instruct (embedded)" if args.model == "embedded" else "tiny random",
                        "dtype": str(resolve_dtype("auto")).replace("torch.", ""), "prompts": args.prompts,
                        "n": args.n, "max_new_tokens": args.max_new_tokens, "steps": args.steps, "skip": args.skip,
+                       "seed": args.seed, "same_prompts_per_step": True,
                        "colo_micro_batch": args.colo_micro_batch, "trl_micro_batch": args.trl_micro_batch or
                        args.prompts * args.n, "torch_threads": torch.get_num_threads()},
               "device": common.device_slug(), "date": common.today(), "note": args.note, "work_dir": str(work)}

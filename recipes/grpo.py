@@ -326,6 +326,7 @@ class GRPORecipe:
         step_stats: dict[str, float] = {}
         handoff_stats: dict[str, float] = {}  # the engine-vs-trainer check, kept past later optimizer steps
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
+        mismatch = None  # engine-vs-trainer sums (algos.mismatch_sums), tensors: no sync per micro-batch
         with self.timer("update"):
             for epoch in range(cfg.trainer.ppo_epochs):
                 for k in range(cfg.trainer.mini_batches_per_step):
@@ -351,6 +352,7 @@ class GRPORecipe:
                         sums["loss"] += float(loss.detach())
                         sums["entropy"] += float((entropy.detach() * mb.response_mask.to(dev)).sum())
                         sums["kl"] += float(stats.pop("kl_sum", 0.0))
+                        mismatch = algos.add_sums(mismatch, stats.pop("mismatch"))
                         sums["tokens"] += m_tok
                         for key, value in stats.items():  # clip_frac, dual_clip_frac, ratio_mean, ...: token means
                             sums[key] = sums.get(key, 0.0) + float(value) * m_tok
@@ -366,13 +368,15 @@ class GRPORecipe:
                "train/entropy": ent_sum / max(tok, 1), "train/grad_norm": step_stats["grad_norm"],
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
                "train/skipped_steps_total": float(actor.nonfinite_total),
-               **handoff_stats}
+               **handoff_stats, **algos.mismatch_metrics(mismatch)}
         if ref is not None:
             out["train/kl"] = kl_sum / max(tok, 1)
             if algos.kl_goes_in_reward(algo):
-                n_seq_total = dist.all_reduce_sum([float(len(completions))])[0]
+                seq_kl = algos.sequence_mean_kl(batch.extras["rollout_logp"] - batch.extras["ref_logp"],
+                                                batch.response_mask)  # the k1 in the reward, per token
+                seq_kl_sum, n_seq_total = dist.all_reduce_sum([float(seq_kl.sum()), float(len(completions))])
                 out["train/kl_in_reward_coef"] = self.kl_ctl.coef
-                self.kl_ctl.update(kl_sum / passes / max(n_seq_total, 1.0), int(n_seq_total))
+                self.kl_ctl.update(seq_kl_sum / max(n_seq_total, 1.0), int(n_seq_total))
         return out
 
 

@@ -76,7 +76,8 @@ def test_policy_loss_gradient_is_advantage_weighted_on_policy():
 
 
 def test_truncated_is_weights_are_capped():
-    w = algos.truncated_is_weights(torch.tensor([0.0, 0.0]), torch.tensor([-0.1, -5.0]), cap=2.0)
+    w = algos.rollout_correction(torch.zeros(1, 2), torch.tensor([[-0.1, -5.0]]), torch.ones(1, 2), "tis_token",
+                                 2.0).weights[0]
     assert w[0].item() == pytest.approx(math.exp(0.1))
     assert w[1].item() == 2.0
 

@@ -197,3 +197,57 @@ def test_algorithm_table_names_the_winner_against_the_seed_spread(tmp_path):
     assert "| rloo | 0.015 | 0.450 | +43.5 |" in md and "grpo-seed8" not in md.split("Variants:")[0]
     runs = {**result["runs"], "rloo-seed7": {**result["runs"]["rloo-seed7"], "heldout_end": 0.50}}
     assert algorithms.verdict(runs, spread)[1] == "It beats grpo by 10.0 points, more than twice grpo's seed std."
+
+
+def test_engine_comparison_judges_the_gap_against_the_seed_spread(tmp_path):
+    from benchmarks import engine_compare
+
+    ends = {"hf": [0.40, 0.30, 0.35], "sglang": [0.20, 0.25, 0.24]}
+    for engine, values in ends.items():
+        for seed, end in zip((7, 8, 9), values):
+            _fake_demo_run(tmp_path, engine, seed, end, reward=end)
+            with open(tmp_path / f"{engine}-seed{seed}" / "metrics.jsonl", "a") as fh:  # one step's mismatch
+                fh.write("\n" + json.dumps({"step": 15, "reward/mean": end, "reward/accuracy": 0.1, "time/step": 9.0,
+                                            "mismatch/kl_k3": 0.002 if engine == "sglang" else 0.0}))
+    runs = {f"{e}-seed{s}": {"engine": e, "seed": s, **engine_compare.run_summary(tmp_path / f"{e}-seed{s}")}
+            for e in ends for s in (7, 8, 9)}
+    assert runs["sglang-seed7"]["mismatch/kl_k3_mean"] == pytest.approx(0.002)
+    assert runs["hf-seed7"]["handoff/logprob_diff_mean_mean"] is None  # not logged in this fake run
+    comparison = engine_compare.compare(runs)
+    # means 0.35 and 0.23: -12.0 points; stds 0.05 and 0.0265: twice the larger is 10.0 points
+    assert comparison["gap"] == pytest.approx(-0.12)
+    assert comparison["verdict"] == ("SGLang - HF = -12.0 points of held-out accuracy; twice the larger seed std "
+                                     "is 10.0 points: beyond the seed spread.")
+    md = engine_compare.table({"seeds": [7, 8, 9], "shared": engine_compare.SHARED, "runs": runs,
+                               "comparison": comparison})
+    assert "| hf | 0.350 (0.050) | +33.5 |" in md and "| sglang | 7 | 0.015 | 0.200 | +18.5 |" in md
+    one = engine_compare.compare({k: v for k, v in runs.items() if k.endswith("seed7")})
+    assert "one seed each: no seed spread" in one["verdict"]
+
+
+@pytest.mark.slow
+def test_engine_comparison_smoke_runs_both_engines(tmp_path):
+    """The script end to end on the tiny model, 1 step per engine (SGLang's real CPU engine)."""
+    import subprocess
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import sglang_cpu
+    from conftest import child_env, python_path
+
+    sglang_cpu.require_sglang()
+    proc = subprocess.run([sys.executable, "benchmarks/engine_compare.py", "--smoke", "--seeds", "7",
+                           "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=child_env(PYTHONPATH=python_path()))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| hf | 7 |" in proc.stdout and "| sglang | 7 |" in proc.stdout
+    assert "one seed each: no seed spread" in proc.stdout
+    assert "engine: sglang" in (tmp_path / "sglang-seed7" / "config.yaml").read_text()
+
+
+def test_race_gives_trl_colo_rls_prompts_step_by_step():
+    from colo_rl.data.sampler import EpochSampler
+
+    order = race_trl.colo_prompt_order(num_train=10, seed=7, steps=4, prompts=4)  # wraps into a 2nd epoch
+    sampler = EpochSampler(10, seed=7)  # what recipes/grpo.py draws, step by step
+    assert [order[k * 4:(k + 1) * 4] for k in range(4)] == [sampler.next_global(4) for _ in range(4)]
+    assert sorted(order[:8]) != list(range(8)) and len(set(order[:10])) == 10  # shuffled, one epoch = every problem

@@ -139,3 +139,29 @@ def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path, passes
     assert row["train/ratio_mean"] != pytest.approx(1.0, abs=1e-6)  # the second mini-batch is off-policy
     assert row["train/approx_kl_old"] > 0
     assert 0 <= row["train/dual_clip_frac"] <= 1
+
+
+def test_rollout_correction_and_the_mismatch_metrics_reach_the_log(tmp_path):
+    """Issue #40 under torchrun (2 ranks): IcePop with a band of [1, 1] drops every token on which the
+    engine's and the trainer's fp32 log-probs differ at all (a few float roundings), the mismatch
+    metrics are logged every step, and REINFORCE++'s KL-in-reward coefficient adapts to a per-token
+    target."""
+    d = tmp_path / "run"
+    run_torchrun(WORKERS / "grpo_resume_worker.py",
+                 ["model=tiny", "trainer.total_steps=2", "data.eval_size=2", "rollout.prompts_per_step=4",
+                  "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
+                  "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[letter_share]",
+                  "reward.format_weight=0", "algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.05",
+                  "algo.kl_target=1e-6", "algo.kl_horizon=10", "algo.rollout_correction=icepop",
+                  "algo.rollout_is_threshold=1.0", "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
+    r = rows(d)[1:]
+    assert len(r) == 2
+    for row in r:
+        assert 0 <= row["mismatch/kl_k3"] < 1e-4 and abs(row["mismatch/kl_k1"]) < 1e-4
+        assert 0 <= row["mismatch/tokens_masked_frac"] <= 1 and row["mismatch/tokens_truncated_frac"] == 0
+        assert 0.99 < row["mismatch/ratio_max"] < 1.01 and row["mismatch/seq_ratio_max"] > 0
+    assert max(row["mismatch/tokens_masked_frac"] for row in r) > 0  # some token differs in its last bits
+    assert r[0]["mismatch/seqs_masked_frac"] >= r[0]["mismatch/tokens_masked_frac"]
+    # step 1: policy = reference, the observed KL ~ 0 is under target: coef * (1 - 0.2 * 8 sequences / 10)
+    assert r[0]["train/kl_in_reward_coef"] == pytest.approx(0.05)
+    assert r[1]["train/kl_in_reward_coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 10))

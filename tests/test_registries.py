@@ -18,9 +18,10 @@ def test_a_name_registered_twice_is_refused():
 
 
 def test_an_unknown_name_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"algo.kl_estimator='k9' is not one of \['k1', 'k2', 'k3'\]"):
+    with pytest.raises(ValueError, match=r"algo.kl_estimator='k9' is not one of \['k1', 'k2', 'k3', 'abs', "):
         algos.KL_ESTIMATORS.get("k9")
-    assert algos.LOSS_AGGREGATIONS.names() == ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+    assert algos.LOSS_AGGREGATIONS.names() == ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                                               "seq-mean-token-sum-norm"]
     assert algos.DPO_LOSSES.names() == ["sigmoid", "ipo", "hinge"]
     assert "grpo" in algos.ADV_ESTIMATORS and "ppo_clip" in algos.POLICY_LOSSES
 

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.algos.core import ADV_ESTIMATORS
+from colo_rl.algos.core import ADV_ESTIMATORS, masked
 
 # Estimators whose baseline comes from the other completions of the same prompt: a group of one
 # completion carries no signal for them (colo_rl refuses rollout.group_size=1 with these).
@@ -61,7 +61,7 @@ def kl_in_reward(rewards: torch.Tensor, kl_penalty: Optional[torch.Tensor], mask
     """Sequence rewards minus their summed per-token KL penalty: r_i - beta sum_t (log pi - log pi_ref)_t."""
     if kl_penalty is None:
         return rewards.float()
-    return rewards.float() - (kl_penalty.float() * mask.float()).sum(-1)
+    return rewards.float() - masked(kl_penalty.float(), mask).sum(-1)
 
 
 @ADV_ESTIMATORS.register("grpo")
@@ -84,12 +84,26 @@ def rloo_advantages(rewards, group_size, algo=None, mask=None, kl_penalty=None) 
 
 
 def global_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / (std + eps) over the masked entries of every rank (one all-reduce), 0 elsewhere."""
-    m = mask.float()
-    total, total_sq, count = dist.all_reduce_sum([float((x * m).sum()), float((x.square() * m).sum()), float(m.sum())])
+    """Whiten over the masked entries of every rank (n of them), 0 elsewhere:
+
+        mu  = (1/n) sum_i x_i
+        var = 1/(n-1) sum_i (x_i - mu)^2                 (unbiased)
+        w_i = (x_i - mu) / sqrt(var + eps)
+
+    Two passes, each one float64 all-reduce (sum and count, then the squared deviations): the
+    one-pass E[x^2] - E[x]^2 in float32 cancels to <= 0 when the values vary little around a large
+    mean (rewards on an offset, a whole batch right with a small KL), and the division was then by eps.
+    1/sqrt(var + eps) (verl's masked_whiten), not 1/(std + eps): on a near-constant batch (var ~ eps)
+    it caps the amplification at 1/sqrt(eps) = 1e4 instead of up to 1/eps; elsewhere they agree.
+    """
+    keep = mask.bool()
+    x64 = torch.where(keep, x.double(), 0.0)
+    total, count = dist.all_reduce_sum([float(x64.sum()), float(keep.sum())])
     mean = total / max(count, 1.0)
-    var = max(total_sq / max(count, 1.0) - mean * mean, 0.0) * count / max(count - 1.0, 1.0)  # unbiased
-    return (x - mean) / (var ** 0.5 + eps) * m
+    centred = torch.where(keep, x64 - mean, 0.0)
+    (squares,) = dist.all_reduce_sum([float(centred.square().sum())])
+    var = squares / max(count - 1.0, 1.0)
+    return (centred / (var + eps) ** 0.5).float()
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -114,8 +128,8 @@ def reinforce_pp_advantages(rewards, group_size, algo, mask=None, kl_penalty=Non
     m = mask.float()
     token_rewards = outcome_token_rewards(rewards, m)
     if kl_penalty is not None:
-        token_rewards = token_rewards - kl_penalty.float() * m
-    returns = token_rewards.flip(-1).cumsum(-1).flip(-1) * m
+        token_rewards = token_rewards - masked(kl_penalty.float(), m)
+    returns = masked(token_rewards.flip(-1).cumsum(-1).flip(-1), m)
     return global_whiten(returns, m)
 
 
@@ -154,11 +168,26 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, penal
     return -penalty * (exceed / buffer_len).clamp(max=1.0)
 
 
+def sequence_mean_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sequence's mean over its response tokens of a per-token KL: [N, T] -> [N].
+
+        kl_i = sum_t m_it kl_it / sum_t m_it
+
+    Averaged over the batch's sequences it is the adaptive controller's observed KL (verl's
+    convention, k1 of the rollout vs the reference): a per-token value, so algo.kl_target means
+    the same whatever the response length."""
+    m = mask.bool()
+    return masked(kl.float(), m).sum(-1) / m.sum(-1).clamp(min=1)
+
+
 @dataclass
 class AdaptiveKLController:
-    """Ziegler et al. (2019): the KL-in-reward coefficient moves towards a target KL per sequence.
+    """Ziegler et al. (2019): the KL-in-reward coefficient moves towards a target KL.
 
         coef <- coef * (1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon)
+
+    kl: the batch mean of `sequence_mean_kl` of the k1 in the reward (per token, as verl's), n: the
+    batch's sequences.
     """
 
     coef: float

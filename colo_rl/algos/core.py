@@ -13,6 +13,7 @@ POLICY_LOSSES: Registry = Registry("algo.policy_loss")
 KL_ESTIMATORS: Registry = Registry("algo.kl_estimator")
 LOSS_AGGREGATIONS: Registry = Registry("algo.loss_agg")
 DPO_LOSSES: Registry = Registry("algo.dpo_loss")
+ROLLOUT_CORRECTIONS: Registry = Registry("algo.rollout_correction")
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -46,28 +47,51 @@ def entropy_from_logits(logits: torch.Tensor, logz: Optional[torch.Tensor] = Non
     return out.view(shape)
 
 
+def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x where mask, 0 elsewhere, by selection: a NaN / inf in a padded position never reaches a sum
+    (x * mask would give NaN * 0 = NaN), and its gradient there is exactly 0."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    return masked(x, mask).sum() / mask.sum().clamp(min=1)
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
-                   num_tokens: float | None = None, num_seqs: float | None = None) -> torch.Tensor:
-    """Reduce a per-token loss [B, T] to a scalar.
+                   num_tokens: float | None = None, num_seqs: float | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar (m_it = mask, B sequences, L = `scale`).
 
-        token-mean:            sum_{i,t} l_it m_it / sum_{i,t} m_it          (DAPO, verl default)
-        seq-mean-token-mean:   (1/B) sum_i [ sum_t l_it m_it / sum_t m_it ]  (original GRPO, GSPO)
-        seq-mean-token-sum:    (1/B) sum_i   sum_t l_it m_it                 (Dr. GRPO)
+        token-mean:               sum_{i,t} l_it m_it / sum_{i,t} m_it          (DAPO, verl default)
+        token-sum:                sum_{i,t} l_it m_it                           (no normalisation)
+        seq-mean-token-mean:      (1/B) sum_i [ sum_t l_it m_it / sum_t m_it ]  (original GRPO, GSPO)
+        seq-mean-token-sum:       (1/B) sum_i   sum_t l_it m_it                 (Dr. GRPO, no length norm)
+        seq-mean-token-sum-norm:  (1/B) sum_i   sum_t l_it m_it / L             (Dr. GRPO's constant L)
 
     num_tokens / num_seqs replace the local denominators with global ones (all micro-batches of
-    all ranks), so gradient accumulation gives the same gradient as one big batch.
+    all ranks), so gradient accumulation gives the same gradient as one big batch. token-sum takes
+    no denominator at all: its scale grows with the batch (as verl's). seq-mean-token-sum-norm's L
+    (algo.loss_scale_factor, e.g. rollout.max_new_tokens) is one constant for the whole run, so a
+    token weighs the same in every sequence and every step; verl divides by L only (its default L
+    is the padded response width) and not by B: colo_rl's also divides by B, which keeps the scale
+    independent of the batch size and equal to token-mean's when every sequence is L tokens long.
+
+    Masked positions are selected out (`masked`), never multiplied by 0: a NaN or inf there does
+    not reach the loss or its gradient.
     """
-    return LOSS_AGGREGATIONS.get(mode)(loss_mat, mask.to(loss_mat.dtype), num_tokens, num_seqs)
+    return LOSS_AGGREGATIONS.get(mode)(masked(loss_mat, mask), mask.to(loss_mat.dtype), num_tokens, num_seqs, scale)
 
 
+# Each takes (loss_mat with masked positions already 0, mask, num_tokens, num_seqs, scale).
 @LOSS_AGGREGATIONS.register("token-mean")
-def _token_mean(loss_mat, mask, num_tokens, num_seqs):
+def _token_mean(loss_mat, mask, num_tokens, num_seqs, scale):
     denom = mask.sum() if num_tokens is None else torch.tensor(float(num_tokens))
-    return (loss_mat * mask).sum() / denom.clamp(min=1)
+    return loss_mat.sum() / denom.clamp(min=1)
+
+
+@LOSS_AGGREGATIONS.register("token-sum")
+def _token_sum(loss_mat, mask, num_tokens, num_seqs, scale):
+    return loss_mat.sum()
 
 
 def _per_sequence_mean(per_seq: torch.Tensor, num_seqs: float | None) -> torch.Tensor:
@@ -76,10 +100,18 @@ def _per_sequence_mean(per_seq: torch.Tensor, num_seqs: float | None) -> torch.T
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs):
-    return _per_sequence_mean((loss_mat * mask).sum(-1) / mask.sum(-1).clamp(min=1), num_seqs)
+def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs, scale):
+    return _per_sequence_mean(loss_mat.sum(-1) / mask.sum(-1).clamp(min=1), num_seqs)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs):
-    return _per_sequence_mean((loss_mat * mask).sum(-1), num_seqs)
+def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs, scale):
+    return _per_sequence_mean(loss_mat.sum(-1), num_seqs)
+
+
+@LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens, num_seqs, scale):
+    if not scale:
+        raise ValueError("loss_agg=seq-mean-token-sum-norm divides by a constant length: set algo.loss_scale_factor "
+                         "(e.g. to rollout.max_new_tokens)")
+    return _per_sequence_mean(loss_mat.sum(-1), num_seqs) / float(scale)

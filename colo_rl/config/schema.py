@@ -18,7 +18,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from colo_rl.algos import ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES
+from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
+                           ROLLOUT_CORRECTIONS)
 from colo_rl.config.options import FINITE, POSITIVE_INT, SILENT, Check, ge, gt, opt, reads, refuse, within
 from colo_rl.rollout import ENGINES
 
@@ -259,11 +260,23 @@ class AlgoConfig:
     clip_high: float = opt(0.2, GRPO_ALGO, check=ge(0))  # > clip_low = DAPO's clip-higher
     # > 0 loads a frozen reference model
     kl_coef: float = opt(0.0, GRPO_ALGO, check=ge(0, "0 = no KL penalty, no reference model"))
-    kl_estimator: str = opt("k3", GRPO_ALGO, choices=KL_ESTIMATORS)  # k1 | k2 | k3
-    # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    # k1 | k2 | k3 (= low_var_kl) | abs | k1+ | k3+ (= low_var_kl+): + = k2's gradient
+    kl_estimator: str = opt("k3", GRPO_ALGO, choices=KL_ESTIMATORS)
+    # token-mean | token-sum | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
     loss_agg: str = opt("token-mean", GRPO_ALGO, choices=LOSS_AGGREGATIONS)
-    # truncated importance sampling vs the rollout engine
+    # seq-mean-token-sum-norm's constant length L (e.g. rollout.max_new_tokens)
+    loss_scale_factor: Optional[float] = opt(None, GRPO_ALGO, check=gt(0, "a length in tokens", or_null="other aggregations"))
+    # truncated importance sampling vs the rollout engine (= rollout_correction tis_token)
     tis_cap: Optional[float] = opt(None, GRPO_ALGO, check=gt(0, or_null="no truncated importance sampling"))
+    # Train-inference mismatch correction (colo_rl/algos/correction.py): null | tis_token | tis_seq |
+    # mis_token | mis_seq | mis_geo | icepop, with the ratio's cap / band [lower, threshold].
+    rollout_correction: Optional[str] = opt(None, GRPO_ALGO, choices=(None, *ROLLOUT_CORRECTIONS.names()))
+    # TIS cap, or the masking band's upper edge
+    rollout_is_threshold: float = opt(2.0, GRPO_ALGO, check=ge(1, "a ratio of 1, engine and trainer agreeing, must "
+                                                                 "pass uncapped"))
+    # mis_geo / icepop band's lower edge; null = 1 / threshold
+    rollout_is_threshold_lower: Optional[float] = opt(None, GRPO_ALGO, check=Check(
+        lambda v: 0 < v <= 1, "must be in (0, 1], or null for 1 / algo.rollout_is_threshold", nullable=True))
     # Advantage estimator (colo_rl/algos/advantages.py): grpo | rloo | reinforce_pp | reinforce_pp_baseline.
     adv_estimator: str = opt("grpo", GRPO_ALGO, choices=ADV_ESTIMATORS)
     # Policy loss (colo_rl/algos/policy.py): ppo_clip | gspo | cispo.
@@ -273,7 +286,7 @@ class AlgoConfig:
     entropy_coef: float = opt(0.0, GRPO_ALGO, check=ge(0))  # entropy bonus in the loss
     # true: k1 * kl_coef subtracted from the reward instead of a KL loss term
     kl_in_reward: bool = opt(False, GRPO_ALGO)
-    # with kl_in_reward: adapt kl_coef towards this KL per sequence
+    # with kl_in_reward: adapt kl_coef towards this KL per token (k1; verl's)
     kl_target: Optional[float] = opt(None, GRPO_ALGO, check=gt(0, or_null="a fixed coefficient"))
     kl_horizon: int = opt(10000, GRPO_ALGO, check=POSITIVE_INT)  # the adaptive coefficient's horizon (sequences)
     # DAPO: drop groups whose rewards are all equal and sample more prompts (at most

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.algos import GROUP_ESTIMATORS
+from colo_rl.algos import GROUP_ESTIMATORS, ROLLOUT_CORRECTIONS, TWO_SIDED_CORRECTIONS, kl_goes_in_reward
 from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
@@ -16,7 +16,7 @@ from colo_rl.rewards import check_reward_config
 from colo_rl.rollout import ENGINES
 
 from colo_rl.config.options import RECIPE_NAMES, WARN, Resume, Rules, option_rules
-from colo_rl.config.schema import RunConfig
+from colo_rl.config.schema import AlgoConfig, RunConfig
 
 # Each option's rules (range, choices, which recipes read it, the resume rule) sit beside its field in
 # schema.py (`opt(...)`, config/options.py); this is them by dotted key, applied by `validate`.
@@ -146,15 +146,42 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
     if algo.kl_in_reward and algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (the KL's weight in the reward, and a "
                           "reference model to measure it against)")
-    if algo.kl_target is not None and not algo.kl_in_reward:
+    if algo.kl_target is not None and not kl_goes_in_reward(algo):  # REINFORCE++ puts it there by definition
         raise ConfigError("algo.kl_target adapts the KL-in-reward coefficient: set algo.kl_in_reward=true too")
     if algo.overlong_buffer_len >= cfg.rollout.max_new_tokens:
         raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} must be smaller than "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty ramps over the last "
                           f"overlong_buffer_len tokens)")
+    if algo.clip_ratio_c is not None and algo.policy_loss != "ppo_clip":
+        raise ConfigError(f"algo.clip_ratio_c={algo.clip_ratio_c} (dual-clip) bounds ppo_clip's token loss; "
+                          f"algo.policy_loss={algo.policy_loss} has no such term and would ignore it: remove "
+                          f"algo.clip_ratio_c or use algo.policy_loss=ppo_clip")
+    if (algo.loss_agg == "seq-mean-token-sum-norm") != (algo.loss_scale_factor is not None):
+        raise ConfigError(f"algo.loss_agg={algo.loss_agg} with algo.loss_scale_factor={algo.loss_scale_factor}: "
+                          f"seq-mean-token-sum-norm divides by a constant length and needs it (e.g. "
+                          f"algo.loss_scale_factor={cfg.rollout.max_new_tokens}, rollout.max_new_tokens); no other "
+                          f"aggregation reads algo.loss_scale_factor")
+    check_rollout_correction(algo)
     if algo.policy_loss == "gspo" and algo.clip_high > 0.05:
         raise ConfigError(f"algo.policy_loss=gspo clips a sequence-level ratio: algo.clip_low/clip_high of the "
                           f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
+
+
+def check_rollout_correction(algo: "AlgoConfig") -> None:
+    """algo.tis_cap is the token-level TIS of algo.rollout_correction: one of the two; the band's keys
+    only with a correction that reads them."""
+    if algo.tis_cap is not None and algo.rollout_correction is not None:
+        raise ConfigError(f"algo.tis_cap={algo.tis_cap} and algo.rollout_correction={algo.rollout_correction}: two "
+                          f"rollout corrections; tis_cap is rollout_correction=tis_token with "
+                          f"rollout_is_threshold=tis_cap: keep one")
+    default = AlgoConfig.rollout_is_threshold
+    if algo.rollout_correction is None and algo.rollout_is_threshold != default:
+        raise ConfigError(f"algo.rollout_is_threshold={algo.rollout_is_threshold} is read only with "
+                          f"algo.rollout_correction set (one of {ROLLOUT_CORRECTIONS.names()})")
+    if algo.rollout_is_threshold_lower is not None and algo.rollout_correction not in TWO_SIDED_CORRECTIONS:
+        raise ConfigError(f"algo.rollout_is_threshold_lower={algo.rollout_is_threshold_lower} is the lower edge of "
+                          f"a two-sided band ({list(TWO_SIDED_CORRECTIONS)}); algo.rollout_correction="
+                          f"{algo.rollout_correction} does not read it: remove it")
 
 
 def check_schema_keys(cfg: DictConfig) -> None:
