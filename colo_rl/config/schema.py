@@ -217,10 +217,14 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = 1.0
-    micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # Micro-batches hold whole units (GRPO groups, DPO pairs, SFT examples or packed rows) up to
+    # micro_batch_tokens tokens: an integer, or auto (on a GPU from the memory free in the update
+    # phase, logged; on CPU 256); micro_batch_size caps the units per micro-batch (0 = no cap).
+    micro_batch_tokens: str = "auto"
+    micro_batch_size: int = 0
     # Several sequences per row, no attention across them (needs model.attn_implementation sdpa or
     # eager). GRPO: each prompt group one row [prompt | r_1 | ... | r_G] (its prompt computed once),
-    # micro_batch_size // group_size groups per micro-batch; DPO: each pair one row [prompt | chosen |
+    # whole groups per micro-batch; DPO: each pair one row [prompt | chosen |
     # p' | rejected]; SFT: examples packed into rows of data.max_seq_len. False: padded rows.
     packing: bool = True
     mini_batches_per_step: int = 1  # optimizer steps per rollout batch (1 = strictly on-policy)
