@@ -263,16 +263,6 @@ class GRPORecipe:
                                     multiple_of=cfg.trainer.mini_batches_per_step)
         return pack_rollout(rollout, plan, self.tokenizer.pad_token_id, self.colo.actor.dtype, cfg.trainer.packing)
 
-    def logprobs_of(self, model, packed: PackedRollout, agreement: LogprobAgreement | None = None) -> torch.Tensor:
-        """Log-probs [N, R] of the rollout's responses under `model` (no gradient), micro-batch by micro-batch."""
-        out = []
-        for mb in packed.micro:
-            logp, _ = model.response_logprobs(mb, self.cfg.rollout.temperature, grad=False)
-            if agreement is not None:
-                agreement.add(mb.extras["rollout_logp"], logp, mb.response_mask)
-            out.append(logp.cpu())
-        return packed.collect(out)
-
     def update(self, rollout: Rollout) -> dict[str, float]:
         """trainer.ppo_epochs x trainer.mini_batches_per_step optimizer steps on one rollout;
         losses normalised by global token / sequence counts (all ranks)."""
@@ -285,10 +275,10 @@ class GRPORecipe:
         agreement = LogprobAgreement()  # engine vs trainer on the same weights: did the handoff work?
         with self.timer("logprobs"):
             if not on_policy:  # pi_old: the weights before this batch's first optimizer step
-                packed.attach("old_logp", self.logprobs_of(actor, packed, agreement))
+                packed.attach("old_logp", packed.logprobs(actor, cfg.rollout.temperature, agreement))
             kl_penalty = None
             if ref is not None:
-                ref_logp = self.logprobs_of(ref, packed)
+                ref_logp = packed.logprobs(ref, cfg.rollout.temperature)
                 packed.attach("ref_logp", ref_logp)
                 if algos.kl_goes_in_reward(algo):  # k1 on the sampled tokens, pi_old = the engine's
                     kl_penalty = self.kl_ctl.coef * (table.extras["rollout_logp"] - ref_logp)

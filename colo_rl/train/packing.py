@@ -215,6 +215,18 @@ class PackedRollout:
             part = column[rows]
             mb.extras[name] = part if part.dim() == 1 else part[:, :mb.response_len]
 
+    def logprobs(self, model, temperature: float, check=None) -> torch.Tensor:
+        """Log-probs [N, R] of every response under `model` (a DeepSpeedActor or reference; no
+        gradient), micro-batch by micro-batch (every rank the same count: collectives); `check`
+        (the handoff's LogprobAgreement) sees each micro-batch's engine and trainer log-probs."""
+        out = []
+        for mb in self.micro:
+            logp, _ = model.response_logprobs(mb, temperature, grad=False)
+            if check is not None:
+                check.add(mb.extras["rollout_logp"], logp, mb.response_mask)
+            out.append(logp.cpu())
+        return self.collect(out)
+
     def collect(self, per_micro: list[torch.Tensor]) -> torch.Tensor:
         """Per-token values of each micro-batch ([rows, <= R]) back in the table's order, [N, R] (0 elsewhere)."""
         out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32)
