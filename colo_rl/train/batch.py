@@ -147,7 +147,8 @@ def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0, orde
     return spread(bins, n, costs)
 
 
-# trainer.micro_batch_tokens=auto on CPU: see docs/micro_batches.md for how it was measured.
+# trainer.micro_batch_tokens=auto on CPU: one group of the demo (~250 tokens) per micro-batch, the
+# split the README's CPU figures were measured with (docs/micro_batches.md).
 CPU_MICRO_BATCH_TOKENS = 256
 AUTO_MIN_TOKENS, AUTO_MAX_TOKENS = 1024, 65536
 
