@@ -73,7 +73,7 @@ def main(out: str) -> None:
     def capture_gradient_then_discard() -> dict:
         captured["grad"] = torch.cat([safe_get_full_grad(p).detach().float().flatten().clone()
                                       for p in actor.module.parameters()])
-        actor.engine.zero_grad()
+        actor.engine.optimizer.zero_grad()  # ZeRO-3's own: the next pass copies into the gradient partitions
         return {"grad_norm": float(captured["grad"].norm()), "lr": 0.0, "skipped": 0.0}
 
     actor.step = capture_gradient_then_discard
