@@ -73,7 +73,7 @@ def colo_overrides(args, run_dir: Path) -> list[str]:
         f"trainer.total_steps={args.steps}", "trainer.mini_batches_per_step=1", "algo.kl_coef=0.0",
         "algo.loss_agg=token-mean", "algo.clip_low=0.2", "algo.clip_high=0.2", f"trainer.lr={LR}",
         "trainer.lr_schedule=constant", "trainer.warmup_steps=0", "trainer.grad_clip=1.0", f"trainer.seed={args.seed}",
-        f"trainer.micro_batch_size={args.colo_micro_batch}",
+        f"trainer.micro_batch_size={args.colo_micro_batch}", "trainer.micro_batch_tokens=1000000",  # the count decides
         "data.train_size=512", "data.eval_size=8", "rollout.eval_max_new_tokens=16",
         "logger=[jsonl]", "plots=false", f"run_dir={run_dir}", *args.colo_override]
 

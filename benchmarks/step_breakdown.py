@@ -384,6 +384,7 @@ def main(argv=None) -> int:
                    "world_size": 1, "engine": cfg.rollout.engine,
                    "prompts_per_step": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
                    "max_new_tokens": cfg.rollout.max_new_tokens, "micro_batch_size": cfg.trainer.micro_batch_size,
+                   "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
                    "total_steps": cfg.trainer.total_steps, "overrides": overrides},
         "breakdown": b, "checks": run_checks(rows), "memory_kind": mem.kind, "memory": mem.summary(loop_steps),
         "memory_method": "sampler thread every 10 ms + a sample at each phase boundary; CPU: process RSS "

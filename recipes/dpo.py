@@ -69,9 +69,10 @@ class DPORecipe:
         self.total_steps = self.plan.total_steps
         check_held_out_size(len(self.held), dist.world_size())
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        log.info("plan: %d steps (%d epoch(s) x %d steps of %d pairs; %d per rank, micro-batches of %d pairs); "
-                 "loss %s, beta %g, label smoothing %g; reference log-probs %s", self.plan.total_steps, tr.epochs,
-                 self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch, tr.micro_batch_size, algo.dpo_loss,
+        log.info("plan: %d steps (%d epoch(s) x %d steps of %d pairs; %d per rank, micro-batches of whole pairs up "
+                 "to trainer.micro_batch_tokens=%s); loss %s, beta %g, label smoothing %g; reference log-probs %s",
+                 self.plan.total_steps, tr.epochs, self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch,
+                 tr.micro_batch_tokens, algo.dpo_loss,
                  algo.beta, algo.label_smoothing,
                  "precomputed once" if algo.precompute_ref_logprobs else "from a frozen reference model")
         # ---- policy (+ rollout engine for the optional greedy accuracy) and reference
@@ -119,7 +120,7 @@ class DPORecipe:
         cfg = self.cfg
         shard = dist.shard(list(range(len(pairs))) if only is None else list(only))
         c, r = pair_logps(model, [pairs[i] for i in shard], cfg.trainer.micro_batch_size, self.pad,
-                          self.length_normalised, cfg.trainer.packing, self.dtype)
+                          self.length_normalised, cfg.trainer.packing, self.dtype, self.actor.micro_batch_tokens())
         chosen, rejected = torch.full((len(pairs),), math.nan), torch.full((len(pairs),), math.nan)
         for idx, ci, ri in dist.all_gather_objects((shard, c, r)):
             chosen[idx], rejected[idx] = ci, ri
@@ -206,7 +207,8 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
     the number of pairs on all ranks. `indices` are the pairs' places in the training set (for
     the cached reference log-probs)."""
     algo, n_pairs = cfg.algo, float(cfg.trainer.batch_size)
-    batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype),
+    batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype,
+                                             actor.micro_batch_tokens()),
                           pad_id, make=lambda: ([], empty_batch(pad_id)))
     sums = dict.fromkeys(("loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs"), 0.0)
     for j, (rows, batch) in enumerate(batches):

@@ -36,8 +36,9 @@ from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
-from colo_rl.train.batch import TokenBatch, build_batch, group_micro_batches, micro_batches
-from colo_rl.train.packing import pack_groups
+from colo_rl.samples import Rollout, groups_of
+from colo_rl.train.batch import agreed_micro_batches
+from colo_rl.train.packing import PackedRollout, pack_rollout
 
 log = logging.getLogger("colo_rl")
 
@@ -83,17 +84,17 @@ class GRPORecipe:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"number of ranks ({world})")
         self.prompts_per_rank = cfg.rollout.prompts_per_step // world
-        # the micro-batch count depends on the row count only (lengths just order them): sized once here
-        self.n_micro = len(self.plan_micro_batches([0.0] * (self.prompts_per_rank * cfg.rollout.group_size)))
-        if self.n_micro % cfg.trainer.mini_batches_per_step:
+        # every mini-batch holds at least one whole group of every rank
+        if self.prompts_per_rank % cfg.trainer.mini_batches_per_step:
             raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide the "
-                              f"{self.n_micro} micro-batches per rank")
+                              f"{self.prompts_per_rank} prompt groups per rank (rollout.prompts_per_step / ranks)")
         self.total_steps = cfg.trainer.total_steps
         optimizer_steps = self.total_steps * cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
 
         # ---- the colocated pieces: DeepSpeed actor (+ reference), rollout engine, phase switcher
+        # (the micro-batch count follows the step's lengths: each optimizer step sets its boundary itself)
         self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
-                                    grad_accum=self.n_micro // cfg.trainer.mini_batches_per_step)
+                                    grad_accum=1)
         self.metrics = runtime.metrics_logger(ctx, CONSOLE)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
@@ -125,25 +126,15 @@ class GRPORecipe:
         # Entering the generation phase pages the trainer's states out and hands the engine the
         # weights of the last update (the weight handoff), then wakes its KV cache.
         with colo.switch.generation():
-            rollout = self.rollout()
-        completions = rollout["completions"]
-        # Episodes: only the policy's tokens count (loss, advantages, the log-prob check); observations do not.
-        masks = None if self.env is None else [c.policy_mask for c in completions]
-        batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions],
-                            self.tokenizer.pad_token_id, response_masks=masks,
-                            per_token={"rollout_logp": [c.logprobs for c in completions]})
+            rollout = self.rollout(policy_version=step)
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
             if colo.reward_model is not None:  # its score joins the verifiers' before the advantages
                 with self.timer("reward_model"):
                     self.add_reward_model_scores(rollout)
-            rewards = rollout["rewards"]
             if cfg.algo.overlong_buffer_len:
-                lengths = torch.tensor([len(c.token_ids) for c in completions])
-                limit = cfg.rollout.max_new_tokens if self.env is None else cfg.env.max_total_tokens
-                rewards = rewards + algos.overlong_penalty(lengths, limit, cfg.algo.overlong_buffer_len,
-                                                           cfg.algo.overlong_penalty)
-            train_metrics = self.update(batch, completions, rewards)
-        return {**train_metrics, **self.rollout_metrics(rollout, rewards), **self.timer.pop(),
+                self.add_overlong_shaping(rollout)
+            train_metrics = self.update(rollout)
+        return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
 
     def save(self, ckpt, step: int) -> None:
@@ -176,7 +167,7 @@ class GRPORecipe:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
 
     # ------------------------------------------------------------------ generation phase
-    def rollout(self) -> dict:
+    def rollout(self, policy_version: int = 0) -> Rollout:
         """This rank's prompts_per_rank groups: prompts -> completions -> verifier scores.
 
         With algo.dynamic_sampling (DAPO), groups whose rewards are all equal carry no signal:
@@ -185,7 +176,7 @@ class GRPORecipe:
         missing are filled with set-aside ones (counted). Every rank keeps the same number of
         groups, so the update's collective passes line up."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
-        kept, spare, rounds, failures = [], [], 0, 0
+        out = Rollout(policy_version=policy_version)
         while True:
             problems = [self.train[i] for i in self.sampler.next_local(cfg.rollout.prompts_per_step)]
             with self.timer("generation"):  # tool calls included: they run between an episode's turns
@@ -204,53 +195,47 @@ class GRPORecipe:
             if scored.failures:  # scored 0 and counted; the run stops past reward.max_failure_rate
                 log.warning("rank %d: %d reward call(s) failed this round; first: %s", dist.rank(), scored.failures,
                             scored.failure_messages[0])
-            per_sample = {"completions": completions, "rewards": scored.rewards, "correct": scored.correct,
-                          "lenient": scored.correct_lenient, "formatted": scored.formatted, "texts": texts,
-                          "problems": of_completion,
-                          **{f"source:{k}": v for k, v in scored.per_source.items()}}
-            # the engine returns each prompt's G completions contiguously: group j is rows j*G .. j*G+G-1
-            groups = [{key: values[j * G:(j + 1) * G] for key, values in per_sample.items()}
-                      for j in range(len(problems))]
-            failures += scored.failures  # every round's, not only the last one's
-            rounds += 1
+            groups = groups_of([p for p, _ in problems], G, scored.per_source, completions=completions,
+                               rewards=scored.rewards, correct=scored.correct, lenient=scored.correct_lenient,
+                               formatted=scored.formatted, texts=texts)
+            out.failures += scored.failures  # every round's, not only the last one's
+            out.rounds += 1
             if not cfg.algo.dynamic_sampling:
-                kept = groups
+                out.keep(groups)
                 break
-            informative = algos.informative_groups(torch.tensor(scored.rewards), G).tolist()
-            for group, useful in zip(groups, informative):
-                (kept if useful else spare).append(group)
-            (missing,) = dist.all_reduce_max([float(self.prompts_per_rank - len(kept))])  # the same answer everywhere
-            if missing <= 0 or rounds > cfg.algo.max_sampling_rounds:
+            out.keep(groups, algos.informative_groups(torch.tensor(scored.rewards), G).tolist())
+            (missing,) = dist.all_reduce_max([float(self.prompts_per_rank - len(out.groups))])  # the same answer everywhere
+            if missing <= 0 or out.rounds > cfg.algo.max_sampling_rounds:
                 break
-        filled = max(0, self.prompts_per_rank - len(kept))
-        kept = kept[:self.prompts_per_rank] + spare[:filled]
-        flat = lambda key: [x for g in kept for x in g[key]]  # noqa: E731
-        return {"completions": flat("completions"), "rewards": torch.tensor(flat("rewards")),
-                "correct": flat("correct"), "lenient": flat("lenient"), "formatted": flat("formatted"),
-                "texts": flat("texts"), "problems": flat("problems"),
-                "sources": {k[len("source:"):]: flat(k) for k in kept[0] if k.startswith("source:")} if kept else {},
-                "failures": failures, "rounds": rounds, "filled": filled}
+        out.fill(self.prompts_per_rank)
+        return out
 
-    def add_reward_model_scores(self, rollout: dict) -> None:
-        """rollout["rewards"] += reward.weights' last x the reward model's score of each sample
-        (update phase: the reward model's partitions are back on the device)."""
-        rm, problems = self.colo.reward_model, rollout["problems"]
+    def add_reward_model_scores(self, rollout: Rollout) -> None:
+        """The reward model's score of each sample, a source weighted by reward.weights' last (update
+        phase: the reward model's partitions are back on the device)."""
+        rm, problems = self.colo.reward_model, rollout.problems
         texts = rm.texts([self.builder.messages(p) for p in problems], [self.builder.text(p) for p in problems],
-                         rollout["texts"])
-        scores = rm.score(texts)
-        rollout["sources"]["model"] = scores.tolist()
-        rollout["rewards"] = rollout["rewards"] + model_weight(self.cfg.reward) * scores
+                         rollout.flat("texts"))
+        rollout.add_source("model", rm.score(texts), model_weight(self.cfg.reward))
 
-    def rollout_metrics(self, rollout: dict, rewards: torch.Tensor) -> dict[str, float]:
+    def add_overlong_shaping(self, rollout: Rollout) -> None:
+        """DAPO's soft overlong penalty (algo.overlong_buffer_len), shaping the rewards the advantages see."""
+        cfg = self.cfg
+        lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
+        limit = cfg.rollout.max_new_tokens if self.env is None else cfg.env.max_total_tokens
+        rollout.add_shaping("overlong", algos.overlong_penalty(lengths, limit, cfg.algo.overlong_buffer_len,
+                                                               cfg.algo.overlong_penalty))
+
+    def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         """Reward, response and sampling metrics of the step's training batch, over all ranks."""
-        completions, raw, sources = rollout["completions"], rollout["rewards"], rollout["sources"]
+        completions, raw, sources = rollout.completions, rollout.rewards, rollout.sources()
         n_tok = sum(len(c.token_ids) for c in completions)
         sums = dist.all_reduce_sum({
             "reward": float(raw.sum()), "reward_sq": float((raw ** 2).sum()), "n": float(len(raw)),
-            "correct": sum(rollout["correct"]), "lenient": sum(rollout["lenient"]),
-            "formatted": sum(rollout["formatted"]), "gen_tokens": n_tok,
-            "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout["failures"],
-            "shaped_reward": float(rewards.sum()), "filled": rollout["filled"],
+            "correct": sum(rollout.flat("correct")), "lenient": sum(rollout.flat("lenient")),
+            "formatted": sum(rollout.flat("formatted")), "gen_tokens": n_tok,
+            "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout.failures,
+            "shaped_reward": float(rollout.total().sum()), "filled": rollout.filled,
             **{f"source:{name}": float(sum(v)) for name, v in sources.items()}})
         n, mean, gen_seconds = sums["n"], sums["reward"] / sums["n"], self.timer.seconds.get("generation", 0.0)
         out = {"reward/mean": mean, "reward/std": max(0.0, sums["reward_sq"] / n - mean ** 2) ** 0.5,
@@ -262,7 +247,7 @@ class GRPORecipe:
         if self.cfg.algo.overlong_buffer_len:
             out["reward/overlong_penalty"] = (sums["shaped_reward"] - sums["reward"]) / n
         if self.cfg.algo.dynamic_sampling:
-            out.update({"sampling/rounds": float(rollout["rounds"]), "sampling/filled_groups": sums["filled"]})
+            out.update({"sampling/rounds": float(rollout.rounds), "sampling/filled_groups": sums["filled"]})
         if self.env is not None:  # per episode: turns, tool calls, ...; tool_error_rate per call
             env = dist.all_reduce_sum(episode_metrics(completions))
             out.update({k: v / n for k, v in env.items()})
@@ -271,56 +256,38 @@ class GRPORecipe:
         return out
 
     # ------------------------------------------------------------------ update phase
-    def plan_micro_batches(self, lengths: list[float]) -> list[list[int]]:
-        """This rank's rows (response lengths given) as micro-batches: whole packed groups, or padded
-        micro-batches of trainer.micro_batch_size sequences."""
-        cfg = self.cfg
-        if cfg.trainer.packing:
-            return group_micro_batches(lengths, cfg.rollout.group_size, cfg.trainer.micro_batch_size)
-        return micro_batches(len(lengths), cfg.trainer.micro_batch_size, lengths)
+    def pack(self, rollout: Rollout) -> PackedRollout:
+        """The rollout's micro-batches, built once for the whole update: whole groups, at most
+        trainer.micro_batch_tokens tokens (and trainer.micro_batch_size sequences) each, as many on
+        every rank, a multiple of trainer.mini_batches_per_step; groups of similar length together."""
+        cfg, groups = self.cfg, rollout.groups
+        cap = cfg.trainer.micro_batch_size and max(1, cfg.trainer.micro_batch_size // rollout.group_size)
+        plan = agreed_micro_batches([g.tokens for g in groups], self.colo.actor.micro_batch_tokens(), cap,
+                                    order=[sum(c.trained_tokens for c in g.completions) for g in groups],
+                                    multiple_of=cfg.trainer.mini_batches_per_step)
+        return pack_rollout(rollout, plan, self.tokenizer.pad_token_id, self.colo.actor.dtype, cfg.trainer.packing)
 
-    def micro_batch(self, batch: TokenBatch, completions: list, rows: list[int]) -> TokenBatch:
-        """Rows of `batch` as one micro-batch, built when used: it carries the batch's extras as
-        they are then (old / reference log-probs and advantages are added after planning). Packed:
-        one row per group [prompt | r_1 | ... | r_G], its prompt computed once."""
-        if not self.cfg.trainer.packing:
-            return batch.select(rows)
-        G = self.cfg.rollout.group_size
-        groups = [rows[k:k + G] for k in range(0, len(rows), G)]
-        return pack_groups([(completions[g[0]].prompt_ids, [completions[i].token_ids for i in g], batch.select(g))
-                            for g in groups], self.colo.actor.dtype)
-
-    def logprobs_of(self, model, batch: TokenBatch, completions: list, plan: list[list[int]],
-                    agreement: LogprobAgreement | None = None) -> torch.Tensor:
-        """Log-probs [B, R] of the batch's responses under `model` (no gradient), micro-batch by micro-batch."""
-        out = torch.zeros_like(batch.extras["rollout_logp"])
-        for rows in plan:
-            mb = self.micro_batch(batch, completions, rows)
-            logp, _ = model.response_logprobs(mb, self.cfg.rollout.temperature, grad=False)
-            if agreement is not None:
-                agreement.add(mb.extras["rollout_logp"], logp, mb.response_mask)
-            out[rows, :logp.shape[1]] = logp.cpu()
-        return out
-
-    def update(self, batch: TokenBatch, completions: list, rewards: torch.Tensor) -> dict[str, float]:
-        """trainer.ppo_epochs x trainer.mini_batches_per_step optimizer steps on one rollout batch;
+    def update(self, rollout: Rollout) -> dict[str, float]:
+        """trainer.ppo_epochs x trainer.mini_batches_per_step optimizer steps on one rollout;
         losses normalised by global token / sequence counts (all ranks)."""
         cfg, algo, actor, ref = self.cfg, self.cfg.algo, self.colo.actor, self.colo.ref
-        plan = self.plan_micro_batches(batch.response_mask.sum(-1).tolist())
-        # equal on every rank: ZeRO-3's gathers are collectives
-        assert len(plan) == self.n_micro, (len(plan), self.n_micro)
+        packed = self.pack(rollout)
+        plan, table = packed.rows, packed.table
+        # as many on every rank (agreed when planned): ZeRO-3's gathers are collectives
+        assert len(plan) % cfg.trainer.mini_batches_per_step == 0, (len(plan), cfg.trainer.mini_batches_per_step)
         on_policy = cfg.trainer.mini_batches_per_step == 1 and cfg.trainer.ppo_epochs == 1
         agreement = LogprobAgreement()  # engine vs trainer on the same weights: did the handoff work?
         with self.timer("logprobs"):
             if not on_policy:  # pi_old: the weights before this batch's first optimizer step
-                batch.extras["old_logp"] = self.logprobs_of(actor, batch, completions, plan, agreement)
-            if ref is not None:
-                batch.extras["ref_logp"] = self.logprobs_of(ref, batch, completions, plan)
+                packed.attach("old_logp", packed.logprobs(actor, cfg.rollout.temperature, agreement))
             kl_penalty = None
-            if ref is not None and algos.kl_goes_in_reward(algo):  # k1 on the sampled tokens, pi_old = the engine's
-                kl_penalty = self.kl_ctl.coef * (batch.extras["rollout_logp"] - batch.extras["ref_logp"])
-            batch.extras["advantages"] = algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
-                rewards, cfg.rollout.group_size, algo, batch.response_mask, kl_penalty)
+            if ref is not None:
+                ref_logp = packed.logprobs(ref, cfg.rollout.temperature)
+                packed.attach("ref_logp", ref_logp)
+                if algos.kl_goes_in_reward(algo):  # k1 on the sampled tokens, pi_old = the engine's
+                    kl_penalty = self.kl_ctl.coef * (table.extras["rollout_logp"] - ref_logp)
+            packed.attach("advantages", algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
+                rollout.total(), rollout.group_size, algo, table.response_mask, kl_penalty))
         per_step = len(plan) // cfg.trainer.mini_batches_per_step
         sums = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
         step_stats: dict[str, float] = {}
@@ -330,12 +297,11 @@ class GRPORecipe:
         with self.timer("update"):
             for epoch in range(cfg.trainer.ppo_epochs):
                 for k in range(cfg.trainer.mini_batches_per_step):
-                    chunk = plan[k * per_step:(k + 1) * per_step]
-                    rows = [i for idx in chunk for i in idx]
-                    n_tok, n_seq = dist.all_reduce_sum([float(batch.response_mask[rows].sum()) if rows else 0.0,
+                    chunk = packed.micro[k * per_step:(k + 1) * per_step]
+                    rows = [i for idx in plan[k * per_step:(k + 1) * per_step] for i in idx]
+                    n_tok, n_seq = dist.all_reduce_sum([float(table.response_mask[rows].sum()) if rows else 0.0,
                                                         float(len(rows))])
-                    for j, idx in enumerate(chunk):
-                        mb = self.micro_batch(batch, completions, idx)
+                    for j, mb in enumerate(chunk):
                         logp, entropy = actor.response_logprobs(mb, cfg.rollout.temperature, with_entropy=True,
                                                                 entropy_grad=algo.entropy_coef > 0)
                         if on_policy:
@@ -372,9 +338,9 @@ class GRPORecipe:
         if ref is not None:
             out["train/kl"] = kl_sum / max(tok, 1)
             if algos.kl_goes_in_reward(algo):
-                seq_kl = algos.sequence_mean_kl(batch.extras["rollout_logp"] - batch.extras["ref_logp"],
-                                                batch.response_mask)  # the k1 in the reward, per token
-                seq_kl_sum, n_seq_total = dist.all_reduce_sum([float(seq_kl.sum()), float(len(completions))])
+                seq_kl = algos.sequence_mean_kl(table.extras["rollout_logp"] - ref_logp,
+                                                table.response_mask)  # the k1 in the reward, per token
+                seq_kl_sum, n_seq_total = dist.all_reduce_sum([float(seq_kl.sum()), float(len(rollout))])
                 out["train/kl_in_reward_coef"] = self.kl_ctl.coef
                 self.kl_ctl.update(seq_kl_sum / max(n_seq_total, 1.0), int(n_seq_total))
         return out

@@ -61,9 +61,10 @@ class SFTRecipe:
         self.total_steps = self.plan.total_steps
         check_held_out_size(len(self.held), dist.world_size())
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-        log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of %d%s)",
-                 self.plan.total_steps, tr.epochs, self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch,
-                 tr.micro_batch_size, ", packed" if cfg.trainer.packing else "")
+        log.info("plan: %d steps (%d epoch(s) x %d steps of %d examples; %d per rank, micro-batches of whole "
+                 "examples up to trainer.micro_batch_tokens=%s%s)", self.plan.total_steps, tr.epochs,
+                 self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch, tr.micro_batch_tokens,
+                 ", packed" if cfg.trainer.packing else "")
         # ---- trainer; plus the rollout engine when the held-out examples can be scored by generation
         self.gen_eval = bool(tr.eval_generate and self.held and all(ex.answer is not None for ex in self.held))
         if self.gen_eval:  # prompt + eval_max_new_tokens within the context, checked before the model loads
@@ -85,7 +86,7 @@ class SFTRecipe:
     def micro(self, examples: list) -> list:
         cfg = self.cfg
         return sft_micro_batches(examples, cfg.trainer.micro_batch_size, self.pad, cfg.trainer.packing,
-                                 cfg.data.max_seq_len, self.dtype)
+                                 cfg.data.max_seq_len, self.dtype, self.actor.micro_batch_tokens())
 
     # ------------------------------------------------------------------ the loop's calls
     def resume(self, ckpt) -> int:

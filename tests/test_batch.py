@@ -5,7 +5,7 @@ import torch
 from colo_rl.algos import entropy_from_logits, logprobs_from_logits
 from colo_rl.config import ModelConfig
 from colo_rl.models import load_model
-from colo_rl.train.batch import build_batch, group_micro_batches, micro_batches, response_logprobs
+from colo_rl.train.batch import build_batch, micro_batches, response_logprobs
 from colo_rl.train.packing import pack_groups
 
 TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
@@ -37,7 +37,6 @@ def test_build_batch_layout():
     assert b.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
     sub = b.select([0])
     assert sub.input_ids.tolist() == [[1, 2, 3, 5, 6]] and sub.extras["x"].tolist() == [[0.5, 0.5]]
-    assert micro_batches(5, 2, lengths=[5, 1, 4, 2, 3]) == [[1, 3], [4, 2], [0]]
 
 
 def test_group_packing_matches_padded_logprobs_entropy_and_gradients():
@@ -79,11 +78,15 @@ def test_padded_layout_through_the_shared_forward():
     assert torch.allclose(got, logprobs_from_logits(logits, batch.response_ids, 0.7), atol=1e-6)
 
 
-def test_group_micro_batches_keep_groups_whole():
-    # 4 groups of 2: totals 9, 3, 7, 1 -> sorted 3 (g3), 1 (g1), 2 (g2), 0 (g0); two groups per micro-batch
-    lengths = [4, 5, 1, 2, 3, 4, 0.5, 0.5]
-    assert group_micro_batches(lengths, 2, 4) == [[6, 7, 2, 3], [4, 5, 0, 1]]
-    assert group_micro_batches(lengths, 2, 1) == [[6, 7], [2, 3], [4, 5], [0, 1]]  # at least one group
+def test_micro_batches_fill_whole_units_up_to_the_token_budget_shortest_first():
+    costs = [5, 1, 4, 2, 3]
+    assert micro_batches(costs, budget=0, max_units=2) == [[1, 3], [4, 2], [0]]  # a unit cap alone
+    assert micro_batches(costs, budget=6, max_units=0) == [[1, 3, 4], [2], [0]]  # 1+2+3 <= 6; 4 then 5 alone
+    assert micro_batches([9, 2], budget=4) == [[1], [0]]  # a unit over the budget gets one of its own
+    # the order may differ from the cost (GRPO: groups ordered by trained tokens, filled by row length)
+    assert micro_batches([3, 3, 3, 3], budget=6, order=[4, 3, 2, 1]) == [[3, 2], [1, 0]]
+    # one GRPO group per micro-batch when two never fit (the CPU demo), in ascending order
+    assert micro_batches([260, 300, 250, 280], budget=256) == [[2], [0], [3], [1]]
 
 
 def test_packing_isolates_responses():

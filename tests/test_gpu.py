@@ -142,6 +142,22 @@ def test_reference_model_is_paged_with_the_trainer(tmp_path):
     release(colo)
 
 
+def test_auto_micro_batch_tokens_come_from_the_update_phases_free_memory(tmp_path):
+    """trainer.micro_batch_tokens=auto on a GPU: sized from the memory free once the engine has
+    released it (the update phase), within its bounds; the demo's 4 groups per rank (each at most
+    ~60 + 8 x 40 tokens) then take at most 2 micro-batches."""
+    from colo_rl.train.batch import AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, micro_batch_token_budget, micro_batches
+
+    cfg, colo = build(tmp_path, "hf", HF_DIMS)
+    with colo.switch.update():
+        free = torch.cuda.mem_get_info()[0]
+        tokens = colo.actor.micro_batch_tokens()
+    expect = micro_batch_token_budget("auto", colo.actor.config, colo.actor.dtype, free)
+    assert AUTO_MIN_TOKENS <= tokens <= AUTO_MAX_TOKENS and abs(tokens - expect) <= 0.05 * expect
+    assert len(micro_batches([380] * 4, tokens)) <= 2
+    release(colo)
+
+
 # ------------------------------------------------------------------------------------- SGLang
 # The SGLang checks run in a worker process (tests/workers/sglang_gpu_worker.py): an SGLang scheduler
 # failure signals its parent, and inside pytest that would end the whole suite.

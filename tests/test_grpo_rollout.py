@@ -75,31 +75,33 @@ def recipe(problems: int, prompts_per_step: int, scorer: ScriptedScorer, env=Non
 
 def test_each_group_keeps_its_problem_rewards_and_sources():
     scorer = ScriptedScorer([{0: [1, 0], 1: [0, 0]}], failures=[1])
-    out = recipe(2, 2, scorer).rollout()
-    assert [(c.prompt_ids, c.token_ids) for c in out["completions"]] == [([0], [0, 0]), ([0], [0, 1]),
-                                                                          ([1], [1, 0]), ([1], [1, 1])]
-    assert [p.id for p in out["problems"]] == ["0", "0", "1", "1"]
-    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]
-    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 0.0]}
-    assert out["texts"] == ["0 0", "0 1", "1 0", "1 1"]
-    assert (out["failures"], out["rounds"], out["filled"]) == (1, 1, 0)
+    out = recipe(2, 2, scorer).rollout(policy_version=3)
+    assert [(c.prompt_ids, c.token_ids) for c in out.completions] == [([0], [0, 0]), ([0], [0, 1]),
+                                                                       ([1], [1, 0]), ([1], [1, 1])]
+    assert [g.problem.id for g in out.groups] == ["0", "1"] and [g.prompt_ids for g in out.groups] == [[0], [1]]
+    assert [p.id for p in out.problems] == ["0", "0", "1", "1"]
+    assert out.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert out.sources() == {"verifier": [2.0, 0.0, 0.0, 0.0]}
+    assert out.groups[0].sources == {"verifier": [2.0, 0.0]}
+    assert out.flat("texts") == ["0 0", "0 1", "1 0", "1 1"]
+    assert (out.failures, out.rounds, out.filled, out.policy_version) == (1, 1, 0, 3)
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_counts_every_rounds_failures():
     # round 1: problem 0 informative, 1 not; round 2: 2 not, 3 informative -> groups of problems 0 and 3
     scorer = ScriptedScorer([{0: [1, 0], 1: [1, 1]}, {2: [0, 0], 3: [0, 1]}], failures=[2, 1])
     out = recipe(4, 2, scorer, dynamic_sampling=True, max_sampling_rounds=3).rollout()
-    assert [p.id for p in out["problems"]] == ["0", "0", "3", "3"]
-    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 2.0]}
-    assert (out["failures"], out["rounds"], out["filled"]) == (3, 2, 0)
+    assert [p.id for p in out.problems] == ["0", "0", "3", "3"]
+    assert out.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert out.sources() == {"verifier": [2.0, 0.0, 0.0, 2.0]}
+    assert (out.failures, out.rounds, out.filled) == (3, 2, 0)
 
 
 def test_dynamic_sampling_fills_with_set_aside_groups_when_rounds_run_out():
     scorer = ScriptedScorer([{0: [1, 0], 1: [1, 1]}, {0: [0, 0], 1: [1, 1]}], failures=[0, 0])
     out = recipe(2, 2, scorer, dynamic_sampling=True, max_sampling_rounds=1).rollout()
-    assert [p.id for p in out["problems"]] == ["0", "0", "1", "1"]  # the kept group, then the first set aside
-    assert (out["rounds"], out["filled"]) == (2, 1)
+    assert [p.id for p in out.problems] == ["0", "0", "1", "1"]  # the kept group, then the first set aside
+    assert (out.rounds, out.filled) == (2, 1)
 
 
 def test_your_environments_reward_is_a_source_on_every_rank_even_when_no_episode_gave_one():
@@ -107,8 +109,8 @@ def test_your_environments_reward_is_a_source_on_every_rank_even_when_no_episode
     # as the others: the sums over ranks go by key
     env = type("ConversationEnvironment", (), {"answers_every_turn": True, "scores_episodes": True})()
     out = recipe(2, 2, ScriptedScorer([{0: [1, 0], 1: [0, 0]}], failures=[0]), env=env).rollout()
-    assert out["sources"] == {"verifier": [2.0, 0.0, 0.0, 0.0], "env": [0.0, 0.0, 0.0, 0.0]}
-    assert out["rewards"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert out.sources() == {"verifier": [2.0, 0.0, 0.0, 0.0], "env": [0.0, 0.0, 0.0, 0.0]}
+    assert out.rewards.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 @pytest.fixture(autouse=True)

@@ -62,6 +62,9 @@ def test_sglang_kwargs_stay_a_free_dict():
     ("algo.kl_coef=-0.1", r"algo.kl_coef=-0.1 must be >= 0"),
     ("rollout.group_size=1", r"rollout.group_size=1: algo.adv_estimator=grpo's baseline .* use rollout.group_size>=2"),
     ("rollout.tp_size=2", r"rollout.tp_size=2 splits SGLang's engine .* rollout.engine=hf .* would ignore it"),
+    ("trainer.micro_batch_tokens=lots", r"trainer.micro_batch_tokens='lots' must be auto or a positive number"),
+    ("trainer.micro_batch_tokens=0", r"trainer.micro_batch_tokens='0' must be auto or a positive number"),
+    ("trainer.micro_batch_size=-1", r"trainer.micro_batch_size=-1 must be >= 0 \(0 = no cap"),
 ])
 def test_out_of_range_value_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

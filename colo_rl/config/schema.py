@@ -321,10 +321,15 @@ class TrainerConfig:
                              check=Check(lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
                                          "must be two values in [0, 1)"))
     grad_clip: float = opt(1.0, TRAINING, check=ge(0, "0 = no clipping"))  # global gradient-norm clip
-    micro_batch_size: int = opt(8, TRAINING, check=POSITIVE_INT)  # sequences per forward/backward on one rank
+    # Micro-batches hold whole units (GRPO groups, DPO pairs, SFT examples or packed rows) up to
+    # micro_batch_tokens tokens: an integer, or auto (on a GPU from the memory free in the update
+    # phase, logged; on CPU 256); micro_batch_size caps the units per micro-batch (0 = no cap).
+    micro_batch_tokens: str = opt("auto", TRAINING, check=Check(lambda v: str(v) == "auto" or (str(v).isdigit() and int(v) > 0),
+                                                              "must be auto or a positive number of tokens"))
+    micro_batch_size: int = opt(0, TRAINING, check=ge(0, "0 = no cap: the token budget alone"))
     # Several sequences per row, no attention across them (needs model.attn_implementation sdpa or
     # eager). GRPO: each prompt group one row [prompt | r_1 | ... | r_G] (its prompt computed once),
-    # micro_batch_size // group_size groups per micro-batch; DPO: each pair one row [prompt | chosen |
+    # whole groups per micro-batch; DPO: each pair one row [prompt | chosen |
     # p' | rejected]; SFT: examples packed into rows of data.max_seq_len. False: padded rows.
     packing: bool = opt(True, TRAINING)
     # optimizer steps per rollout batch (1 = strictly on-policy)

@@ -11,6 +11,7 @@ import torch
 
 from colo_rl.errors import ConfigError
 from colo_rl.registry import Registry
+from colo_rl.samples import Completion  # noqa: F401  (engines return it; defined at the bottom of the house)
 
 # What `sleep` / `wake` take: SGLang's memory-occupation tags.
 WEIGHTS = "weights"
@@ -32,15 +33,6 @@ class SamplingParams:
     # skip_tokenizer_init and cannot match text), so a caller still cuts what follows a stop string
     # itself (rollout/multiturn.py).
     stop: tuple[str, ...] = ()
-
-
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    # log softmax(logits / temperature)[token] over the full vocabulary, as the engine sampled it.
-    logprobs: list[float]
-    finish_reason: str  # "stop" (EOS), "length", or "stop_string" (SamplingParams.stop)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from colo_rl.errors import CheckpointError, NonFiniteError
 from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.batch import TokenBatch, response_logprobs
+from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
 from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, drop_offload_buffers,
                                      fit_grad_bucket, grad_bucket_bytes, lr_lambda, offload_buffers_set_aside,
                                      paged_state_bytes, paging_needed)
@@ -73,6 +73,7 @@ class DeepSpeedActor:
         self.nonfinite_total = 0  # optimizer steps skipped for a non-finite loss / gradient
         self.nonfinite_in_a_row = 0
         self._loss_nonfinite = False
+        self._micro_batch_tokens: Optional[int] = None
         model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
         self.lora = with_optimizer and lora_enabled(cfg.model)
         if self.lora:
@@ -107,6 +108,21 @@ class DeepSpeedActor:
                                       if with_optimizer and self.zero_stage == 3 else [], self.pin_memory)
 
     # ------------------------------------------------------------------ forward
+    def micro_batch_tokens(self) -> int:
+        """trainer.micro_batch_tokens in tokens, the same on every rank (the smallest; a collective).
+        auto is sized once, the first time it is asked (in the update phase: the engine's memory is
+        released), from the device memory free then; logged."""
+        if self._micro_batch_tokens is None:
+            on_gpu = self.engine.device.type == "cuda"
+            free = torch.cuda.mem_get_info(self.engine.device)[0] if on_gpu else None
+            own = micro_batch_token_budget(self.cfg.trainer.micro_batch_tokens, self.config, self.dtype, free)
+            self._micro_batch_tokens = int(-dist.all_reduce_max([-float(own)])[0])
+            if dist.is_rank0():
+                log.info("micro-batches of up to %d tokens (trainer.micro_batch_tokens=%s%s)", self._micro_batch_tokens,
+                         self.cfg.trainer.micro_batch_tokens,
+                         f"; {free / 2**30:.1f} GiB free in the update phase" if free is not None else "")
+        return self._micro_batch_tokens
+
     def response_logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
                           grad: bool = True, entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """log pi(response tokens) [B, R] (float32) and optionally the entropy per position

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from colo_rl import dist
 from colo_rl.algos import entropy_from_logits
 
 
@@ -91,23 +92,90 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     return TokenBatch(ids, attn, pos, resp, rmask, extras)
 
 
-def micro_batches(n: int, size: int, lengths: Optional[list[int]] = None) -> list[list[int]]:
-    """Row indices split into micro-batches of at most `size`; sorted by length when given so each
-    micro-batch pads little."""
-    order = sorted(range(n), key=lambda i: lengths[i]) if lengths is not None else list(range(n))
-    return [order[i:i + size] for i in range(0, n, size)]
+def empty_batch(pad_id: int, per_token: tuple[str, ...] = ()) -> TokenBatch:
+    """One row, one masked target: a forward / backward that contributes exactly zero (a rank with
+    fewer micro-batches joins the others' collectives with it); `per_token` columns are zeros."""
+    return build_batch([[pad_id]], [[pad_id]], pad_id, response_masks=[[0]],
+                       per_token={name: [[0.0]] for name in per_token})
 
 
-def group_micro_batches(lengths: list[float], group_size: int, micro_batch_size: int) -> list[list[int]]:
-    """Rows of consecutive groups (rows g*G .. g*G+G-1) split into micro-batches of whole groups,
-    max(1, micro_batch_size // G) groups each, groups of similar total length together (less
-    padding once packed). Every rank with the same number of groups gets the same count."""
-    n_groups = len(lengths) // group_size
-    totals = [sum(lengths[g * group_size:(g + 1) * group_size]) for g in range(n_groups)]
-    order = sorted(range(n_groups), key=lambda g: totals[g])
-    per = max(1, micro_batch_size // group_size)
-    return [[g * group_size + i for g in order[k:k + per] for i in range(group_size)]
-            for k in range(0, n_groups, per)]
+def micro_batches(costs: list[int], budget: int, max_units: int = 0,
+                  order: Optional[list[float]] = None) -> list[list[int]]:
+    """Units (GRPO groups, DPO pairs, SFT examples or packed rows) as micro-batches of whole units:
+    taken in ascending `order` (default: their cost, so similar lengths share a micro-batch and pad
+    little) and filled up to `budget` tokens (trainer.micro_batch_tokens) and `max_units` units
+    (trainer.micro_batch_size); 0 = no cap on either. A unit over the budget gets a micro-batch of its own.
+
+        micro-batch b = a run of consecutive units u with  sum_u cost_u <= budget,  |b| <= max_units
+    """
+    key = costs if order is None else order
+    bins: list[list[int]] = []
+    used = 0
+    for i in sorted(range(len(costs)), key=lambda i: key[i]):
+        if bins and (budget <= 0 or used + costs[i] <= budget) and (max_units <= 0 or len(bins[-1]) < max_units):
+            bins[-1].append(i)
+            used += costs[i]
+        else:
+            bins.append([i])
+            used = costs[i]
+    return bins
+
+
+def spread(bins: list[list[int]], n: int, costs: list[int]) -> list[list[int]]:
+    """`bins` as exactly `n` micro-batches (n >= len(bins)): the costliest micro-batch of several
+    units is halved until there are n (each half still within the budget), then empty ones ([]:
+    a pass that adds nothing) where every micro-batch holds one unit."""
+    bins = [list(b) for b in bins]
+    while len(bins) < n:
+        several = [k for k, b in enumerate(bins) if len(b) > 1]
+        if not several:
+            break
+        k = max(several, key=lambda k: sum(costs[i] for i in bins[k]))
+        half = len(bins[k]) // 2
+        bins[k:k + 1] = [bins[k][:half], bins[k][half:]]
+    return bins + [[] for _ in range(n - len(bins))]
+
+
+def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0, order: Optional[list[float]] = None,
+                         multiple_of: int = 1) -> list[list[int]]:
+    """`micro_batches`, as many on every rank (ZeRO-3's gathers are collectives, so every rank runs
+    the same number of passes): the largest count over ranks, rounded up to `multiple_of`
+    (mini-batches of equal size), reached by `spread`. One all-reduce."""
+    bins = micro_batches(costs, budget, max_units, order)
+    (n,) = dist.all_reduce_max([float(len(bins))])
+    n = -(-int(n) // multiple_of) * multiple_of
+    return spread(bins, n, costs)
+
+
+# trainer.micro_batch_tokens=auto on CPU: one group of the demo (~250 tokens) per micro-batch, the
+# split the README's CPU figures were measured with (docs/micro_batches.md).
+CPU_MICRO_BATCH_TOKENS = 256
+AUTO_MIN_TOKENS, AUTO_MAX_TOKENS = 1024, 65536
+
+
+def activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
+    """A training forward + backward's memory per token, estimated: ~18 values of the hidden size
+    per decoder layer kept for the backward (attention and MLP inputs and outputs), plus three fp32
+    vocabulary-wide rows for the token's logits (the logits, their log-softmax, their gradient)."""
+    elem = torch.finfo(dtype).bits // 8
+    return model_config.num_hidden_layers * model_config.hidden_size * 18 * elem + 3 * 4 * model_config.vocab_size
+
+
+def micro_batch_token_budget(setting, model_config, dtype: torch.dtype, free_bytes: Optional[int],
+                             share: float = 0.5) -> int:
+    """trainer.micro_batch_tokens as a number of tokens. An integer is taken as it is. `auto`: on a
+    GPU (`free_bytes`: the device memory free in the update phase) `share` of it over
+    `activation_bytes_per_token`, within [AUTO_MIN_TOKENS, AUTO_MAX_TOKENS] (the rest is room for
+    the allocator, the attention masks and what the estimate leaves out); on CPU (`free_bytes`
+    None) CPU_MICRO_BATCH_TOKENS.
+
+        budget = clamp(share * free_bytes / bytes_per_token, 1024, 65536)"""
+    if str(setting) != "auto":
+        return int(setting)
+    if free_bytes is None:
+        return CPU_MICRO_BATCH_TOKENS
+    fit = int(share * free_bytes / activation_bytes_per_token(model_config, dtype))
+    return max(AUTO_MIN_TOKENS, min(AUTO_MAX_TOKENS, fit))
 
 
 def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,

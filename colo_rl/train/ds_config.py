@@ -34,7 +34,7 @@ def build_ds_config(trainer_cfg, dtype: torch.dtype, with_optimizer: bool, grad_
         zero["stage3_param_persistence_threshold"] = 1e4
         zero["stage3_prefetch_bucket_size"] = 5e7
     cfg = {
-        "train_micro_batch_size_per_gpu": trainer_cfg.micro_batch_size,
+        "train_micro_batch_size_per_gpu": max(1, trainer_cfg.micro_batch_size),
         "gradient_accumulation_steps": max(1, grad_accum),
         "gradient_clipping": trainer_cfg.grad_clip,
         "zero_optimization": zero,

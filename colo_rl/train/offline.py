@@ -18,7 +18,7 @@ from colo_rl import algos, dist
 from colo_rl.errors import ConfigError
 from colo_rl.data.files import DataError
 from colo_rl.train.packing import pack_bins, packed_batch, packed_pairs
-from colo_rl.train.batch import TokenBatch, build_batch, micro_batches
+from colo_rl.train.batch import TokenBatch, build_batch, empty_batch, micro_batches
 
 log = logging.getLogger("colo_rl")
 
@@ -47,12 +47,7 @@ def plan_steps(cfg, n_train: int, unit: str = "examples") -> StepPlan:
     if tr.max_steps:
         total = min(total, tr.max_steps)
     local_batch = tr.batch_size // world
-    return StepPlan(total, steps_per_epoch, local_batch, math.ceil(local_batch / tr.micro_batch_size))
-
-
-def empty_batch(pad_id: int) -> TokenBatch:
-    """One row, one masked target: a forward / backward that contributes exactly zero."""
-    return build_batch([[pad_id]], [[pad_id]], pad_id, response_masks=[[0]])
+    return StepPlan(total, steps_per_epoch, local_batch, math.ceil(local_batch / max(1, tr.micro_batch_size)))
 
 
 def equalise(batches: list, pad_id: int, make=None) -> tuple[list, int]:
@@ -65,9 +60,10 @@ def equalise(batches: list, pad_id: int, make=None) -> tuple[list, int]:
 
 # ------------------------------------------------------------------ SFT
 def sft_micro_batches(examples: list, micro_batch_size: int, pad_id: int, packing: bool = False,
-                      max_len: int = 1024, dtype: torch.dtype = torch.float32) -> list[TokenBatch]:
-    """This rank's examples as micro-batches: unpacked (micro_batch_size examples each, sorted by
-    length) or packed (rows of at most max_len tokens, micro_batch_size rows each)."""
+                      max_len: int = 1024, dtype: torch.dtype = torch.float32, budget: int = 0) -> list[TokenBatch]:
+    """This rank's examples as micro-batches of at most `budget` tokens (0: no cap) and
+    micro_batch_size units (`batch.micro_batches`): unpacked, the units are examples (shortest
+    first); packed, rows of at most max_len tokens (longest first)."""
     if not examples:
         return []
     if packing:
@@ -75,12 +71,12 @@ def sft_micro_batches(examples: list, micro_batch_size: int, pad_id: int, packin
                 for ex in examples]
         bins = pack_bins([len(s) for s, _ in seqs], max_len)
         bins.sort(key=lambda b: -sum(len(seqs[i][0]) for i in b))
-        return [packed_batch([[seqs[i] for i in b] for b in bins[k:k + micro_batch_size]], pad_id, dtype,
-                             example_ids=bins[k:k + micro_batch_size])
-                for k in range(0, len(bins), micro_batch_size)]
+        rows = [sum(len(seqs[i][0]) for i in b) for b in bins]
+        return [packed_batch([[seqs[i] for i in bins[r]] for r in mb], pad_id, dtype, example_ids=[bins[r] for r in mb])
+                for mb in micro_batches(rows, budget, micro_batch_size, order=list(range(len(bins))))]
     batch = build_batch([ex.prompt_ids for ex in examples], [ex.completion_ids for ex in examples], pad_id,
                         response_masks=[ex.completion_mask for ex in examples])
-    return [batch.select(idx) for idx in micro_batches(len(examples), micro_batch_size, [len(ex) for ex in examples])]
+    return [batch.select(idx) for idx in micro_batches([len(ex) for ex in examples], budget, micro_batch_size)]
 
 
 def masked_token_count(batches: list[TokenBatch]) -> float:
@@ -89,12 +85,14 @@ def masked_token_count(batches: list[TokenBatch]) -> float:
 
 # ------------------------------------------------------------------ DPO
 def pair_micro_batches(pairs: list, micro_batch_size: int, pad_id: int, packing: bool = False,
-                       dtype: torch.dtype = torch.float32) -> list[tuple[list[int], TokenBatch]]:
-    """(indices into `pairs`, batch) per micro-batch of micro_batch_size pairs: padded (chosen rows
+                       dtype: torch.dtype = torch.float32, budget: int = 0) -> list[tuple[list[int], TokenBatch]]:
+    """(indices into `pairs`, batch) per micro-batch of whole pairs, at most `budget` tokens (0: no
+    cap) and micro_batch_size pairs (`batch.micro_batches`, shortest first): padded (chosen rows
     first, then rejected, each behind its prompt) or, with packing (train/packing.packed_pairs),
     each pair is one row [prompt | chosen | p' | rejected] that computes its prompt once."""
     out = []
-    for idx in micro_batches(len(pairs), micro_batch_size, [len(p) for p in pairs]):
+    tokens = [len(p.prompt_ids) + len(p.chosen_ids) + 1 + len(p.rejected_ids) if packing else 2 * len(p) for p in pairs]
+    for idx in micro_batches(tokens, budget, micro_batch_size, order=[len(p) for p in pairs]):
         sel = [pairs[i] for i in idx]
         if packing:
             out.append((idx, packed_pairs(sel, pad_id, dtype)))
@@ -119,12 +117,12 @@ def split_pair_logps(logp: torch.Tensor, batch: TokenBatch, average: bool) -> tu
 
 @torch.no_grad()
 def pair_logps(model, pairs: list, micro_batch_size: int, pad_id: int, average: bool, packing: bool = False,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+               dtype: torch.dtype = torch.float32, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence log-probs (chosen, rejected) [len(pairs)] of this rank's pairs under `model`
     (a DeepSpeedActor: policy or frozen reference); every rank must call it (collectives)."""
     chosen = torch.zeros(len(pairs))
     rejected = torch.zeros(len(pairs))
-    mbs, _ = equalise(pair_micro_batches(pairs, micro_batch_size, pad_id, packing, dtype), pad_id,
+    mbs, _ = equalise(pair_micro_batches(pairs, micro_batch_size, pad_id, packing, dtype, budget), pad_id,
                       make=lambda: ([], empty_batch(pad_id)))
     for idx, batch in mbs:
         logp, _ = model.response_logprobs(batch, grad=False)

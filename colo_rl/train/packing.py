@@ -14,9 +14,12 @@ eager attention both take; flash-attention kernels would need position-id packin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from colo_rl.train.batch import TokenBatch, build_batch
+from colo_rl.samples import Rollout
+from colo_rl.train.batch import TokenBatch, build_batch, empty_batch
 
 
 def pack_bins(lengths: list[int], max_len: int) -> list[list[int]]:
@@ -188,3 +191,70 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dty
     return TokenBatch(ids, mask, positions, torch.cat([widen(g.response_ids) for g in parts]),
                       torch.cat([widen(g.response_mask) for g in parts]), extras=extras,
                       logit_positions=torch.tensor(kept), logit_index=index)
+
+
+@dataclass
+class PackedRollout:
+    """A rollout as the trainer reads it, built once per step (`pack_rollout`).
+
+    `table`: every completion in the rollout's order, padded ([N, R]: response masks and per-token
+    columns such as the engine's log-probs). `micro[j]`: micro-batch j, rows `rows[j]` of the table
+    (whole groups, in order), packed or padded; what a micro-batch's forward needs plus the columns
+    attached to it (`attach`): old / reference log-probs, advantages."""
+    table: TokenBatch
+    rows: list[list[int]]
+    micro: list[TokenBatch]
+
+    def attach(self, name: str, column: torch.Tensor) -> None:
+        """A column in the table's order ([N] per completion, or [N, R] per token) joins each
+        micro-batch as extras[name], in the micro-batch's layout."""
+        for rows, mb in zip(self.rows, self.micro):
+            if not rows:  # an empty pass: zeros in its one-row shape
+                mb.extras[name] = torch.zeros((1,) + ((mb.response_len,) if column.dim() == 2 else ()))
+                continue
+            part = column[rows]
+            mb.extras[name] = part if part.dim() == 1 else part[:, :mb.response_len]
+
+    def logprobs(self, model, temperature: float, check=None) -> torch.Tensor:
+        """Log-probs [N, R] of every response under `model` (a DeepSpeedActor or reference; no
+        gradient), micro-batch by micro-batch (every rank the same count: collectives); `check`
+        (the handoff's LogprobAgreement) sees each micro-batch's engine and trainer log-probs."""
+        out = []
+        for mb in self.micro:
+            logp, _ = model.response_logprobs(mb, temperature, grad=False)
+            if check is not None:
+                check.add(mb.extras["rollout_logp"], logp, mb.response_mask)
+            out.append(logp.cpu())
+        return self.collect(out)
+
+    def collect(self, per_micro: list[torch.Tensor]) -> torch.Tensor:
+        """Per-token values of each micro-batch ([rows, <= R]) back in the table's order, [N, R] (0 elsewhere)."""
+        out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32)
+        for rows, values in zip(self.rows, per_micro):
+            if rows:
+                out[rows, :values.shape[1]] = values
+        return out
+
+
+def pack_rollout(rollout: Rollout, plan: list[list[int]], pad_id: int, dtype: torch.dtype,
+                 packing: bool = True) -> PackedRollout:
+    """The rollout's micro-batches, each built once: `plan` lists each micro-batch's groups (indices
+    into rollout.groups; [] = an empty pass that adds nothing, for ranks with fewer micro-batches).
+    Packed: one row per group [prompt | r_1 | ... | r_G] (`pack_groups`); else padded rows."""
+    completions = rollout.completions
+    masks = [c.policy_mask for c in completions]  # episodes: only the policy's tokens count
+    table = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], pad_id,
+                        response_masks=None if all(m is None for m in masks) else masks,
+                        per_token={"rollout_logp": [c.logprobs for c in completions]})
+    group_rows = rollout.group_rows()
+    rows, micro = [], []
+    for groups in plan:
+        rows.append([i for g in groups for i in group_rows[g]])
+        if not groups:
+            micro.append(empty_batch(pad_id, per_token=("rollout_logp",)))
+        elif packing:
+            micro.append(pack_groups([(rollout.groups[g].prompt_ids, [c.token_ids for c in rollout.groups[g].completions],
+                                       table.select(group_rows[g])) for g in groups], dtype))
+        else:
+            micro.append(table.select(rows[-1]))
+    return PackedRollout(table, rows, micro)

@@ -1,0 +1,120 @@
+"""The rollout's type (colo_rl/samples.py), its micro-batches (train/packing.pack_rollout) and the
+token-budget planner (train/batch.py): groups stay whole, rewards have one home, each micro-batch is
+built once and carries its columns, and `auto` sizes the budget from the memory it is given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo_rl.config import ModelConfig
+from colo_rl.models import load_model
+from colo_rl.samples import Completion, Rollout, groups_of
+from colo_rl.train.batch import (AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, CPU_MICRO_BATCH_TOKENS, activation_bytes_per_token,
+                                 micro_batch_token_budget, micro_batches, response_logprobs, spread)
+from colo_rl.train.packing import pack_groups, pack_rollout
+
+
+def rollout_of(prompts: list[list[int]], responses: list[list[list[int]]], rewards: list[float]) -> Rollout:
+    completions = [Completion(p, r, [-0.1 * (k + 1)] * len(r), "stop")
+                   for p, rs in zip(prompts, responses) for k, r in enumerate(rs)]
+    G = len(responses[0])
+    n = len(completions)
+    out = Rollout(policy_version=5)
+    out.keep(groups_of([f"problem {j}" for j in range(len(prompts))], G, {"verifier": rewards},
+                       completions=completions, rewards=rewards, correct=[False] * n, lenient=[False] * n,
+                       formatted=[True] * n, texts=["t"] * n))
+    return out
+
+
+def test_groups_keep_each_prompts_completions_together():
+    r = rollout_of([[1, 2], [3]], [[[4], [5, 6]], [[7, 8, 9], [10]]], [1.0, 0.0, 0.5, 0.5])
+    assert [g.problem for g in r.groups] == ["problem 0", "problem 1"]
+    assert [g.prompt_ids for g in r.groups] == [[1, 2], [3]]
+    assert [g.tokens for g in r.groups] == [2 + 1 + 2, 1 + 3 + 1]
+    assert r.group_rows() == [[0, 1], [2, 3]] and len(r) == 4 and r.group_size == 2
+    assert r.problems == ["problem 0", "problem 0", "problem 1", "problem 1"]
+    assert r.groups[1].sources == {"verifier": [0.5, 0.5]}
+    with pytest.raises(ValueError, match="rewards: 3 values for 2 groups of 2"):
+        groups_of(["a", "b"], 2, {}, rewards=[1.0, 2.0, 3.0])
+
+
+def test_a_later_source_joins_the_rewards_in_float32_and_shaping_only_the_total():
+    base = [0.1, 0.7, 1.3, 0.2]
+    r = rollout_of([[1], [2]], [[[4], [5]], [[6], [7]]], base)
+    scores = torch.tensor([0.31, -0.2, 0.05, 1.7])
+    r.add_source("model", scores, 0.3)
+    # exactly what one float32 tensor sum gives (the recipe's golden values depend on it)
+    assert torch.equal(r.rewards, torch.tensor(base) + 0.3 * scores)
+    assert r.sources()["model"] == scores.tolist() and r.groups[1].sources["model"] == scores[2:].tolist()
+    penalty = torch.tensor([0.0, -0.5, 0.0, -1.0])
+    r.add_shaping("overlong", penalty)
+    assert torch.equal(r.rewards, torch.tensor(base) + 0.3 * scores)  # the reported reward: no shaping
+    assert torch.equal(r.total(), r.rewards + penalty)
+    with pytest.raises(ValueError, match="3 scores for 4 completions"):
+        r.add_source("x", [1.0, 2.0, 3.0])
+
+
+def test_dynamic_sampling_keeps_informative_groups_then_fills_with_set_aside_ones():
+    r = Rollout()
+    first = rollout_of([[1], [2], [3]], [[[4], [5]]] * 3, [1, 0, 1, 1, 0, 0]).groups
+    r.keep(first, [True, False, False])
+    r.keep(rollout_of([[9]], [[[4], [5]]], [0, 1]).groups, [True])
+    r.fill(3)
+    assert [g.prompt_ids for g in r.groups] == [[1], [9], [2]] and r.filled == 1
+    r.fill(1)
+    assert [g.prompt_ids for g in r.groups] == [[1]]
+
+
+def test_spread_reaches_the_agreed_count_by_halving_the_costliest_micro_batch():
+    costs = [1, 2, 3, 4]
+    bins = micro_batches(costs, budget=10)
+    assert bins == [[0, 1, 2, 3]]
+    assert spread(bins, 2, costs) == [[0, 1], [2, 3]]
+    assert spread(bins, 3, costs) == [[0, 1], [2], [3]]  # the costlier half split again
+    assert spread([[0], [1]], 4, costs) == [[0], [1], [], []]  # one unit each: empty passes after
+
+
+def test_auto_budget_from_the_free_memory_it_is_given():
+    cfg = load_model(ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"), torch.float32).config
+    per_token = activation_bytes_per_token(cfg, torch.bfloat16)
+    assert per_token == 2 * 64 * 18 * 2 + 12 * cfg.vocab_size
+    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, None) == CPU_MICRO_BATCH_TOKENS
+    assert micro_batch_token_budget("4096", cfg, torch.bfloat16, 10) == 4096  # a number is taken as it is
+    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 2000 * per_token) == AUTO_MIN_TOKENS  # 1000 < min
+    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 10_000 * per_token) == 5000
+    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 1 << 50) == AUTO_MAX_TOKENS
+    # SmolLM2-135M on an H100 with ~70 GiB free in the update phase: the demo's 4 groups per rank
+    # (~4 x 400 tokens) fit in one micro-batch
+    smol = type("Cfg", (), {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152})()
+    assert micro_batch_token_budget("auto", smol, torch.bfloat16, 70 << 30) > 4 * 400
+    # at any free memory, even at the floor, the demo's work takes at most 2 micro-batches per rank
+    for free in (0, 1 << 30, 70 << 30):
+        assert len(micro_batches([60 + 8 * 40] * 4, micro_batch_token_budget("auto", smol, torch.bfloat16, free))) <= 2
+
+
+def test_each_micro_batch_is_built_once_and_carries_its_columns():
+    """pack_rollout's micro-batches equal the groups packed directly; attached columns land on the
+    right rows; collect brings per-micro-batch values back in the rollout's order."""
+    torch.manual_seed(0)
+    r = rollout_of([[5, 6, 7], [8], [9, 10]], [[[11, 12], [13]], [[14], [15, 16, 17]], [[18, 19], [20]]],
+                   [1.0, 0.0, 0.5, 0.2, 0.3, 0.9])
+    packed = pack_rollout(r, [[1], [0, 2], []], pad_id=0, dtype=torch.float32)
+    assert packed.rows == [[2, 3], [0, 1, 4, 5], []]
+    direct = pack_groups([(g.prompt_ids, [c.token_ids for c in g.completions],
+                           packed.table.select(rows)) for g, rows in ((r.groups[0], [0, 1]), (r.groups[2], [4, 5]))],
+                         torch.float32)
+    assert torch.equal(packed.micro[1].input_ids, direct.input_ids)
+    assert torch.equal(packed.micro[1].extras["rollout_logp"], direct.extras["rollout_logp"])
+    assert packed.micro[2].response_mask.sum() == 0  # the empty pass adds nothing
+    packed.attach("advantages", torch.arange(6.0))
+    assert packed.micro[1].extras["advantages"].tolist() == [0.0, 1.0, 4.0, 5.0]
+    assert packed.micro[2].extras["advantages"].tolist() == [0.0]
+    model = load_model(ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"), torch.float32)
+    with torch.no_grad():
+        per_micro = [response_logprobs(model, mb)[0] for mb in packed.micro]
+        unpacked = response_logprobs(model, packed.table)[0] * packed.table.response_mask
+    table = packed.collect(per_micro)
+    assert torch.allclose(table, unpacked, atol=1e-5)
+    packed.attach("old_logp", table)
+    assert torch.allclose(packed.micro[0].extras["old_logp"], per_micro[0])
