@@ -39,6 +39,7 @@ TITLES = {
     "phase_switch": "Phase switch: seconds and memory per transition (ledger)",
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
+    "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
     "step_breakdown_sglang_tools": "Step breakdown, multi-turn GRPO with the calculator tool on SGLang (GPU)",

@@ -51,7 +51,8 @@ _GRPO_ONLY = {
     "algo.scale_by_std": "GRPO only", "algo.clip_low": "GRPO only", "algo.clip_high": "GRPO only",
     "algo.kl_coef": "GRPO only", "algo.kl_estimator": "GRPO only", "algo.loss_agg": "GRPO only",
     "algo.tis_cap": "GRPO only", "algo.adv_estimator": "GRPO only", "algo.policy_loss": "GRPO only",
-    "algo.clip_ratio_c": "GRPO only", "algo.entropy_coef": "GRPO only", "algo.kl_in_reward": "GRPO only",
+    "algo.clip_ratio_c": "GRPO only", "algo.entropy_coef": "GRPO only",
+    "algo.log_entropy": "GRPO only", "algo.kl_in_reward": "GRPO only",
     "algo.kl_target": "GRPO only", "algo.kl_horizon": "GRPO only", "algo.dynamic_sampling": "GRPO only",
     "algo.max_sampling_rounds": "GRPO only", "algo.overlong_buffer_len": "GRPO only",
     "algo.overlong_penalty": "GRPO only", "trainer.ppo_epochs": "GRPO only",
@@ -65,7 +66,7 @@ _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_s
              "algo.precompute_ref_logprobs": "DPO only"}
 _EVAL_ONLY = {f"eval.{f.name}": "recipes/eval.py only" for f in fields(EvalConfig)}
 # recipes/eval.py trains nothing: its actor only holds the weights the engine gets through the handoff.
-_EVAL_READS = ("trainer.seed", "trainer.zero_stage", "colocate.offload_pin_memory")
+_EVAL_READS = ("trainer.seed", "trainer.zero_stage", "trainer.zero_leaf_modules", "colocate.offload_pin_memory")
 _NOT_EVAL = {**{f"algo.{f.name}": "recipes/eval.py trains nothing" for f in fields(AlgoConfig) if f.name != "name"},
              **{f"trainer.{f.name}": "recipes/eval.py trains nothing" for f in fields(TrainerConfig)
                 if f"trainer.{f.name}" not in _EVAL_READS},
