@@ -167,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=1, help="first steps dropped (warm-up)")
     p.add_argument("--demo-steps", type=int, default=0,
                    help="also run the demo (embedded model) this many steps per root")
+    p.add_argument("--works", type=lambda v: v.split(","), default=[],
+                   help="only these works (deep_narrow, demo); default: both (demo only with --demo-steps)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=common.RESULTS)
     p.add_argument("--no-readme", action="store_true")
@@ -180,7 +182,7 @@ def main(argv=None) -> int:
         if not (path / "recipes" / "grpo.py").exists():
             p.error(f"--root {label}={path}: no recipes/grpo.py there (a colo_rl checkout is needed)")
     knows = {label: knows_options(path) for label, path in roots}
-    runs = variants(roots, knows, args.demo_steps)
+    runs = [r for r in variants(roots, knows, args.demo_steps) if not args.works or r["work"] in args.works]
     if args.dry_run:
         for r in runs:
             print(r)
@@ -198,7 +200,7 @@ def main(argv=None) -> int:
               "steps": args.steps, "skip": args.skip, "runs": done}
     by = {(r["root"], r["work"], r["variant"]): r["update_s_median"] for r in done}
     first, last = roots[0][0], roots[-1][0]
-    if first != last:
+    if first != last and (first, "deep_narrow", "default") in by:
         before = by[(first, "deep_narrow", "default")]
         result["target"] = {"ratio": by[(last, "deep_narrow", "default")] / before,
                             "ratio_one_micro_batch": by[(last, "deep_narrow", "one micro-batch")] / before}
