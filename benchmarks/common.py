@@ -40,6 +40,8 @@ TITLES = {
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",
+    "update_overhead_demo": "Update overhead: the demo's update seconds per step, before / after",
+    "packed_attention_memory": "Packed-row attention: peak memory of an 8k-token row, dense mask vs FlexAttention",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
     "step_breakdown_sglang_tools": "Step breakdown, multi-turn GRPO with the calculator tool on SGLang (GPU)",

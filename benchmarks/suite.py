@@ -40,6 +40,7 @@ PRESETS = {
         # the update's host overhead against the commit before issue 37, + the demo's update (~15 min)
         "update_overhead": ["benchmarks/update_overhead.py", "--base-commit", "c28839b", "--root", "new=.",
                             "--demo-steps", "3"],
+        "packed_attention_memory": ["benchmarks/packed_attention_memory.py"],  # ~1 min
         # the demo once per estimator / loss and grpo on 3 seeds: about 85 minutes of the suite's time
         "algorithms": ["benchmarks/algorithms.py"],
     },
@@ -75,7 +76,8 @@ def plan(preset: str, only: list[str] | None, out: Path = common.RESULTS) -> lis
         if only and name not in only:
             continue
         argv = list(argv) + ["--out", str(out)]
-        if name in ("step_breakdown", "handoff", "race_trl", "tool_turns", "update_overhead"):
+        if name in ("step_breakdown", "handoff", "race_trl", "tool_turns", "update_overhead",
+                    "packed_attention_memory"):
             argv.append("--no-readme")  # the suite writes the README once at the end
         steps.append((name, argv))
     return steps

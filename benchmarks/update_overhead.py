@@ -171,6 +171,8 @@ def main(argv=None) -> int:
                    help="only these works (deep_narrow, demo); default: both (demo only with --demo-steps)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per run")
     p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--name", default="update_overhead",
+                   help="results file name (update_overhead_demo for a demo-only run)")
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
         before = by[(first, "deep_narrow", "default")]
         result["target"] = {"ratio": by[(last, "deep_narrow", "default")] / before,
                             "ratio_one_micro_batch": by[(last, "deep_narrow", "one micro-batch")] / before}
-    common.publish("update_overhead", result, markdown(result), args.out, readme=not args.no_readme)
+    common.publish(args.name, result, markdown(result), args.out, readme=not args.no_readme)
     return 0
 
 
