@@ -37,7 +37,11 @@ def test_leaf_modules_train_the_same_weights_paged_or_not(reports):
     leaf = reports[0]["leaf"]
     assert leaf["leaf_modules_off"] == 0 and leaf["leaf_modules_on"] == leaf["layers"]
     assert leaf["names_equal"] and leaf["max_change_from_init"] > 1e-3  # the steps moved the weights
-    assert leaf["max_diff_leaf_vs_off"] <= 1e-6, leaf
+    # the same gradients to float rounding (DeepSpeed's own linear backward vs autograd's inside a leaf)
+    assert leaf["grad_max_diff"] <= 1e-5 * leaf["grad_max_abs"], leaf
+    # Adam's first steps move every weight by ~lr whatever its gradient's size, so rounding-level
+    # gradient differences on near-zero gradients show as up to ~1 % of the change, not more
+    assert leaf["max_diff_leaf_vs_off"] <= 1e-2 * leaf["max_change_from_init"], leaf
     assert leaf["max_diff_paged_vs_leaf"] == 0.0, leaf
 
 

@@ -47,7 +47,15 @@ def batch(step: int):
     return build_batch(prompts, responses, pad_id=0)
 
 
-def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int]:
+def full_grads(actor) -> dict:
+    """Every parameter's whole fp32 gradient after the accumulation boundary's backward (a
+    collective under ZeRO-3: every rank, same order)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p).detach().clone() for n, p in actor.module.named_parameters()}
+
+
+def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int, dict]:
     actor = DeepSpeedActor(tiny_cfg(zero_leaf_modules=leaf), torch.float32, total_steps=4, grad_accum=2)
     from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
 
@@ -61,20 +69,23 @@ def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int]:
             b = batch(2 * step + j)
             lp, _ = actor.response_logprobs(b)
             actor.backward(-(lp * b.response_mask).sum() / (16.0 * dist.world_size()), last_micro_batch=j == 1)
+        grads = full_grads(actor) if step == 0 else grads
         actor.step()
     weights = actor.full_state_dict_on_rank0() or {}
-    return weights, leaves
+    return weights, leaves, grads
 
 
 def leaf_report() -> dict:
-    base, base_leaves = trained_weights(leaf=False, paged=False)
-    leaf, leaves = trained_weights(leaf=True, paged=False)
-    paged, _ = trained_weights(leaf=True, paged=True)
+    base, base_leaves, base_grads = trained_weights(leaf=False, paged=False)
+    leaf, leaves, leaf_grads = trained_weights(leaf=True, paged=False)
+    paged, _, _ = trained_weights(leaf=True, paged=True)
     init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
     diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
     return {"leaf_modules_off": base_leaves, "leaf_modules_on": leaves, "layers": TINY["num_layers"],
             "max_diff_leaf_vs_off": diff(leaf, base), "max_diff_paged_vs_leaf": diff(paged, leaf),
-            "max_change_from_init": diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged)}
+            "max_change_from_init": diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
+            "grad_max_diff": diff(leaf_grads, base_grads), "grad_max_abs": max(float(g.abs().max())
+                                                                               for g in base_grads.values())}
 
 
 # ---------------------------------------------------------------------------------------- host reads
@@ -90,10 +101,13 @@ class DeviceTensor(torch.Tensor):
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        to_host = name == "to" and any(str(a) == "cpu" for a in (*args[1:], kwargs.get("device")))
+        # .to(device): on the CPU every "device" is the host, so only an explicit "cpu" string counts
+        to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
         if name in READS or to_host:
             cls.reads.append(name)
-        return super().__torch_function__(func, types_, args, kwargs)
+        out = super().__torch_function__(func, types_, args, kwargs)
+        # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
+        return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
 
 
 def on_device(t: torch.Tensor) -> torch.Tensor:
