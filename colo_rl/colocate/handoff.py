@@ -151,8 +151,8 @@ class LogprobAgreement:
         diff = (rollout_logp.float().to(dev) - trainer_logp.detach().float()).abs() * m
         self.abs_sum = self.abs_sum + diff.sum()
         self.count = self.count + m.sum()
-        if diff.numel():  # masked-out positions are 0, so an all-padding micro-batch leaves the max as it is
-            self.max = torch.maximum(torch.as_tensor(self.max, device=dev), diff.max())
+        if diff.numel():  # diff >= 0 (masked-out positions are 0): its max is never below the initial 0
+            self.max = diff.max() if not torch.is_tensor(self.max) else torch.maximum(self.max, diff.max())
 
     def check(self, threshold: Optional[float]) -> dict[str, float]:
         local = dist.host_floats({"abs_sum": self.abs_sum, "count": self.count, "max": self.max})
