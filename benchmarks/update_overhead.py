@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -92,7 +93,7 @@ def summarise(rows: list[dict], skip: int, overrides: list[str]) -> dict:
 
 
 def run_one(run: dict, root: Path, steps: int, skip: int, tmp: Path, timeout: int, layers: int) -> dict:
-    run_dir = tmp / f"{run['root']}-{run['work']}-{run['variant'].replace(' ', '_')}"
+    run_dir = tmp / re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{run['root']}-{run['work']}-{run['variant']}")  # Hydra-safe
     work = WORK + (["model=tiny", f"model.num_layers={layers}"] if run["work"] == "deep_narrow" else [])
     n = run.get("steps", steps)
     argv = [sys.executable, "recipes/grpo.py", *work, f"trainer.total_steps={n}", *run["overrides"],
