@@ -64,3 +64,19 @@ def test_host_floats_reads_every_tensor_at_once():
     values = {"a": torch.tensor(1.5), "b": 2.0, "c": torch.tensor([3.0])}
     assert dist.host_floats(values) == {"a": 1.5, "b": 2.0, "c": 3.0}
     assert list(dist.host_floats(values)) == ["a", "b", "c"]
+
+
+def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
+    from benchmarks.update_overhead import summarise, variants
+
+    runs = variants([("old", tmp_path), ("new", tmp_path)], {"old": False, "new": True}, demo_steps=2)
+    old = [r for r in runs if r["root"] == "old"]
+    assert not any("zero_leaf_modules" in o or "log_entropy" in o for r in old for o in r["overrides"])
+    assert [r["variant"] for r in runs if r["root"] == "new" and r["work"] == "deep_narrow"] == [
+        "default", "one micro-batch", "leaf modules off", "entropy not logged", "ZeRO-0 (reference)"]
+    assert [r["root"] for r in runs if r["work"] == "demo"] == ["old", "new"]
+    rows = [{"time/update": t, "time/step": 2 * t} for t in (9.0, 1.0, 3.0, 2.0)]
+    # the first step is dropped; micro-batches from c28839b's rule when not logged: 8 groups of 8, 2 per batch
+    got = summarise(rows, 1, ["trainer.micro_batch_size=16"])
+    assert got["update_s_median"] == 2.0 and got["micro_batches"] == 4 and got["ms_per_micro_batch"] == 500.0
+    assert summarise([{**r, "train/micro_batches": 1.0} for r in rows], 1, [])["micro_batches"] == 1.0
