@@ -37,6 +37,10 @@ PRESETS = {
         "handoff": ["benchmarks/handoff.py", "--sizes", "30m,135m,500m", "--repeats", "3"],
         "phase_switch": ["benchmarks/phase_switch.py", "--small", "--steps", "5"],
         "tool_turns": ["benchmarks/tool_turns.py"],  # ~2 min
+        # the update's host overhead against the commit before issue 37, + the demo's update (~15 min)
+        "update_overhead": ["benchmarks/update_overhead.py", "--base-commit", "c28839b", "--root", "new=.",
+                            "--demo-steps", "3"],
+        "packed_attention_memory": ["benchmarks/packed_attention_memory.py"],  # ~1 min
         # the demo once per estimator / loss and grpo on 3 seeds: about 85 minutes of the suite's time
         "algorithms": ["benchmarks/algorithms.py"],
     },
@@ -51,6 +55,7 @@ PRESETS = {
         "tool_turns": ["benchmarks/tool_turns.py", "--override", "model=tiny", "--override", "rollout.max_new_tokens=8",
                        "--prompts", "2", "--repeats", "1"],
         "algorithms": ["benchmarks/algorithms.py", "--smoke", "--variants", "grpo,gspo", "--seeds", "7"],
+        "update_overhead": ["benchmarks/update_overhead.py", "--layers", "2", "--steps", "2"],
     },
     "gpu": {
         "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
@@ -71,7 +76,8 @@ def plan(preset: str, only: list[str] | None, out: Path = common.RESULTS) -> lis
         if only and name not in only:
             continue
         argv = list(argv) + ["--out", str(out)]
-        if name in ("step_breakdown", "handoff", "race_trl", "tool_turns"):
+        if name in ("step_breakdown", "handoff", "race_trl", "tool_turns", "update_overhead",
+                    "packed_attention_memory"):
             argv.append("--no-readme")  # the suite writes the README once at the end
         steps.append((name, argv))
     return steps

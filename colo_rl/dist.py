@@ -190,6 +190,20 @@ def all_reduce_sum(values: list[float] | dict[str, float]) -> list[float] | dict
     return t.cpu().tolist()
 
 
+def host_floats(values: dict[str, Any]) -> dict[str, float]:
+    """Floats, 0-d tensors or both, keyed -> Python floats with one device-to-host transfer (one
+    sync) for all the tensors, however many: statistics accumulated on the device during a step
+    are read once at its end, not once per micro-batch."""
+    tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+    out = {k: float(v) for k, v in values.items() if k not in tensors}
+    if tensors:
+        on = next(iter(tensors.values())).device
+        stacked = torch.stack([(t if t.device == on else t.to(on)).detach().to(torch.float64).reshape(())
+                               for t in tensors.values()])
+        out.update(zip(tensors, stacked.cpu().tolist()))
+    return {k: out[k] for k in values}
+
+
 def all_reduce_max(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if dist.is_initialized() and world_size() > 1:

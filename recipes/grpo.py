@@ -289,7 +289,9 @@ class GRPORecipe:
             packed.attach("advantages", algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
                 rollout.total(), rollout.group_size, algo, table.response_mask, kl_penalty))
         per_step = len(plan) // cfg.trainer.mini_batches_per_step
-        sums = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
+        # Statistics stay on the device (no sync per micro-batch) and travel once, after the loop
+        sums: dict = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
+        want_entropy = algo.entropy_coef > 0 or algo.log_entropy  # in the loss, or train/entropy
         step_stats: dict[str, float] = {}
         handoff_stats: dict[str, float] = {}  # the engine-vs-trainer check, kept past later optimizer steps
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
@@ -302,37 +304,40 @@ class GRPORecipe:
                     n_tok, n_seq = dist.all_reduce_sum([float(table.response_mask[rows].sum()) if rows else 0.0,
                                                         float(len(rows))])
                     for j, mb in enumerate(chunk):
-                        logp, entropy = actor.response_logprobs(mb, cfg.rollout.temperature, with_entropy=True,
+                        m_tok = float(mb.response_mask.sum())  # the host copy's: no sync
+                        mb = actor.to_device(mb)  # pinned, non-blocking on a GPU
+                        logp, entropy = actor.response_logprobs(mb, cfg.rollout.temperature, with_entropy=want_entropy,
                                                                 entropy_grad=algo.entropy_coef > 0)
                         if on_policy:
                             agreement.add(mb.extras["rollout_logp"], logp, mb.response_mask)
-                        old = logp.detach() if on_policy else mb.extras["old_logp"].to(logp.device)
-                        dev = logp.device
+                        old = logp.detach() if on_policy else mb.extras["old_logp"]
                         loss, stats = algos.rl_loss(
-                            logp, old, mb.extras["advantages"].to(dev), mb.response_mask.to(dev), algo,
-                            rollout_logp=mb.extras["rollout_logp"].to(dev),
-                            ref_logp=mb.extras["ref_logp"].to(dev) if ref is not None else None,
+                            logp, old, mb.extras["advantages"], mb.response_mask, algo,
+                            rollout_logp=mb.extras["rollout_logp"],
+                            ref_logp=mb.extras["ref_logp"] if ref is not None else None,
                             num_tokens=n_tok, num_seqs=n_seq, entropy=entropy)
                         actor.backward(loss, last_micro_batch=j == len(chunk) - 1)
-                        m_tok = float(mb.response_mask.sum())
-                        sums["loss"] += float(loss.detach())
-                        sums["entropy"] += float((entropy.detach() * mb.response_mask.to(dev)).sum())
-                        sums["kl"] += float(stats.pop("kl_sum", 0.0))
+                        sums["loss"] += loss.detach()
+                        if entropy is not None:
+                            sums["entropy"] += (entropy.detach() * mb.response_mask).sum()
+                        sums["kl"] += stats.pop("kl_sum", 0.0)
                         mismatch = algos.add_sums(mismatch, stats.pop("mismatch"))
                         sums["tokens"] += m_tok
                         for key, value in stats.items():  # clip_frac, dual_clip_frac, ratio_mean, ...: token means
-                            sums[key] = sums.get(key, 0.0) + float(value) * m_tok
+                            sums[key] = sums.get(key, 0.0) + value * m_tok
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
-        totals = dist.all_reduce_sum(sums)
+        totals = dist.all_reduce_sum(dist.host_floats(sums))  # the statistics' one device-to-host transfer
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch
         out = {"train/loss": loss_sum / n_steps, **{f"train/{k}": v / max(tok, 1) for k, v in totals.items()},
-               "train/entropy": ent_sum / max(tok, 1), "train/grad_norm": step_stats["grad_norm"],
+               **({"train/entropy": ent_sum / max(tok, 1)} if want_entropy else {}),
+               "train/grad_norm": step_stats["grad_norm"],
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
+               "train/micro_batches": float(len(plan)),
                "train/skipped_steps_total": float(actor.nonfinite_total),
                **handoff_stats, **algos.mismatch_metrics(mismatch)}
         if ref is not None:

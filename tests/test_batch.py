@@ -1,5 +1,6 @@
 """Token batches: the padded layout and GRPO group packing give the same log-probs and gradients."""
 
+import pytest
 import torch
 
 from colo_rl.algos import entropy_from_logits, logprobs_from_logits
@@ -101,3 +102,56 @@ def test_packing_isolates_responses():
     assert torch.allclose(lp_a[0], lp_b[0], atol=1e-6)
     assert torch.allclose(lp_a[2], lp_b[2], atol=1e-6)
     assert not torch.allclose(lp_a[1], lp_b[1])
+
+
+def _flex_groups():
+    """Two groups of four, prompt and response lengths drawn, for the FlexAttention checks."""
+    g = torch.Generator().manual_seed(0)
+    prompts, groups = [], []
+    for _ in range(2):
+        prompts.append(torch.randint(5, 400, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist())
+        groups.append([torch.randint(5, 400, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+                       for _ in range(4)])
+    return prompts, groups
+
+
+def test_group_attention_block_mask_allows_what_the_dense_mask_allows():
+    """The FlexAttention rule, evaluated at every (q, k), is the dense mask's 0 / -inf pattern."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from colo_rl.train.packing import group_attention
+
+    mb = packed(*_flex_groups())
+    dense = group_attention(mb.segments, mb.prompt_end, torch.float32) == 0
+    block = group_attention(mb.segments, mb.prompt_end, torch.float32, flex=True)
+    B, L = mb.segments.shape
+    assert torch.equal(create_mask(block.mask_mod, B, 1, L, L, device="cpu"), dense)
+
+
+@pytest.mark.slow  # torch.compile of FlexAttention: ~10 s
+def test_flex_attention_logprobs_equal_the_dense_masks():
+    """model.attn_implementation=flex_attention: the packed rows' log-probs equal SDPA's with the dense
+    mask (forward only: FlexAttention has no backward on the CPU; the gradients: test below, GPU)."""
+    sdpa = load_model(TINY, torch.float32, seed=3)
+    flex = load_model(ModelConfig(**{**TINY.__dict__, "attn_implementation": "flex_attention"}), torch.float32, seed=3)
+    mb = packed(*_flex_groups())
+    with torch.no_grad():
+        ref, _ = response_logprobs(sdpa, mb)
+        got, _ = response_logprobs(flex, mb)
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_attention_logprobs_and_gradients_on_gpu():
+    cfg = {**TINY.__dict__, "dtype": "fp32"}
+    sdpa = load_model(ModelConfig(**cfg), torch.float32, seed=3).cuda()
+    flex = load_model(ModelConfig(**{**cfg, "attn_implementation": "flex_attention"}), torch.float32, seed=3).cuda()
+    mb = packed(*_flex_groups()).to("cuda")
+    ref, _ = response_logprobs(sdpa, mb)
+    got, _ = response_logprobs(flex, mb)
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+    g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
+    g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
+    for a, b in zip(g_got, g_ref):
+        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)

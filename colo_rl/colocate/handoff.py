@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Optional
 
+import torch
+
 from colo_rl import dist
 from colo_rl.errors import HandoffError
 from colo_rl.lora import lora_enabled
@@ -138,22 +140,24 @@ class LogprobAgreement:
     """
 
     def __init__(self) -> None:
-        self.abs_sum = 0.0
-        self.count = 0.0
-        self.max = 0.0
+        # sums on the trainer's device, read once by `check` (no sync per micro-batch)
+        self.abs_sum: float | torch.Tensor = 0.0
+        self.count: float | torch.Tensor = 0.0
+        self.max: float | torch.Tensor = 0.0
 
     def add(self, rollout_logp, trainer_logp, mask) -> None:
-        dev = trainer_logp.device  # the engine's log-probs and the mask come from the CPU-side batch
+        dev = trainer_logp.device  # the engine's log-probs and the mask may come from the CPU-side batch
         m = mask.float().to(dev)
         diff = (rollout_logp.float().to(dev) - trainer_logp.detach().float()).abs() * m
-        self.abs_sum += float(diff.sum())
-        self.count += float(m.sum())
-        if m.sum() > 0:
-            self.max = max(self.max, float(diff.max()))
+        self.abs_sum = self.abs_sum + diff.sum()
+        self.count = self.count + m.sum()
+        if diff.numel():  # diff >= 0 (masked-out positions are 0): its max is never below the initial 0
+            self.max = diff.max() if not torch.is_tensor(self.max) else torch.maximum(self.max, diff.max())
 
     def check(self, threshold: Optional[float]) -> dict[str, float]:
-        total, count = dist.all_reduce_sum([self.abs_sum, self.count])
-        (mx,) = dist.all_reduce_max([self.max])
+        local = dist.host_floats({"abs_sum": self.abs_sum, "count": self.count, "max": self.max})
+        total, count = dist.all_reduce_sum([local["abs_sum"], local["count"]])
+        (mx,) = dist.all_reduce_max([local["max"]])
         mean = total / max(count, 1.0)
         if threshold is not None and not (mean <= threshold):  # NaN fails too
             raise HandoffError(

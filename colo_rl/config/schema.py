@@ -284,6 +284,9 @@ class AlgoConfig:
     # dual-clip's bound on negative-advantage tokens (e.g. 3.0); null = off
     clip_ratio_c: Optional[float] = opt(None, GRPO_ALGO, check=gt(1, "e.g. 3.0", or_null="no dual-clip"))
     entropy_coef: float = opt(0.0, GRPO_ALGO, check=ge(0))  # entropy bonus in the loss
+    # train/entropy each step, computed without a graph when entropy_coef = 0 (one softmax over the
+    # vocabulary per response token); false: entropy only where the loss uses it (entropy_coef > 0)
+    log_entropy: bool = opt(True, GRPO_ALGO, resume=SILENT)
     # true: k1 * kl_coef subtracted from the reward instead of a KL loss term
     kl_in_reward: bool = opt(False, GRPO_ALGO)
     # with kl_in_reward: adapt kl_coef towards this KL per token (k1; verl's)
@@ -309,6 +312,9 @@ class AlgoConfig:
 class TrainerConfig:
     # DeepSpeed ZeRO stage: 3 shards parameters, gradients and optimizer states over the ranks.
     zero_stage: int = opt(3, ALL, choices=(0, 1, 2, 3), resume=refuse("DeepSpeed's shards are laid out per ZeRO stage"))
+    # ZeRO-3: fetch, release and hook each decoder layer as one unit (DeepSpeed leaf modules), not
+    # every linear / norm inside it: ~40 % less host time per micro-batch, the same gradients.
+    zero_leaf_modules: bool = opt(True, ALL)
     lr: float = opt(1e-5, TRAINING, check=gt(0),  # the optimizer's (AdamW) peak learning rate
                     resume=refuse("the restored optimizer and scheduler state would silently keep the old value"))
     # constant | cosine (both after linear warm-up)

@@ -12,14 +12,14 @@ import torch
 
 from colo_rl import dist
 from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
-from colo_rl.errors import CheckpointError, NonFiniteError
+from colo_rl.errors import CheckpointError, ConfigError, NonFiniteError
 from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
 from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, drop_offload_buffers,
                                      fit_grad_bucket, grad_bucket_bytes, lr_lambda, offload_buffers_set_aside,
-                                     paged_state_bytes, paging_needed)
+                                     paged_state_bytes, paging_needed, set_zero3_leaf_modules)
 from colo_rl.train.host_paging import HostPager, pinnable
 
 log = logging.getLogger("colo_rl")
@@ -69,10 +69,13 @@ class DeepSpeedActor:
         self.pin_memory = pinnable(cfg.colocate.offload_pin_memory)
         if self.pages:  # before loading anything: a bad combination costs seconds, not a model load
             check_pageable(self.zero_stage, ds_config)
+        if with_optimizer and cfg.model.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+            raise ConfigError("model.attn_implementation=flex_attention trains on a GPU only: torch's FlexAttention "
+                              "has no backward pass on the CPU. Use model.attn_implementation=sdpa here.")
         self.max_nonfinite_steps = cfg.trainer.max_nonfinite_steps
         self.nonfinite_total = 0  # optimizer steps skipped for a non-finite loss / gradient
         self.nonfinite_in_a_row = 0
-        self._loss_nonfinite = False
+        self._loss_nonfinite: Optional[torch.Tensor] = None  # on the device: any non-finite loss since the last step
         self._micro_batch_tokens: Optional[int] = None
         model = load_model(cfg.model, dtype, seed=cfg.trainer.seed)
         self.lora = with_optimizer and lora_enabled(cfg.model)
@@ -83,6 +86,8 @@ class DeepSpeedActor:
         if not with_optimizer:
             model.requires_grad_(False)
         self.config = model.config
+        # ZeRO-3 hooks per decoder layer, not per linear (trainer.zero_leaf_modules): the host cost of a micro-batch
+        self.leaf_classes = set_zero3_leaf_modules(ds_config, model) if cfg.trainer.zero_leaf_modules else []
         kwargs = {}
         if with_optimizer:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
@@ -129,16 +134,21 @@ class DeepSpeedActor:
         (differentiable with `entropy_grad`: an entropy bonus)."""
         if self.guard is not None:
             self.guard.require(Phase.UPDATE, "trainer forward")
-        batch = batch.to(self.engine.device)
+        batch = batch.to_device(self.engine.device)
         with contextlib.nullcontext() if grad else torch.no_grad():
             return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
+
+    def to_device(self, batch: TokenBatch) -> TokenBatch:
+        """`batch` on this actor's device (pinned and non-blocking from the host to a GPU)."""
+        return batch.to_device(self.engine.device)
 
     def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
         """Accumulate gradients; `loss` is already normalised by the global token / sequence count,
         so DeepSpeed must not divide again by its accumulation steps. A non-finite loss is
-        remembered: the next `step()` skips the update on every rank."""
-        if not bool(torch.isfinite(loss.detach()).all()):
-            self._loss_nonfinite = True
+        remembered in a flag on the device (no sync here): the next `step()` reads it once and
+        skips the update on every rank."""
+        bad = ~torch.isfinite(loss.detach()).all()
+        self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
         self.engine.set_gradient_accumulation_boundary(last_micro_batch)
         # ZeRO averages gradients over data-parallel ranks; our loss is a share of a global sum.
         self.engine.backward(loss * dist.world_size(), scale_wrt_gas=False)
@@ -150,8 +160,8 @@ class DeepSpeedActor:
         DeepSpeed 0.19 itself discards a step whose global gradient norm is inf/NaN (the norm is
         reduced over ranks, so all ranks skip). After `trainer.max_nonfinite_steps` such steps in a
         row: NonFiniteError on every rank."""
-        bad_loss = self._loss_nonfinite
-        self._loss_nonfinite = False
+        bad_loss = self._loss_nonfinite is not None and bool(self._loss_nonfinite)  # the step's one read of it
+        self._loss_nonfinite = None
         bad_grad = False
         own_norm = None
         if self.zero_stage == 0:  # stage 0 steps whatever the gradients and reports no norm: do both here

@@ -26,6 +26,9 @@ class BaseReference:
         self.actor = actor
         self.dtype = actor.dtype
 
+    def to_device(self, batch):
+        return self.actor.to_device(batch)
+
     def response_logprobs(self, batch, temperature: float = 1.0, with_entropy: bool = False, grad: bool = False,
                           entropy_grad: bool = False):
         with self.actor.module.disable_adapter():

@@ -19,7 +19,7 @@ from colo_rl.algos import entropy_from_logits
 @dataclass
 class TokenBatch:
     input_ids: torch.Tensor  # [B, P + R]
-    attention_mask: torch.Tensor  # [B, P + R]
+    attention_mask: Optional[torch.Tensor]  # [B, P + R]; None for group-packed rows (built from `segments`)
     position_ids: torch.Tensor  # [B, P + R]
     response_ids: torch.Tensor  # [B, R] targets
     response_mask: torch.Tensor  # [B, R] 1 on tokens that count for the loss
@@ -30,6 +30,10 @@ class TokenBatch:
     # response token (-1 on padding).
     logit_positions: Optional[torch.Tensor] = None
     logit_index: Optional[torch.Tensor] = None
+    # Group-packed rows' segment ids [B, L] (0 = prompt, i = response i, negative = padding) and the
+    # column where responses start: their attention (`packing.group_attention`) is built from these.
+    segments: Optional[torch.Tensor] = None
+    prompt_end: int = 0
 
     @property
     def response_len(self) -> int:
@@ -50,12 +54,27 @@ class TokenBatch:
                           self.response_ids[idx][:, :used_resp], self.response_mask[idx][:, :used_resp],
                           extras={k: (v[idx][:, :used_resp] if v.dim() == 2 else v[idx]) for k, v in self.extras.items()})
 
-    def to(self, device) -> "TokenBatch":
-        return TokenBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.position_ids,
-                                                    self.response_ids, self.response_mask)),
-                          extras={k: v.to(device) for k, v in self.extras.items()},
-                          logit_positions=None if self.logit_positions is None else self.logit_positions.to(device),
-                          logit_index=None if self.logit_index is None else self.logit_index.to(device))
+    def apply(self, fn) -> "TokenBatch":
+        """The same batch with `fn` applied to every tensor."""
+        opt = lambda t: None if t is None else fn(t)  # noqa: E731
+        return TokenBatch(fn(self.input_ids), opt(self.attention_mask), fn(self.position_ids), fn(self.response_ids),
+                          fn(self.response_mask), extras={k: fn(v) for k, v in self.extras.items()},
+                          logit_positions=opt(self.logit_positions), logit_index=opt(self.logit_index),
+                          segments=opt(self.segments), prompt_end=self.prompt_end)
+
+    def to(self, device, non_blocking: bool = False) -> "TokenBatch":
+        return self.apply(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def to_device(self, device) -> "TokenBatch":
+        """On `device`; to a GPU from pinned host memory with non-blocking copies, so the host does
+        not wait for the copy (nor for the GPU work queued before it). A batch already there is
+        returned as it is."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        if device.type == "cuda":
+            return self.apply(lambda t: t.pin_memory() if t.device.type == "cpu" else t).to(device, non_blocking=True)
+        return self.to(device)
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
@@ -190,7 +209,14 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_e
     Group-packed layout (`pack_groups`): logits at `logit_positions`, picked per token by
     `logit_index`."""
     packed = batch.logit_positions is not None
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+    attention = batch.attention_mask
+    if attention is None and batch.segments is not None:  # group-packed: the mask the model's attention takes
+        from colo_rl.train.packing import group_attention
+
+        core = getattr(model, "module", model)  # a DeepSpeed engine's `config` is its own, not the model's
+        attention = group_attention(batch.segments, batch.prompt_end, core.dtype,
+                                    flex=getattr(core.config, "_attn_implementation", None) == "flex_attention")
+    out = model(input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids,
                 use_cache=False, logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
     logits = out.logits if packed else out.logits[:, :-1]
     flat = logits.float().reshape(-1, logits.shape[-1])  # [positions, V]

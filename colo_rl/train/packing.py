@@ -9,7 +9,8 @@ logits (to float tolerance), so the loss is the same; only padding is saved.
 The row is laid out as a TokenBatch whose "prompt" is the first token and whose "response" is
 the rest (targets are the next tokens), so `DeepSpeedActor.response_logprobs` runs it unchanged.
 The 4D mask is additive (0 = attend, dtype-min = masked) in the model's dtype, which SDPA and
-eager attention both take; flash-attention kernels would need position-id packing instead.
+eager attention both take. GRPO group rows carry segment ids instead and get their mask on the
+device when they run: dense, or a FlexAttention block mask (`group_attention`).
 """
 
 from __future__ import annotations
@@ -44,11 +45,41 @@ def block_causal_mask(segments: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     [B, 1, L, L] mask: 0 where key k <= query q in the same segment, dtype-min elsewhere."""
     L = segments.shape[1]
     same = segments[:, :, None] == segments[:, None, :]
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    causal = torch.ones(L, L, dtype=torch.bool, device=segments.device).tril()
     allowed = same & causal[None]
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
+
+
+def group_attention(segments: torch.Tensor, prompt_end: int, dtype: torch.dtype, flex: bool = False):
+    """The attention of group-packed rows (`pack_groups`) from their segment ids [B, L] (0 = the
+    group's prompt, i = its response i, negative = padding, one segment per position). Query q may
+    attend key k iff
+
+        (k <= q and seg[q] == seg[k])  or  (q >= prompt_end and seg[k] == 0)
+
+    i.e. causally within its own segment, and every response position sees the whole prompt.
+    Built on `segments`' device, when the micro-batch runs.
+
+    flex=False: the additive [B, 1, L, L] mask in `dtype` (0 = attend, dtype-min = masked) that SDPA
+    and eager attention take: O(L^2) memory (256 MiB in float32 for one 8k-token row) and no
+    flash kernel. flex=True: a FlexAttention BlockMask (model.attn_implementation=flex_attention):
+    per 128 x 128 block whether it is empty, full or partial, O((L/128)^2); the kernel skips empty
+    blocks and evaluates the rule above inside partial ones."""
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        B, L = segments.shape
+
+        def rule(b, h, q, k):
+            return ((k <= q) & (segments[b, q] == segments[b, k])) | ((q >= prompt_end) & (segments[b, k] == 0))
+
+        return create_block_mask(rule, B, None, L, L, device=segments.device)
+    mask = block_causal_mask(segments, dtype)
+    mask[:, :, prompt_end:, :prompt_end] = torch.where(segments[:, None, :prompt_end] == 0, 0.0,
+                                                       torch.finfo(dtype).min)[:, :, None, :]
+    return mask
 
 
 def packed_batch(rows: list[list[tuple[list[int], list[int]]]], pad_id: int, dtype: torch.dtype = torch.float32,
@@ -173,8 +204,6 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dty
             cols.append([P - 1] + list(range(col, col + n - 1)))  # token 0 from the prompt's last column
             col += n
         predictors.append(cols)
-    mask = block_causal_mask(segments, dtype)
-    mask[:, :, P:, :P] = torch.where(segments[:, None, :P] == 0, 0.0, torch.finfo(dtype).min)[:, :, None, :]
     kept = sorted({c for cols in predictors for resp in cols for c in resp})
     column = {c: u for u, c in enumerate(kept)}
     R = max(g.response_len for _, _, g in groups)
@@ -188,9 +217,11 @@ def pack_groups(groups: list[tuple[list[int], list[list[int]], TokenBatch]], dty
     parts = [g for _, _, g in groups]
     extras = {k: torch.cat([widen(g.extras[k]) if g.extras[k].dim() == 2 else g.extras[k] for g in parts])
               for k in parts[0].extras}
-    return TokenBatch(ids, mask, positions, torch.cat([widen(g.response_ids) for g in parts]),
+    # no [L, L] mask here: `response_logprobs` builds it from the segments on the device, dense or
+    # as a FlexAttention block mask, whichever the model's attention takes (`group_attention`)
+    return TokenBatch(ids, None, positions, torch.cat([widen(g.response_ids) for g in parts]),
                       torch.cat([widen(g.response_mask) for g in parts]), extras=extras,
-                      logit_positions=torch.tensor(kept), logit_index=index)
+                      logit_positions=torch.tensor(kept), logit_index=index, segments=segments, prompt_end=P)
 
 
 @dataclass
@@ -221,19 +252,21 @@ class PackedRollout:
         (the handoff's LogprobAgreement) sees each micro-batch's engine and trainer log-probs."""
         out = []
         for mb in self.micro:
+            mb = model.to_device(mb)  # pinned, non-blocking on a GPU
             logp, _ = model.response_logprobs(mb, temperature, grad=False)
             if check is not None:
                 check.add(mb.extras["rollout_logp"], logp, mb.response_mask)
-            out.append(logp.cpu())
+            out.append(logp)
         return self.collect(out)
 
     def collect(self, per_micro: list[torch.Tensor]) -> torch.Tensor:
         """Per-token values of each micro-batch ([rows, <= R]) back in the table's order, [N, R] (0 elsewhere)."""
-        out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32)
+        device = per_micro[0].device if per_micro else "cpu"
+        out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32, device=device)
         for rows, values in zip(self.rows, per_micro):
             if rows:
                 out[rows, :values.shape[1]] = values
-        return out
+        return out.cpu()  # one device-to-host transfer for the whole pass
 
 
 def pack_rollout(rollout: Rollout, plan: list[list[int]], pad_id: int, dtype: torch.dtype,

@@ -1,0 +1,201 @@
+"""The update at the hardware's speed (issue 37, GPU half): one GRPO-shaped update of a 0.5B-class
+random Llama through colo_rl's DeepSpeed actor, its model FLOPs utilisation, and the fraction of its
+wall time the GPU is busy (a torch.profiler trace of one update). For a future `make gpu-perf`.
+
+    python benchmarks/gpu/update_mfu.py                           # GPU: 128 x 768, 0.5B-class, bf16
+    python benchmarks/gpu/update_mfu.py --attn flex_attention     # FlexAttention block masks
+    python benchmarks/gpu/update_mfu.py --dry-run                 # CPU rehearsal: tiny shapes, fp32
+
+Work: `--sequences` responses of `--response-len` tokens in groups of `--group-size` sharing a
+`--prompt-len`-token prompt, packed one group per row (`pack_groups`), `--groups-per-micro-batch`
+rows per forward/backward, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per
+`--leaf`). A warm-up update, then `--repeats` timed ones (cuda-synchronised); then one more under
+the profiler. FLOPs counted (per token, training = 3 x forward):
+    6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
+    the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
+MFU = FLOPs / seconds / peak (--peak-tflops, default by device: H100/H200 989 bf16 dense).
+GPU busy = the union of the trace's kernel intervals over the update's wall time. On the CPU
+(--dry-run) the trace has no kernels: the CPU ops' union is reported instead, as a rehearsal of
+the parsing only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# 0.5B class: ~0.46B parameters, 32k vocabulary, tied embeddings, GQA 4:1 (benchmarks/phase_switch.py's).
+MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096, num_attention_heads=16,
+                 num_key_value_heads=4, vocab_size=32000)
+MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=512)
+PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}  # bf16 dense
+
+
+def union_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by [start, end) intervals (overlaps counted once)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def busy_fraction(trace: dict, category: str) -> dict:
+    """From a chrome trace (torch.profiler export): the union of `category` events ("kernel" on a
+    GPU) over the span of the "update" record_function range."""
+    events = trace.get("traceEvents", [])
+    spans = [e for e in events if e.get("name") == "update" and e.get("ph") == "X"]
+    if not spans:
+        raise ValueError("no 'update' range in the trace")
+    t0 = min(e["ts"] for e in spans)
+    t1 = max(e["ts"] + e["dur"] for e in spans)
+    inside = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
+              if e.get("cat") == category and e.get("ph") == "X" and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
+    busy = union_seconds(inside)
+    return {"category": category, "events": len(inside), "busy_us": busy, "wall_us": t1 - t0,
+            "busy_fraction": busy / max(t1 - t0, 1e-9)}
+
+
+def update_flops(dims: dict, prompt_len: int, response_len: int, group_size: int, groups: int) -> float:
+    """Model FLOPs of one update (forward + backward) of `groups` packed rows; see the module docstring."""
+    h, n_layers, ffn, V = dims["hidden_size"], dims["num_hidden_layers"], dims["intermediate_size"], dims["vocab_size"]
+    kv = h * dims["num_key_value_heads"] // dims["num_attention_heads"]
+    layer_params = 2 * h * h + 2 * h * kv + 3 * h * ffn  # q, o, k, v, gate / up / down
+    tokens = groups * (prompt_len + group_size * response_len)
+    kept = groups * group_size * response_len  # positions whose logits are computed
+    ctx = groups * (prompt_len * (prompt_len + 1) / 2
+                    + group_size * (response_len * prompt_len + response_len * (response_len + 1) / 2))
+    forward = 2 * n_layers * layer_params * tokens + 2 * h * V * kept + 4 * n_layers * h * ctx
+    return 3 * forward
+
+
+def build(args, dims: dict, model_dir: Path):
+    import torch
+    from transformers import LlamaConfig
+
+    from colo_rl.config import ModelConfig, RunConfig
+    from colo_rl.train.actor import DeepSpeedActor
+    from colo_rl.train.batch import build_batch
+    from colo_rl.train.packing import pack_groups
+
+    LlamaConfig(**dims, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    cfg = RunConfig()
+    cfg.model = ModelConfig(path=str(model_dir), dtype="fp32" if args.dry_run else "bf16", random_init=True,
+                            attn_implementation=args.attn)
+    cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.trainer.lr = 3, args.leaf, 1e-6
+    groups = args.sequences // args.group_size
+    n_micro = -(-groups // args.groups_per_micro_batch)
+    actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=n_micro)
+    g = torch.Generator().manual_seed(0)
+    V = dims["vocab_size"]
+    parts = []
+    for _ in range(groups):
+        prompt = torch.randint(3, V, (args.prompt_len,), generator=g).tolist()
+        rs = [torch.randint(3, V, (args.response_len,), generator=g).tolist() for _ in range(args.group_size)]
+        parts.append((prompt, rs, build_batch([prompt] * args.group_size, rs, 0).select(list(range(args.group_size)))))
+    mbs = [actor.to_device(pack_groups(parts[k:k + args.groups_per_micro_batch], dtype))
+           for k in range(0, groups, args.groups_per_micro_batch)]
+    return actor, mbs, groups
+
+
+def one_update(actor, mbs, n_tok: float) -> None:
+    for j, mb in enumerate(mbs):
+        logp, _ = actor.response_logprobs(mb, 1.0)
+        actor.backward(-(logp * mb.response_mask).sum() / n_tok, last_micro_batch=j == len(mbs) - 1)
+    actor.step()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="CPU rehearsal with tiny shapes (not a measurement)")
+    p.add_argument("--sequences", type=int, default=128)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=150)
+    p.add_argument("--response-len", type=int, default=768)
+    p.add_argument("--groups-per-micro-batch", type=int, default=2, help="packed rows per forward/backward")
+    p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
+    p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
+                   help="trainer.zero_leaf_modules (true/false)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak (default: by device name)")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-readme", action="store_true")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.sequences, args.group_size, args.prompt_len, args.response_len = 4, 2, 6, 8
+        args.groups_per_micro_batch, args.repeats = 1, 1
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks import common
+    from colo_rl import dist
+
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.dry_run:
+        raise SystemExit("update_mfu: no CUDA device; --dry-run rehearses on the CPU with tiny shapes")
+    dist.init()
+    dims = MODEL_DRY if args.dry_run else MODEL_05B
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    with tempfile.TemporaryDirectory(prefix="update_mfu-") as tmp:
+        actor, mbs, groups = build(args, dims, Path(tmp) / "model")
+        n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
+        one_update(actor, mbs, n_tok)  # warm-up: DeepSpeed's buffers, kernels' autotuning, compile
+        sync()
+        seconds = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            one_update(actor, mbs, n_tok)
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+        with profile(activities=activities) as prof:
+            with record_function("update"):
+                one_update(actor, mbs, n_tok)
+                sync()
+        trace_path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
+    flops = update_flops(dims, args.prompt_len, args.response_len, args.group_size, groups)
+    best = min(seconds)
+    name = torch.cuda.get_device_name(0).lower() if on_gpu else "cpu"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+    result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
+              "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
+              "attn": args.attn, "leaf_modules": args.leaf, "update_seconds": seconds, "flops": flops,
+              "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
+              "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy}
+    mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
+    table = "\n".join([
+        f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
+        f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
+        f"{args.prompt_len}-token prompt), {len(mbs)} micro-batches, attention {args.attn}, "
+        f"leaf modules {'on' if args.leaf else 'off'}.", "",
+        "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
+        f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
+        f"({busy['category']}) | {busy['events']} |"])
+    stem = "update_mfu_dry_run" if args.dry_run else "update_mfu"
+    if dist.is_rank0():
+        common.publish(stem, result, table, args.out or common.RESULTS, readme=not args.no_readme)
+    return 0
+
+
+if __name__ == "__main__":
+    from colo_rl import dist
+
+    dist.run_and_exit(main)

@@ -1,0 +1,186 @@
+"""Run under torchrun (2 gloo ranks, real DeepSpeed ZeRO-3): what tests/test_update_overhead.py
+asserts about the update's host-side costs.
+
+- "leaf": the same two steps with trainer.zero_leaf_modules off (per-submodule ZeRO-3 hooks, the
+  configuration before the option) and on (decoder layers as DeepSpeed leaf modules), and on with
+  the paging path (offload_states / reload_states around every step, as the GPU loop runs it):
+  the trained weights of each, and how many modules DeepSpeed treats as leaves.
+- "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
+  padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
+  (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
+  and is counted (torch.cuda.set_sync_debug_mode's job, emulated on the CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+from colo_rl import dist
+from colo_rl.algos import AdaptiveKLController
+from colo_rl.config import ModelConfig, RunConfig
+from colo_rl.metrics import Timer
+from colo_rl.train.actor import DeepSpeedActor
+from colo_rl.train.batch import build_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
+
+
+def tiny_cfg(**trainer) -> RunConfig:
+    cfg = RunConfig(model=ModelConfig(**TINY))
+    cfg.trainer.lr = 1e-2  # large steps: a wrong gradient shows in the weights
+    for k, v in trainer.items():
+        setattr(cfg.trainer, k, v)
+    return cfg
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 * step + dist.rank())
+    prompts = torch.randint(3, 400, (4, 6), generator=g).tolist()
+    responses = torch.randint(3, 400, (4, 5), generator=g).tolist()
+    return build_batch(prompts, responses, pad_id=0)
+
+
+def full_grads(actor) -> dict:
+    """Every parameter's whole fp32 gradient after the accumulation boundary's backward (a
+    collective under ZeRO-3: every rank, same order)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p).detach().clone() for n, p in actor.module.named_parameters()}
+
+
+def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int, dict]:
+    actor = DeepSpeedActor(tiny_cfg(zero_leaf_modules=leaf), torch.float32, total_steps=4, grad_accum=2)
+    from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
+
+    leaves = len(get_z3_leaf_modules(actor.module))
+    actor.pages = paged  # as colocate.paging=on: DeepSpeed's offload_states / reload_states, as on a GPU
+    for step in range(2):
+        if paged:
+            actor.offload_states()
+            actor.reload_states()
+        for j in range(2):  # two micro-batches: gradient accumulation across leaf-module fetches
+            b = batch(2 * step + j)
+            lp, _ = actor.response_logprobs(b)
+            actor.backward(-(lp * b.response_mask).sum() / (16.0 * dist.world_size()), last_micro_batch=j == 1)
+        grads = full_grads(actor) if step == 0 else grads
+        actor.step()
+    weights = actor.full_state_dict_on_rank0() or {}
+    return weights, leaves, grads
+
+
+def leaf_report() -> dict:
+    base, base_leaves, base_grads = trained_weights(leaf=False, paged=False)
+    leaf, leaves, leaf_grads = trained_weights(leaf=True, paged=False)
+    paged, _, _ = trained_weights(leaf=True, paged=True)
+    init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
+    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
+    return {"leaf_modules_off": base_leaves, "leaf_modules_on": leaves, "layers": TINY["num_layers"],
+            "max_diff_leaf_vs_off": diff(leaf, base), "max_diff_paged_vs_leaf": diff(paged, leaf),
+            "max_change_from_init": diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
+            "grad_max_diff": diff(leaf_grads, base_grads), "grad_max_abs": max(float(g.abs().max())
+                                                                               for g in base_grads.values())}
+
+
+# ---------------------------------------------------------------------------------------- host reads
+READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy"}
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor standing for device memory: every host read of it is counted."""
+
+    reads: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        # .to(device): on the CPU every "device" is the host, so only an explicit "cpu" string counts
+        to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if name in READS or to_host:
+            cls.reads.append(name)
+        out = super().__torch_function__(func, types_, args, kwargs)
+        # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
+        return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t if isinstance(t, DeviceTensor) else t.as_subclass(DeviceTensor)
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, DeviceTensor) else t
+
+
+def instrument(actor: DeepSpeedActor) -> None:
+    """What crosses to the device becomes a DeviceTensor; the engine itself sees plain tensors
+    (DeepSpeed's own synchronisations are not the recipe's)."""
+    to_device, logprobs, engine_backward = actor.to_device, actor.response_logprobs, actor.engine.backward
+    actor.to_device = lambda b: to_device(b).apply(on_device)
+    actor.response_logprobs = lambda b, *a, **k: tuple(
+        None if t is None else on_device(t) for t in logprobs(b.apply(plain), *a, **k))
+    actor.engine.backward = lambda loss, **k: engine_backward(plain(loss), **k)
+
+
+def load_recipe():
+    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.GRPORecipe
+
+
+def rollout_batch(G: int, groups: int):
+    g = torch.Generator().manual_seed(7 + dist.rank())
+    completions = []
+    for _ in range(groups):
+        prompt = torch.randint(3, 400, (5,), generator=g).tolist()
+        for _ in range(G):
+            n = int(torch.randint(2, 7, (1,), generator=g))
+            tokens = torch.randint(3, 400, (n,), generator=g).tolist()
+            completions.append(types.SimpleNamespace(prompt_ids=prompt, token_ids=tokens))
+    b = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], 0,
+                    per_token={"rollout_logp": [[-1.0] * len(c.token_ids) for c in completions]})
+    rewards = torch.randint(0, 2, (len(completions),), generator=g).float()
+    return b, completions, rewards
+
+
+def update_reads(packing: bool, micro_batch_size: int) -> dict:
+    G, groups = 4, 2
+    cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size)
+    cfg.rollout.group_size, cfg.rollout.prompts_per_step = G, groups * dist.world_size()
+    cfg.colocate.handoff_check_max_mean_abs = None
+    cls = load_recipe()
+    recipe = cls.__new__(cls)  # the attributes update() reads, without __init__'s engine
+    recipe.cfg, recipe.timer = cfg, Timer()
+    recipe.kl_ctl = AdaptiveKLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+    n_micro = len(recipe.plan_micro_batches([1.0] * (G * groups)))
+    recipe.n_micro = n_micro
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4, grad_accum=n_micro)
+    instrument(actor)
+    recipe.colo = types.SimpleNamespace(actor=actor, ref=None)
+    b, completions, rewards = rollout_batch(G, groups)
+    recipe.update(b, completions, rewards)  # warm-up (DeepSpeed's first step builds its buffers)
+    DeviceTensor.reads.clear()
+    out = recipe.update(b, completions, rewards)
+    return {"micro_batches": n_micro, "reads": list(DeviceTensor.reads), "loss": out["train/loss"],
+            "entropy": out.get("train/entropy"), "logprob_diff": out["handoff/logprob_diff_mean"]}
+
+
+def main() -> int:
+    dist.init()
+    out_prefix = sys.argv[1]
+    report = {"leaf": leaf_report(),
+              "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
+              | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)}}
+    Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    dist.run_and_exit(main)
