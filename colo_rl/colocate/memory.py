@@ -11,7 +11,9 @@ but the records are still written, so the protocol is exercised everywhere.
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -24,6 +26,24 @@ from colo_rl import dist
 from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS
 
 GIB = 1 << 30
+log = logging.getLogger("colo_rl")
+
+
+def freeze_collector() -> dict:
+    """Collect, then move every object alive now into the collector's permanent generation
+    (`gc.freeze`), so later full collections skip them. Returns {"frozen_objects", "seconds"}.
+
+    Why: DeepSpeed's `offload_states` and `empty_partition_cache` end with `gc.collect()`, which
+    scans every tracked object of a process holding torch, transformers, DeepSpeed and SGLang's
+    tokenizer manager: ~0.4 s per page-out whatever it moves. Frozen objects are still freed by
+    reference counting; only cycles among them would never be collected, hence the collection
+    first (nothing unreachable is frozen). Cycles created later are collected as before, so
+    DeepSpeed's purpose (freeing cyclic garbage that holds device tensors) is kept. SGLang does the
+    same (`Engine.freeze_gc`)."""
+    t0 = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    return {"frozen_objects": gc.get_freeze_count(), "seconds": time.perf_counter() - t0}
 
 
 def memory_snapshot() -> dict[str, float]:

@@ -12,7 +12,7 @@ import torch
 
 from colo_rl import dist
 from colo_rl.colocate.handoff import WeightHandoff, choose_lora_handoff
-from colo_rl.colocate.memory import Ledger, MemoryManager
+from colo_rl.colocate.memory import Ledger, MemoryManager, freeze_collector
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.envs import turns_end_at_strings
 from colo_rl.lora import apply_lora, lora_enabled
@@ -107,6 +107,9 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
     handoff = WeightHandoff(actor, engine, cfg.colocate.handoff_bucket_mb, feeds_engine=engine is not None, mode=mode)
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None)
     manager = MemoryManager(actor, engine, handoff, ledger, owns_engine=engine is not None, frozen=frozen)
+    # Set-up is done: what exists now lives for the run, so the page-outs' gc.collect() need not
+    # scan it again (freeze_collector: ~0.4 s of every page-out otherwise).
+    log.info("collector frozen after set-up: %(frozen_objects)d objects, %(seconds).2fs", freeze_collector())
     return Colocated(actor=actor, ref=ref, engine=engine, switch=PhaseSwitcher(manager, guard), guard=guard,
                      ledger=ledger, reward_model=reward_model)
 
