@@ -58,7 +58,7 @@ def test_objects_alive_at_the_freeze_and_dropped_later_are_freed():
 
 
 def test_a_later_collection_skips_the_frozen_objects():
-    junk = [{"i": i} for i in range(200_000)]  # set-up's long-lived objects
+    junk = [[i] for i in range(200_000)]  # set-up's long-lived objects
     freeze_collector()
     assert gc.get_freeze_count() >= len(junk)
     # a full collection now only sees what was created since: the frozen objects are out of its generations
