@@ -134,6 +134,17 @@ def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dt
     return numel * (4 + 4 + 4 + lp + size(grad_dtype))
 
 
+def state_bytes_by_kind(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dtype, bucket_bytes: int = 0,
+                       frozen_base_bytes: int = 0) -> dict[str, int]:
+    """`paged_state_bytes` split by DeepSpeed's state kind (OffloadStateTypeEnum values), for the
+    paging plan: Adam's moments, fp32 master weights, the weight partitions (a LoRA base's, paged by
+    colo_rl, included), the gradient partitions and ZeRO's gradient bucket."""
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    lp = size(param_dtype) if param_dtype != torch.float32 else 0
+    return {"optim_states": 8 * numel, "hp_params": 4 * numel, "lp_params": lp * numel + frozen_base_bytes,
+            "lp_grads": size(grad_dtype) * numel, "contiguous_grad_buffer": int(bucket_bytes)}
+
+
 # DeepSpeed's default gradient bucket, in elements (stage3.py's reduce_bucket_size): ZeRO allocates it
 # whole on the device for the update phase (`torch.empty(reduce_bucket_size)` per gradient dtype),
 # whatever the model's size: 0.93 GiB in bf16.
