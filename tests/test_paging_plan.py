@@ -137,3 +137,11 @@ def test_activation_estimate_and_token_budget():
     assert micro_batch_tokens(T(), 300) == 2400
     T.micro_batch_tokens = 16384
     assert micro_batch_tokens(T(), 300) == 16384
+
+
+def test_without_a_device_limit_auto_pages_nothing_and_on_still_pages_everything():
+    needs = MemoryNeeds(**{**full_ft(135_000_000, 1, SMOLLM2, 64, 100, 2048).__dict__, "device_bytes": None})
+    auto = plan_paging(needs)
+    assert auto.paged == () and auto.fits and "CPU" in auto.reason and auto.record()["device_gib"] is None
+    assert plan_paging(needs, "on").paged == PAGE_ORDER
+    assert "no limit" in auto.summary()

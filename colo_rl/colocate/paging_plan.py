@@ -37,7 +37,7 @@ PAGING_MODES = ("auto", "on", "off")
 class MemoryNeeds:
     """Bytes on one device. `trainer_states` maps PAGE_ORDER kinds to bytes (missing kinds: 0)."""
 
-    device_bytes: int  # what the trainer and the engine may use together on one device
+    device_bytes: Optional[int]  # what the trainer and the engine may use on one device; None = no limit (CPU)
     trainer_states: Mapping[str, int]
     activations: int  # the update phase's peak activations (one micro-batch)
     engine_weights: int
@@ -71,7 +71,8 @@ class PagingPlan:
         gib = lambda b: round(b / GIB, 3)  # noqa: E731
         n = self.needs
         return {"mode": self.mode, "paged": list(self.paged), "handoff_first": self.handoff_first,
-                "fits": self.fits, "reason": self.reason, "device_gib": gib(n.device_bytes),
+                "fits": self.fits, "reason": self.reason,
+                "device_gib": None if n.device_bytes is None else gib(n.device_bytes),
                 "generation_gib": gib(self.generation_bytes), "handoff_gib": gib(self.handoff_bytes),
                 "update_gib": gib(self.update_bytes),
                 "trainer_states_gib": {k: gib(n.state(k)) for k in PAGE_ORDER if n.state(k)},
@@ -81,9 +82,14 @@ class PagingPlan:
 
     def summary(self) -> str:
         what = "trainer resident" if not self.paged else "paging " + ", ".join(self.paged)
+        device = "no limit" if self.needs.device_bytes is None else f"{self.needs.device_bytes / GIB:.1f} GiB"
         return (f"colocate.paging={self.mode}: {what} ({self.reason}); per device: generation "
                 f"{self.generation_bytes / GIB:.1f} GiB, handoff {self.handoff_bytes / GIB:.1f} GiB, update "
-                f"{self.update_bytes / GIB:.1f} GiB of {self.needs.device_bytes / GIB:.1f} GiB")
+                f"{self.update_bytes / GIB:.1f} GiB of {device}")
+
+
+def _fits(nbytes: int, needs: MemoryNeeds) -> bool:
+    return needs.device_bytes is None or nbytes <= needs.device_bytes
 
 
 def _phase_bytes(needs: MemoryNeeds, paged: tuple[str, ...]) -> tuple[int, int, bool]:
@@ -92,7 +98,7 @@ def _phase_bytes(needs: MemoryNeeds, paged: tuple[str, ...]) -> tuple[int, int, 
     generation = resident + needs.engine_weights + needs.kv_cache + needs.cuda_graphs + needs.margin
     handoff = resident + needs.engine_weights + needs.handoff_buckets + needs.margin
     lp = needs.state("lp_params") if "lp_params" in paged else 0
-    handoff_first = handoff + lp <= needs.device_bytes
+    handoff_first = _fits(handoff + lp, needs)
     return generation, handoff + (lp if handoff_first else 0), handoff_first
 
 
@@ -100,9 +106,8 @@ def plan_paging(needs: MemoryNeeds, mode: str = "auto") -> PagingPlan:
     """What to page for every generation phase (module docstring: the rule)."""
     if mode not in PAGING_MODES:
         raise ValueError(f"colocate.paging={mode!r} is not one of {PAGING_MODES}")
-    device = needs.device_bytes
     update = sum(needs.state(k) for k in PAGE_ORDER) + needs.activations + needs.margin
-    update_fits = update <= device
+    update_fits = _fits(update, needs)
     candidates = {"on": [PAGE_ORDER], "off": [()],
                   "auto": [PAGE_ORDER[:i] for i in range(len(PAGE_ORDER) + 1)]}[mode]
     chosen = None
@@ -110,7 +115,7 @@ def plan_paging(needs: MemoryNeeds, mode: str = "auto") -> PagingPlan:
         # a kind holding no bytes is not paged (nothing to gain), except when forced
         paged = tuple(k for k in paged if needs.state(k) or mode == "on")
         generation, handoff, first = _phase_bytes(needs, paged)
-        if generation <= device and handoff <= device:
+        if _fits(generation, needs) and _fits(handoff, needs):
             chosen = (paged, generation, handoff, first)
             break
     gen_fits = chosen is not None
@@ -127,6 +132,8 @@ def plan_paging(needs: MemoryNeeds, mode: str = "auto") -> PagingPlan:
                      "raise rollout.tp_size" if mode != "off" else "with paging off; use colocate.paging=auto"))
     elif mode != "auto":
         reason = f"forced by colocate.paging={mode}"
+    elif needs.device_bytes is None:
+        reason = "no device memory to plan against (CPU, colocate.device_memory_gib unset): nothing paged"
     elif not paged:
         reason = "everything fits with the trainer resident"
     else:

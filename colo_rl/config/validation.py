@@ -60,7 +60,8 @@ _GRPO_ONLY = {
     **{f"env.{f.name}": "multi-turn rollouts are for GRPO and recipes/eval.py" for f in fields(EnvConfig)},
 }
 # SFT and DPO train without a rollout engine, and evaluation without an optimizer: nothing is paged.
-_NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases"}
+_NO_PAGING = {"colocate.paging": "only GRPO pages its trainer between phases",
+              "colocate.device_memory_gib": "only GRPO plans its paging"}
 _DPO_ONLY = {"algo.beta": "DPO only", "algo.dpo_loss": "DPO only", "algo.label_smoothing": "DPO only",
              "algo.precompute_ref_logprobs": "DPO only"}
 _EVAL_ONLY = {f"eval.{f.name}": "recipes/eval.py only" for f in fields(EvalConfig)}
@@ -133,6 +134,9 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward.max_failure_rate": (lambda v: 0 <= v <= 1, "must be in [0, 1]"),
     "reward.workers": (lambda v: v >= 0, "must be >= 0 (0 = call the reward functions in the trainer's process)"),
     "reward.timeout_s": (lambda v: v > 0, "must be > 0 seconds"),
+    "colocate.handoff_bucket_mb": (lambda v: v > 0, "must be a positive integer (MiB)"),
+    "colocate.device_memory_gib": (lambda v: v is None or v > 0,
+                                   "must be > 0 GiB, or null to measure the device at start"),
     "data.train_size": (lambda v: v >= 0, "must be >= 0 (0 = every record of data.path)"),
     "data.eval_size": (lambda v: v >= 0, "must be >= 0 (0 = no held-out evaluation)"),
     "data.max_prompt_tokens": (lambda v: v > 0, "must be a positive integer"),
@@ -149,7 +153,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 # Optional keys whose null is a setting (off), not a missing value.
-NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target")
+NULLABLE = ("algo.tis_cap", "algo.clip_ratio_c", "algo.kl_target", "colocate.device_memory_gib")
 # Keys whose children are not colo_rl's (checked elsewhere): not compared against the schema.
 FREE_KEYS = ("rollout.sglang_kwargs",)
 

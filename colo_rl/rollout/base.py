@@ -46,6 +46,7 @@ class HandoffStats:
     # What travelled: "full" (every weight), "merged" (LoRA merged into the base), "base+adapters"
     # (a LoRA engine's first handoff), "adapters" (a LoRA engine's later ones).
     content: str = "full"
+    zero_copy: bool = False  # the engine read the trainer's own flat weight buffer (no gather, no copy)
 
 
 class RolloutEngine(Protocol):

@@ -100,12 +100,19 @@ def announce_op_build(name: str, what: str) -> bool:
     return True
 
 
-def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto") -> bool:
-    """Whether a trainer pages its states out for every generation phase: only a colocated
-    (guarded) one, and then on a GPU (colocate.paging=auto), always (on) or never (off)."""
+def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto",
+                  budget_given: bool = False) -> bool:
+    """Whether a trainer may page its states out for every generation phase: only a colocated
+    (guarded) one, and then always (on), never (off), or (auto) where there is device memory to plan
+    against: on a GPU, or with colocate.device_memory_gib set. Which states auto really pages is
+    the paging plan's decision (colo_rl/colocate/paging_plan.py, applied by `set_paged_kinds`)."""
     if not (with_optimizer and guard is not None) or mode == "off":
         return False
-    return mode == "on" or torch.cuda.is_available()
+    return mode == "on" or budget_given or torch.cuda.is_available()
+
+
+# DeepSpeed's ZeRO-3 state kinds (OffloadStateTypeEnum values) in the order the paging plan pages them.
+DEEPSPEED_STATE_KINDS = ("contiguous_grad_buffer", "optim_states", "hp_params", "lp_grads", "lp_params")
 
 
 def lr_lambda(trainer_cfg, total_steps: int):
