@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from colo_rl.colocate.paging_plan import (CUDA_GRAPH_BYTES, GIB, PAGE_ORDER, MemoryNeeds, activation_bytes,
-                                          kv_cache_needed, micro_batch_tokens, plan_paging)
-from colo_rl.train.ds_config import DEEPSPEED_REDUCE_BUCKET, paged_state_bytes, state_bytes_by_kind
+                                          full_finetune_needs, kv_cache_needed, micro_batch_tokens, plan_paging)
+from colo_rl.train.ds_config import paged_state_bytes, state_bytes_by_kind
 
 BF16 = torch.bfloat16
 H100 = 80 * 10**9  # what mem_get_info reports on an 80 GB card, roughly
@@ -28,14 +28,18 @@ def kv_per_token(cfg, tp=1, nbytes=2):
     return 2 * cfg["num_hidden_layers"] * max(1, cfg["num_key_value_heads"] // tp) * head * nbytes
 
 
-def full_ft(params, world, cfg, sequences, tokens_per_seq, mb_tokens, device=H100, ckpt=False, frozen_models=0):
-    local = -(-params // world)
-    states = state_bytes_by_kind(local, BF16, BF16, bucket_bytes=2 * min(DEEPSPEED_REDUCE_BUCKET, params))
-    states["frozen_models"] = frozen_models
-    return MemoryNeeds(device_bytes=device, trainer_states=states,
-                       activations=activation_bytes(cfg, mb_tokens, 2, ckpt), engine_weights=2 * params,
-                       kv_cache=kv_cache_needed(sequences, tokens_per_seq, kv_per_token(cfg)),
-                       cuda_graphs=CUDA_GRAPH_BYTES, handoff_buckets=2 * min(2 * GIB, 2 * params), margin=2 * GIB)
+def full_ft(params, world, cfg, sequences, tokens_per_seq, mb_tokens, device=H100, ckpt=False):
+    return full_finetune_needs(params, world, cfg, sequences, tokens_per_seq, mb_tokens, device,
+                               gradient_checkpointing=ckpt)
+
+
+def test_needs_from_shapes_are_the_terms_by_hand():
+    needs = full_ft(135_000_000, 1, SMOLLM2, sequences=64, tokens_per_seq=100, mb_tokens=16384)
+    assert needs.state("optim_states") == 8 * 135_000_000 and needs.state("lp_params") == 2 * 135_000_000
+    assert needs.state("contiguous_grad_buffer") == 2 * 135_000_000  # capped at the parameter count
+    assert needs.engine_weights == 2 * 135_000_000 and needs.handoff_buckets == 4 * 135_000_000
+    assert needs.kv_cache == int(64 * 100 * kv_per_token(SMOLLM2) * 1.2)  # 23 KB a token
+    assert full_ft(6_740_000_000, 8, LLAMA7B, 1, 1, 1).state("hp_params") == 4 * 842_500_000
 
 
 def test_state_kinds_add_up_to_what_paging_moves():

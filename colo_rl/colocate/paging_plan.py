@@ -20,6 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional
 
+import torch
+
+from colo_rl.rollout.sglang.compat import kv_bytes_per_token
+from colo_rl.train.ds_config import DEEPSPEED_REDUCE_BUCKET, state_bytes_by_kind
+
 GIB = 1 << 30
 
 # Trainer state kinds (DeepSpeed's OffloadStateTypeEnum values, plus the frozen models paged beside
@@ -190,3 +195,24 @@ def device_budget(override_gib: Optional[float], free_bytes: Optional[int], held
     if free_bytes is None:
         return None
     return int(free_bytes) + int(held_bytes)
+
+
+def full_finetune_needs(params: int, world: int, config: Mapping, sequences: int, tokens_per_sequence: int,
+                        micro_batch_tokens: int, device_bytes: Optional[int], dtype: torch.dtype = torch.bfloat16,
+                        gradient_checkpointing: bool = False, tp_size: int = 1, cuda_graphs: bool = True,
+                        max_bucket_bytes: int = 2 * GIB, margin: int = 2 * GIB) -> MemoryNeeds:
+    """One device's needs for a full fine-tune of a `params`-parameter Llama-style model (`config`:
+    its config.json fields) under ZeRO-3 over `world` GPUs with AdamW: what colo_rl measures at
+    start-up, from the shapes alone (what-if planning; the benchmark's sample cases). `sequences`
+    per engine; the KV cache in the model's dtype."""
+    size = torch.empty((), dtype=dtype).element_size()
+    states = state_bytes_by_kind(-(-params // world), dtype, dtype,
+                                 bucket_bytes=size * min(DEEPSPEED_REDUCE_BUCKET, params))
+    weights = size * params
+    return MemoryNeeds(device_bytes=device_bytes, trainer_states=states,
+                       activations=activation_bytes(config, micro_batch_tokens, size, gradient_checkpointing),
+                       engine_weights=-(-weights // tp_size),
+                       kv_cache=kv_cache_needed(sequences, tokens_per_sequence,
+                                                kv_bytes_per_token(config, size, tp_size) or 0),
+                       cuda_graphs=CUDA_GRAPH_BYTES if cuda_graphs else 0,
+                       handoff_buckets=2 * min(max_bucket_bytes, weights), margin=margin)
