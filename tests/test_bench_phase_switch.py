@@ -83,3 +83,23 @@ def test_fixed_cost_mode_times_zero_byte_page_outs_and_plans_the_sample_cases(tm
     some = plans["3B, 1 x 80 GB, 64 x 3072 tokens (some paging)"]
     assert some["fits"] and some["paged"] and "lp_params" not in some["paged"]
     assert "| as today |" in json_path.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_switch_perf_stage_rehearses_on_cpu_with_tiny_shapes(tmp_path):
+    """benchmarks/switch_perf.py (a `make gpu-perf` stage): paging forced on and auto, the figures
+    read back from the ledgers. On CPU `on` pages host to host; `auto` pages nothing."""
+    env = child_env(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_perf.py"), "--small", "--engine", "hf",
+                           "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("switch_perf-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    runs = {r["paging"]: r["figures"] for r in result["runs"]}
+    assert set(runs) == {"auto", "on"} and result["failed"] == []
+    assert runs["auto"]["paging_plan"]["paged"] == [] and runs["auto"]["page_out"]["bytes"] == 0
+    assert runs["on"]["paging_plan"]["paged"] and runs["on"]["page_out"]["bytes"] > 0
+    assert runs["on"]["page_in"]["bytes"] == runs["on"]["page_out"]["bytes"]  # what left comes back
+    for figures in runs.values():
+        assert figures["switch_excl_handoff_s"] > 0 and figures["handoff"]["ms"] > 0
+    assert "| small | on |" in json_path.with_suffix(".md").read_text()
