@@ -366,8 +366,8 @@ def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):
     manager = memory.MemoryManager(RecordingActor(calls), RecordingEngine(calls), RecordingHandoff(calls),
                                    memory.Ledger(None))
     record = manager.to_generation(step=0)
-    assert calls == [("offload", ("optim_states", "lp_params")), ("wake", (WEIGHTS,)), "push", "empty_cache",
-                     ("wake", (KV_CACHE, CUDA_GRAPH))]
+    assert calls == [("offload", ("optim_states", "lp_params")), "empty_cache", ("wake", (WEIGHTS,)), "push",
+                     "empty_cache", ("wake", (KV_CACHE, CUDA_GRAPH))]
     handoff = next(m for m in record["moves"] if m["what"] == "weights handoff")
     assert handoff["cache_released_bytes"] == 512 << 20
     assert handoff["h2d_bytes"] == 42  # the gathers copy the paged lp partitions back
@@ -381,7 +381,7 @@ def test_with_room_the_handoff_runs_before_the_weight_partitions_leave(monkeypat
     manager = memory.MemoryManager(RecordingActor(calls), RecordingEngine(calls), RecordingHandoff(calls),
                                    memory.Ledger(None), handoff_first=True)
     record = manager.to_generation(step=0)
-    assert calls == [("offload", ("optim_states",)), ("wake", (WEIGHTS,)), "push", "empty_cache",
+    assert calls == [("offload", ("optim_states",)), "empty_cache", ("wake", (WEIGHTS,)), "push", "empty_cache",
                      ("offload", ("lp_params",)), ("wake", (KV_CACHE, CUDA_GRAPH))]
     moves = {m["what"]: m for m in record["moves"]}
     assert moves["weights handoff"]["h2d_bytes"] == 0  # nothing to copy back: the partitions were there

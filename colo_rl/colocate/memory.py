@@ -136,6 +136,9 @@ class MemoryManager:
             with t.move("trainer states", "device", "host", self.actor.paged_bytes(first)) as m:
                 m["moved"] = bool(self.actor.offload_states(first))
                 m["kinds"] = list(first)
+                # the update's activations stay reserved in the trainer's caching allocator unless
+                # returned, and a resident trainer's page-out (none) does not return them
+                m["cache_released_bytes"] = release_cached_memory()
             for model in self.frozen:
                 with t.move(model.name, "device", "host", model.state_bytes()) as m:
                     m["moved"] = model.offload_states()
