@@ -68,6 +68,8 @@ def run_steps(colo, tok, steps: int = 2) -> dict:
 def main(out_path: str, run_dir: str) -> None:
     dist.init()
     tok = load_tokenizer("embedded")
+    for name in ("off", "auto"):
+        (Path(run_dir) / name).mkdir(parents=True, exist_ok=True)
     off = build_colocated(config("off"), tok, torch.float32, Path(run_dir) / "off", total_steps=4, grad_accum=1)
     budget = budget_paging_exactly(off, EXPECTED)
     auto = build_colocated(config("auto", budget / GIB), tok, torch.float32, Path(run_dir) / "auto",
