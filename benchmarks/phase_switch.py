@@ -297,6 +297,109 @@ def run(args) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- the fixed cost
+def zero_byte_page_outs(actor, repeats: int) -> list[float]:
+    """Seconds of `repeats` page-outs that move nothing (every state already on the host): what
+    DeepSpeed's offload_states costs beyond its bytes (its gc.collect() and empty_cache())."""
+    actor.offload_states()  # the states leave once; later calls find every kind already paged
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        actor.offload_states()
+        out.append(time.perf_counter() - t0)
+    actor.reload_states()
+    return out
+
+
+def fixed_cost(args) -> dict:
+    """A 0-byte page-out before and after `freeze_collector` in a process holding what a colocated
+    run imports (torch, transformers, DeepSpeed, SGLang's engine where installed), with a real
+    ZeRO-3 actor (world of one, paging forced) after one optimizer step."""
+    import gc
+    import importlib
+
+    from colo_rl import dist
+    from colo_rl.colocate.memory import freeze_collector
+    from colo_rl.models import resolve_dtype
+    from colo_rl.phase import Phase, PhaseGuard
+    from colo_rl.train.actor import DeepSpeedActor
+
+    imported = []
+    for module in ("transformers", "deepspeed", "sglang.srt.entrypoints.engine"):
+        try:
+            importlib.import_module(module)
+            imported.append(module)
+        except Exception:  # noqa: BLE001 - SGLang may be missing or need its CPU shims: say what was loaded
+            pass
+    dist.init()
+    dtype = resolve_dtype(args.dtype)
+    work = Path(tempfile.mkdtemp(prefix="colo_rl-phase-switch-"))
+    cfg = bench_config(write_random_llama(work / "model", **SMALL_MODEL), "hf", args.dtype, 2, 4)
+    cfg.colocate.paging = "on"
+    guard = PhaseGuard()
+    guard.phase = Phase.UPDATE  # no switcher here: the actor trains, then pages as it would between phases
+    actor = DeepSpeedActor(cfg, dtype, total_steps=2, guard=guard)
+    from colo_rl.rollout.base import Completion
+
+    completions = [Completion([5, 6, 7], [8, 9, 10, 11], [0.0] * 4, "length") for _ in range(4)]
+    grpo_like_update(actor, completions)  # every state exists (the gradient bucket after a backward)
+    result = {"device": device_slug(), "date": common.today(), "dtype": str(dtype).replace("torch.", ""),
+              "imported": imported, "repeats": args.repeats}
+    result["before"] = {"tracked_objects": len(gc.get_objects()),
+                        "seconds": zero_byte_page_outs(actor, args.repeats)}
+    frozen = freeze_collector()
+    result["freeze"] = frozen
+    result["after"] = {"tracked_objects": len(gc.get_objects()),
+                       "seconds": zero_byte_page_outs(actor, args.repeats)}
+    for key in ("before", "after"):
+        result[key]["median_s"] = statistics.median(result[key]["seconds"])
+    result["plans"] = sample_plans()
+    shutil.rmtree(work, ignore_errors=True)
+    dist.cleanup()
+    return result
+
+
+# The issue's sample cases for colocate.paging=auto (per device; prompt ~150 tokens).
+def sample_plans() -> dict:
+    from colo_rl.colocate.paging_plan import full_finetune_needs, plan_paging
+
+    h100 = 80 * 10**9
+    llama7b = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
+                   num_key_value_heads=32, vocab_size=32000)
+    cases = {
+        "SmolLM2-135M, 1 x 80 GB, 64 x (150 + 64) tokens": full_finetune_needs(
+            134_515_008, 1, SMOLLM2_MODEL, 64, 214, 16384, h100),
+        "0.5B, 1 x 80 GB, 128 x (150 + 768) tokens": full_finetune_needs(
+            458_500_000, 1, GPU_MODEL, 128, 918, 16384, h100),
+        "7B, 8 x 80 GB ZeRO-3, 32 per engine x (512 + 1024), gradient checkpointing": full_finetune_needs(
+            6_740_000_000, 8, llama7b, 32, 1536, 8192, h100, gradient_checkpointing=True),
+        "7B, 1 x 80 GB (does not fit)": full_finetune_needs(6_740_000_000, 1, llama7b, 64, 1024, 4096, h100),
+        "3B, 1 x 80 GB, 64 x 3072 tokens (some paging)": full_finetune_needs(
+            3_200_000_000, 1, dict(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
+                                   num_attention_heads=24, num_key_value_heads=8, vocab_size=128256),
+            64, 3072, 4096, h100, gradient_checkpointing=True),
+    }
+    return {name: plan_paging(needs).record() for name, needs in cases.items()}
+
+
+def fixed_cost_markdown(result: dict) -> str:
+    b, a = result["before"], result["after"]
+    lines = [f"# A page-out that moves 0 bytes: {result['device']}, {result['date']}", "",
+             f"DeepSpeed ZeRO-3 actor (world of one, paging forced, {result['dtype']}) after one optimizer step, "
+             f"every state already on the host; the process imported {', '.join(result['imported'])}. "
+             f"{result['repeats']} page-outs each.", "",
+             "| collector | tracked objects | median ms | max ms |", "|---|---|---|---|",
+             f"| as today | {b['tracked_objects']} | {1000 * b['median_s']:.1f} | {1000 * max(b['seconds']):.1f} |",
+             f"| frozen after set-up (`freeze_collector`, {result['freeze']['seconds']:.2f} s once) | "
+             f"{a['tracked_objects']} | {1000 * a['median_s']:.1f} | {1000 * max(a['seconds']):.1f} |", "",
+             "colocate.paging=auto on the sample cases (per device):", "",
+             "| case | paged | fits | generation GiB | update GiB | device GiB | why |", "|---|---|---|---|---|---|---|"]
+    for name, p in result["plans"].items():
+        lines.append(f"| {name} | {', '.join(p['paged']) or 'nothing'} | {p['fits']} | {p['generation_gib']:.1f} | "
+                     f"{p['update_gib']:.1f} | {p['device_gib']:.1f} | {p['reason']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=5, help="GRPO-like steps (two transitions each)")
@@ -315,7 +418,15 @@ def main(argv=None) -> int:
                    help="skip the pass that releases / pages one kind at a time after the timed steps")
     p.add_argument("--paging", choices=["auto", "on", "off"], default="auto",
                    help="colocate.paging (on: page host to host on CPU too, to run the GPU's paging code)")
+    p.add_argument("--fixed-cost", action="store_true",
+                   help="CPU: time page-outs that move 0 bytes before / after freezing the collector, and "
+                        "print colocate.paging=auto's decisions on the sample cases")
+    p.add_argument("--repeats", type=int, default=10, help="page-outs per --fixed-cost measurement")
     args = p.parse_args(argv)
+    if args.fixed_cost:
+        result = fixed_cost(args)
+        common.publish(args.name + "_fixed_cost", result, fixed_cost_markdown(result), args.out, readme=False)
+        return 0
     if not args.small and args.model != "small" and not torch.cuda.is_available():
         p.error(f"the {args.model} model needs a GPU; pass --small on CPU")
     result = run(args)

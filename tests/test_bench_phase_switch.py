@@ -59,3 +59,47 @@ def test_itemised_pass_releases_and_pages_one_kind_at_a_time_with_the_real_pagin
     assert result["transitions"]["update->generation"]["moves"]["trainer states"]["moved"] is True
     table = json_path.with_suffix(".md").read_text()
     assert "| trainer | page out Adam moments (fp32) |" in table and "| engine | release kv_cache |" in table
+
+
+@pytest.mark.slow
+def test_fixed_cost_mode_times_zero_byte_page_outs_and_plans_the_sample_cases(tmp_path):
+    """`--fixed-cost`: a real ZeRO-3 actor's page-outs that move nothing, before and after the
+    collector freeze, and colocate.paging=auto's decisions on the issue's sample cases."""
+    env = child_env(OMP_NUM_THREADS="1")  # its own world of one
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "phase_switch.py"), "--fixed-cost",
+                           "--repeats", "3", "--dtype", "fp32", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("phase_switch_fixed_cost-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    before, after = result["before"], result["after"]
+    assert len(before["seconds"]) == len(after["seconds"]) == 3
+    assert after["tracked_objects"] < before["tracked_objects"] // 2  # the set-up's objects are frozen
+    assert after["median_s"] < before["median_s"]  # gc.collect() no longer scans them
+    plans = result["plans"]
+    resident = [name for name in plans if name.startswith(("SmolLM2", "0.5B", "7B, 8"))]
+    assert len(resident) == 3 and all(plans[n]["paged"] == [] and plans[n]["fits"] for n in resident)
+    assert plans["7B, 1 x 80 GB (does not fit)"]["fits"] is False
+    some = plans["3B, 1 x 80 GB, 64 x 3072 tokens (some paging)"]
+    assert some["fits"] and some["paged"] and "lp_params" not in some["paged"]
+    assert "| as today |" in json_path.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_switch_perf_stage_rehearses_on_cpu_with_tiny_shapes(tmp_path):
+    """benchmarks/switch_perf.py (a `make gpu-perf` stage): paging forced on and auto, the figures
+    read back from the ledgers. On CPU `on` pages host to host; `auto` pages nothing."""
+    env = child_env(OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "switch_perf.py"), "--small", "--engine", "hf",
+                           "--steps", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (json_path,) = tmp_path.glob("switch_perf-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    runs = {r["paging"]: r["figures"] for r in result["runs"]}
+    assert set(runs) == {"auto", "on"} and result["failed"] == []
+    assert runs["auto"]["paging_plan"]["paged"] == [] and runs["auto"]["page_out"]["bytes"] == 0
+    assert runs["on"]["paging_plan"]["paged"] and runs["on"]["page_out"]["bytes"] > 0
+    assert runs["on"]["page_in"]["bytes"] == runs["on"]["page_out"]["bytes"]  # what left comes back
+    for figures in runs.values():
+        assert figures["switch_excl_handoff_s"] > 0 and figures["handoff"]["ms"] > 0
+    assert "| small | on |" in json_path.with_suffix(".md").read_text()

@@ -317,14 +317,16 @@ def test_create_merges_kwargs_sets_cudart_and_keeps_sigquit(monkeypatch, sigquit
 
 # ============================================================================ B5: empty the cache before the KV cache
 class RecordingActor:
+    paged_kinds = ("optim_states", "lp_params")
+
     def __init__(self, calls):
         self.calls = calls
 
-    def state_bytes(self):
+    def paged_bytes(self, kinds=None):
         return 1000
 
-    def offload_states(self):
-        self.calls.append("offload")
+    def offload_states(self, kinds=None):
+        self.calls.append(("offload", tuple(kinds)) if kinds is not None else "offload")
         return True
 
     def handoff_h2d_bytes(self, names=None):
@@ -350,7 +352,7 @@ class RecordingHandoff:
 
     def push(self):
         self.calls.append("push")
-        return SimpleNamespace(bytes=10, buckets=1, content="full")
+        return SimpleNamespace(bytes=10, buckets=1, content="full", zero_copy=False)
 
 
 def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):
@@ -364,10 +366,27 @@ def test_trainer_cache_emptied_between_handoff_and_kv_resume(monkeypatch):
     manager = memory.MemoryManager(RecordingActor(calls), RecordingEngine(calls), RecordingHandoff(calls),
                                    memory.Ledger(None))
     record = manager.to_generation(step=0)
-    assert calls == ["offload", ("wake", (WEIGHTS,)), "push", "empty_cache", ("wake", (KV_CACHE, CUDA_GRAPH))]
+    assert calls == [("offload", ("optim_states", "lp_params")), "empty_cache", ("wake", (WEIGHTS,)), "push",
+                     "empty_cache", ("wake", (KV_CACHE, CUDA_GRAPH))]
     handoff = next(m for m in record["moves"] if m["what"] == "weights handoff")
     assert handoff["cache_released_bytes"] == 512 << 20
     assert handoff["h2d_bytes"] == 42  # the gathers copy the paged lp partitions back
+
+
+def test_with_room_the_handoff_runs_before_the_weight_partitions_leave(monkeypatch):
+    """The paging plan's handoff_first: everything but lp_params pages, the engine takes the weights
+    from the resident partitions (no host-to-device copy), then lp_params page, then the KV cache."""
+    calls: list = []
+    monkeypatch.setattr(memory, "release_cached_memory", lambda: calls.append("empty_cache") or 0)
+    manager = memory.MemoryManager(RecordingActor(calls), RecordingEngine(calls), RecordingHandoff(calls),
+                                   memory.Ledger(None), handoff_first=True)
+    record = manager.to_generation(step=0)
+    assert calls == [("offload", ("optim_states",)), "empty_cache", ("wake", (WEIGHTS,)), "push", "empty_cache",
+                     ("offload", ("lp_params",)), ("wake", (KV_CACHE, CUDA_GRAPH))]
+    moves = {m["what"]: m for m in record["moves"]}
+    assert moves["weights handoff"]["h2d_bytes"] == 0  # nothing to copy back: the partitions were there
+    assert moves["trainer states"]["kinds"] == ["optim_states"]
+    assert moves["trainer weight partitions"]["moved"] is True
 
 
 def test_release_cached_memory_is_a_noop_without_cuda():

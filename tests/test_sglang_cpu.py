@@ -248,6 +248,9 @@ def test_handoff_after_a_zero3_step_gives_the_engine_the_trainers_logprobs(colo)
     with colo.switch.update():
         sgl_gap = agreement(colo, after, THRESHOLD)  # raises above the threshold
     assert sgl_gap["handoff/logprob_diff_mean"] < THRESHOLD
+    # world size 1, weight partitions resident: SGLang read DeepSpeed's flat buffer in one call
+    handoff = colo.switch.manager.last_handoff
+    assert handoff.zero_copy is True and handoff.buckets == 1
     record("tiny_after_zero3_step", {"sglang_cpu": sgl_gap, "hf_engine": hf_gap})
     print(f"engine-vs-trainer log-prob gap after a ZeRO-3 step: SGLang CPU {sgl_gap}, HF engine {hf_gap}")
 
@@ -328,13 +331,26 @@ def test_a_skipped_or_garbled_update_fails_the_handoff_check(colo, kind):
         # names the engine's model does not have: SGLang 0.5.21's Llama skips them and reports success
         return original([("model.renamed." + n, t) for n, t in named_tensors])
 
-    colo.engine.load_weights = broken
+    original_flat = colo.engine.load_flat_weights
+
+    def broken_flat(buffer, views):  # the same faults on the zero-copy path (world size 1 takes it)
+        if kind == "skipped":
+            return True  # claims to have sent the weights
+        if kind == "garbled":
+            torch.manual_seed(0)
+            shuffled = buffer[torch.randperm(buffer.numel())]
+            place = lambda v: (v.data_ptr() - buffer.data_ptr()) // buffer.element_size()  # noqa: E731
+            return original_flat(shuffled, [(n, shuffled.narrow(0, place(v), v.numel()).view(v.shape))
+                                            for n, v in views])
+        return original_flat(buffer, [("model.renamed." + n, v) for n, v in views])
+
+    colo.engine.load_weights, colo.engine.load_flat_weights = broken, broken_flat
     try:
         colo.switch.begin_step(11)
         with colo.switch.generation():
             samples = colo.engine.generate(prompts(4, seed=5), params)
     finally:
-        colo.engine.load_weights = original
+        colo.engine.load_weights, colo.engine.load_flat_weights = original, original_flat
     with colo.switch.update():
         with pytest.raises(HandoffError, match="not on the trainer's weights"):
             agreement(colo, samples, THRESHOLD)

@@ -69,18 +69,46 @@ class WeightHandoff:
             raise ValueError(f"handoff mode {mode!r} is not one of {HANDOFF_MODES}")
         self.actor = actor
         self.engine = engine
-        self.bucket_bytes = int(bucket_mb) << 20
+        self.max_bucket_bytes = self.bucket_bytes = int(bucket_mb) << 20
         self.feeds_engine = feeds_engine
         self.mode = mode
-        if mode == "full":
-            self.buckets = plan_buckets(actor.named_parameter_sizes(), self.bucket_bytes)
-        elif mode == "merged":
-            self.buckets = merge_buckets(actor, self.bucket_bytes)
+        if mode in ("full", "merged"):
+            self._plan(self.bucket_bytes)
         else:
             self.buckets = sized_buckets(actor, base_names(actor), self.bucket_bytes)  # the base, sent once
             self.adapter_buckets = sized_buckets(actor, adapter_names(actor), self.bucket_bytes)
         self.base_sent = False
         self.gathered_names: list[str] = []  # what the last push gathered (the ledger's h2d bytes)
+
+    def _plan(self, bucket_bytes: int) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.buckets = (plan_buckets(self.actor.named_parameter_sizes(), bucket_bytes) if self.mode == "full"
+                        else merge_buckets(self.actor, bucket_bytes))
+
+    def _size_buckets(self) -> None:
+        """Buckets as large as this handoff's free memory allows (peak: two of them), at most
+        colocate.handoff_bucket_mb: one engine call where it fits. Every rank plans with the least
+        free memory of any rank (the gathers are collectives). Without CUDA: the cap."""
+        free = dist.device_free_bytes()
+        if free is None:
+            return
+        (fit,) = dist.all_reduce_max([-float(bucket_bytes_for(free, self.max_bucket_bytes))])
+        if int(-fit) != self.bucket_bytes:
+            self._plan(int(-fit))
+
+    def _push_flat(self, stats: HandoffStats) -> bool:
+        """The zero-copy handoff: the engine reads DeepSpeed's flat weight buffer as it is (world size
+        1, weight partitions on the device). False where it does not apply."""
+        load = getattr(self.engine, "load_flat_weights", None)
+        if self.mode != "full" or not self.feeds_engine or not callable(load):
+            return False
+        flat = self.actor.flat_weights()
+        if flat is None or not load(*flat):
+            return False
+        stats.bytes += sum(t.numel() * t.element_size() for _, t in flat[1])
+        stats.buckets += 1
+        stats.zero_copy = True
+        return True
 
     @property
     def keeps_engine_weights(self) -> bool:
@@ -93,7 +121,10 @@ class WeightHandoff:
         self.gathered_names = []
         if self.mode == "adapter":
             self._push_adapters(stats)
+        elif self._push_flat(stats):
+            pass
         else:
+            self._size_buckets()
             gather = gathered_merged if self.mode == "merged" else lambda actor, names: actor.gathered(names)
             for names in self.buckets:
                 with gather(self.actor, names) as tensors:
@@ -129,6 +160,17 @@ class WeightHandoff:
             self.gathered_names += names
         if self.feeds_engine:
             self.engine.load_adapter(adapters)
+
+
+# Free memory the handoff leaves alone: the engine's own transient work in load_weights.
+HANDOFF_RESERVE_BYTES = 1 << 30
+MIN_BUCKET_BYTES = 64 << 20
+
+
+def bucket_bytes_for(free_bytes: int, max_bucket_bytes: int, reserve: int = HANDOFF_RESERVE_BYTES) -> int:
+    """The handoff's bucket size: half of what is free beyond `reserve` (a gathered bucket and its
+    flattened copy live together), between MIN_BUCKET_BYTES and `max_bucket_bytes`."""
+    return int(min(max_bucket_bytes, max(MIN_BUCKET_BYTES, (free_bytes - reserve) // 2)))
 
 
 class LogprobAgreement:

@@ -7,10 +7,13 @@ with an error that says which context to use.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 
-from colo_rl.colocate.memory import MemoryManager
+from colo_rl.colocate.memory import MemoryManager, freeze_collector
 from colo_rl.phase import Phase, PhaseError, PhaseGuard
+
+log = logging.getLogger("colo_rl")
 
 
 class PhaseSwitcher:
@@ -21,10 +24,17 @@ class PhaseSwitcher:
         self.switch_seconds = 0.0  # phase-switch time (excluding the handoff) since begin_step
         self.handoff_seconds = 0.0
         self._inside = False
+        self._steps_begun = 0
 
     def begin_step(self, step: int) -> None:
         """A new training step: the transitions that follow are recorded under `step`, and
         `timed_phase_seconds` counts from zero."""
+        self._steps_begun += 1
+        if self._steps_begun == 2:
+            # The first step's warm-up (kernels, autograd, the engine's first requests) left objects
+            # that live for the run: freeze them too, so the page-outs' collections skip them.
+            log.info("collector frozen after the first step: %(frozen_objects)d objects, %(seconds).2fs",
+                     freeze_collector())
         self.step = step
         self.switch_seconds = 0.0
         self.handoff_seconds = 0.0

@@ -201,16 +201,22 @@ class ColocateConfig:
     mem_fraction_static: Optional[float] = opt(None, ALL, resume=SILENT)
     # What must stay free beside SGLang's static memory (activations, CUDA graphs, the handoff's buckets).
     memory_margin_gib: float = opt(2.0, ALL, resume=SILENT)
-    # The trainer gathers and hands over the weights in buckets of this size (peak: two buckets).
-    handoff_bucket_mb: int = opt(256, ALL, resume=SILENT)
+    # The largest handoff bucket: the weights travel in one call where they fit under it and free
+    # memory allows (fewer calls, each ~15 ms of fixed cost on a GPU); peak: two buckets.
+    handoff_bucket_mb: int = opt(2048, ALL, check=gt(0, "MiB"), resume=SILENT)
     # Stop when the engine's sampling log-probs differ from the trainer's by more than this
     # (mean absolute difference per response token): the engine is not on the trainer's weights.
     handoff_check_max_mean_abs: float = opt(0.2, reads("grpo", others="GRPO only"), resume=SILENT)
     # Page the trainer's states (and a reward model's weights) out to host memory for every
-    # generation phase: auto = on a GPU; on = on CPU too (host to host: runs the GPU's paging code,
-    # e.g. in tests); off = keep them on the device (faster switches where the engine fits beside).
+    # generation phase: auto = only as far as the device needs (colo_rl/colocate/paging_plan.py: the
+    # least that fits, nothing when the trainer fits beside the engine; decision logged and in the
+    # ledger); on = every state, on CPU too (host to host, e.g. in tests); off = none.
     paging: str = opt("auto", reads("grpo", others="only GRPO pages its trainer between phases"),
                       choices=("auto", "on", "off"), resume=SILENT)
+    # The memory auto plans with per device, in GiB; null = measured (free + the trainer's own) at start.
+    device_memory_gib: Optional[float] = opt(None, reads("grpo", others="only GRPO plans its paging"),
+                                             check=gt(0, "GiB", or_null="measuring the device at start"),
+                                             resume=SILENT)
     # Page into pinned host memory (faster copies; costs locked RAM). GPU only.
     offload_pin_memory: bool = opt(True, ALL, resume=SILENT)
 

@@ -43,6 +43,7 @@ class HandoffStats:
     # What travelled: "full" (every weight), "merged" (LoRA merged into the base), "base+adapters"
     # (a LoRA engine's first handoff), "adapters" (a LoRA engine's later ones).
     content: str = "full"
+    zero_copy: bool = False  # the engine read the trainer's own flat weight buffer (no gather, no copy)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,17 @@ class Engine:
     @classmethod
     def check_runs_here(cls, cfg: Any) -> None:
         """What it needs is installed and its device is here (at start-up, in seconds)."""
+
+    @classmethod
+    def engine_kwargs(cls, cfg: Any) -> dict:
+        """The user's own arguments for this engine (e.g. rollout.sglang_kwargs): the memory plan reads
+        the KV cache's dtype there."""
+        return {}
+
+    @classmethod
+    def cuda_graphs(cls, cfg: Any) -> bool:
+        """Whether it captures CUDA graphs on a GPU (the memory plan keeps room for them)."""
+        return False
 
     @classmethod
     def context_length(cls, cfg: Any, model_length: Optional[int]) -> tuple[Optional[int], str]:

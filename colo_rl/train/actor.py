@@ -17,9 +17,11 @@ from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, f
 from colo_rl.models import load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
-from colo_rl.train.ds_config import (announce_op_build, build_ds_config, check_pageable, drop_offload_buffers,
-                                     fit_grad_bucket, grad_bucket_bytes, lr_lambda, offload_buffers_set_aside,
-                                     paged_state_bytes, paging_needed, set_zero3_leaf_modules)
+from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
+                                     drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
+                                     offload_buffers_set_aside, paged_state_bytes, paging_needed,
+                                     set_zero3_leaf_modules, state_bytes_by_kind)
+from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 
 log = logging.getLogger("colo_rl")
@@ -63,7 +65,9 @@ class DeepSpeedActor:
         self.zero_stage = cfg.trainer.zero_stage
         self.with_optimizer = with_optimizer
         ds_config = build_ds_config(cfg.trainer, dtype, with_optimizer, grad_accum)
-        self.pages = paging_needed(with_optimizer, guard, cfg.colocate.paging)
+        self.pages = paging_needed(with_optimizer, guard, cfg.colocate.paging,
+                                   budget_given=cfg.colocate.device_memory_gib is not None)
+        self.paged_kinds = DEEPSPEED_STATE_KINDS if self.pages else ()  # narrowed by the paging plan
         # One choice for the whole run: once DeepSpeed has pinned buffers, its reload_states restores
         # from them (stage3.py), so an unpinned page-out after a pinned one would bring back stale states.
         self.pin_memory = pinnable(cfg.colocate.offload_pin_memory)
@@ -284,28 +288,53 @@ class DeepSpeedActor:
         self.nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
 
     # ------------------------------------------------------------------ paging (memory manager)
-    def offload_states(self) -> bool:
-        """Page optimizer state, master weights, gradient buffers and the weight partitions (a
-        LoRA base's too) to host memory (GPU only). Returns whether anything moved."""
-        if not self.pages:
+    def set_paged_kinds(self, kinds) -> None:
+        """The paging plan's decision (colo_rl/colocate/paging_plan.py): which DeepSpeed state kinds
+        leave the device for every generation phase (a LoRA base's partitions go with lp_params)."""
+        self.paged_kinds = tuple(k for k in DEEPSPEED_STATE_KINDS if k in kinds) if self.pages else ()
+
+    def offload_states(self, kinds=None) -> bool:
+        """Page the planned state kinds (those of `kinds` only, when given) to host memory; a kind
+        already paged is skipped. Returns whether any kind was asked for."""
+        todo = [k for k in self.paged_kinds if kinds is None or k in kinds]
+        if not todo:
             return False
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
         frozen = bool(self.frozen_pager.tensors)
-        include = [s for s in OffloadStateTypeEnum if s != OffloadStateTypeEnum.lp_params] if frozen else None
-        # DeepSpeed first: it also frees ZeRO-3's cache of gathered parameters
-        self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
-                                   non_blocking=False)
-        if frozen:
+        # DeepSpeed's lp_params move fails with a frozen base: those partitions are paged here
+        include = [OffloadStateTypeEnum(k) for k in todo if not (frozen and k == "lp_params")]
+        if include:  # DeepSpeed first: it also frees ZeRO-3's cache of gathered parameters
+            self.engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=self.pin_memory,
+                                       non_blocking=False)
+        else:
+            self.engine.empty_partition_cache()
+        if frozen and "lp_params" in todo:
             self.frozen_pager.page_out()
         return True
 
     def reload_states(self) -> bool:
-        if not self.pages:
+        if not self.paged_kinds:
             return False
         self.engine.reload_states(non_blocking=False)
         self.frozen_pager.page_in(self.engine.device)
         return True
+
+    def state_bytes_by_kind(self) -> dict[str, int]:
+        """This rank's pageable bytes per DeepSpeed state kind (ZeRO-3 with an optimizer; else none):
+        what the paging plan weighs. They add up to `state_bytes()`."""
+        if not (self.with_optimizer and self.zero_stage == 3):
+            return {}
+        numel = sum(p.ds_tensor.numel() for p in self.module.parameters() if p.requires_grad)
+        kinds = state_bytes_by_kind(numel, self.dtype, self.grad_dtype(), grad_bucket_bytes(self.engine.optimizer))
+        if self.frozen_pager.tensors:  # the adapters' partitions stay; the base's are paged by frozen_pager
+            kinds["lp_params"] = self.frozen_pager.nbytes()
+        return kinds
+
+    def paged_bytes(self, kinds=None) -> int:
+        """Bytes the planned kinds (those of `kinds`, when given) move."""
+        by_kind = self.state_bytes_by_kind()
+        return sum(by_kind.get(k, 0) for k in self.paged_kinds if kinds is None or k in kinds)
 
     def grad_dtype(self) -> torch.dtype:
         """The dtype of ZeRO's gradient buffer (DeepSpeed's gradient-accumulation dtype)."""
@@ -343,6 +372,16 @@ class DeepSpeedActor:
         return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for n, p in self.module.named_parameters()
                    if (chosen is None or n in chosen) and hasattr(p, "ds_tensor")
                    and not (only_frozen and p.requires_grad))
+
+    def flat_weights(self):
+        """(DeepSpeed's flat weight buffer, every weight as a named view of it) for the zero-copy
+        handoff, or None where it does not apply (train/flat_weights.py): world size > 1, LoRA, no
+        optimizer, or the buffer paged out."""
+        if self.zero_stage != 3 or not self.with_optimizer or self.lora or dist.world_size() != 1:
+            return None
+        if "lp_params" in {getattr(s, "value", s) for s in getattr(self.engine.optimizer, "offloaded_states", ())}:
+            return None
+        return deepspeed_flat_weights(self.module, self.engine.optimizer)
 
     def _inner_optimizer(self):
         """The torch optimizer under DeepSpeed's ZeRO wrapper (whose `state` DeepSpeed pages)."""

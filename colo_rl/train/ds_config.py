@@ -147,12 +147,19 @@ def ninja_has_work(build_dir: Path) -> bool:
     return out.returncode == 0 and "no work to do" not in out.stdout
 
 
-def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto") -> bool:
-    """Whether a trainer pages its states out for every generation phase: only a colocated
-    (guarded) one, and then on a GPU (colocate.paging=auto), always (on) or never (off)."""
+def paging_needed(with_optimizer: bool, guard: Optional[PhaseGuard], mode: str = "auto",
+                  budget_given: bool = False) -> bool:
+    """Whether a trainer may page its states out for every generation phase: only a colocated
+    (guarded) one, and then always (on), never (off), or (auto) where there is device memory to plan
+    against: on a GPU, or with colocate.device_memory_gib set. Which states auto really pages is
+    the paging plan's decision (colo_rl/colocate/paging_plan.py, applied by `set_paged_kinds`)."""
     if not (with_optimizer and guard is not None) or mode == "off":
         return False
-    return mode == "on" or torch.cuda.is_available()
+    return mode == "on" or budget_given or torch.cuda.is_available()
+
+
+# DeepSpeed's ZeRO-3 state kinds (OffloadStateTypeEnum values) in the order the paging plan pages them.
+DEEPSPEED_STATE_KINDS = ("contiguous_grad_buffer", "optim_states", "hp_params", "lp_grads", "lp_params")
 
 
 def lr_lambda(trainer_cfg, total_steps: int):
@@ -179,6 +186,17 @@ def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dt
     size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
     lp = size(param_dtype) if include_lp_params and param_dtype != torch.float32 else 0
     return numel * (4 + 4 + 4 + lp + size(grad_dtype))
+
+
+def state_bytes_by_kind(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dtype, bucket_bytes: int = 0,
+                       frozen_base_bytes: int = 0) -> dict[str, int]:
+    """`paged_state_bytes` split by DeepSpeed's state kind (OffloadStateTypeEnum values), for the
+    paging plan: Adam's moments, fp32 master weights, the weight partitions (a LoRA base's, paged by
+    colo_rl, included), the gradient partitions and ZeRO's gradient bucket."""
+    size = lambda dtype: torch.empty((), dtype=dtype).element_size()  # noqa: E731
+    lp = size(param_dtype) if param_dtype != torch.float32 else 0
+    return {"optim_states": 8 * numel, "hp_params": 4 * numel, "lp_params": lp * numel + frozen_base_bytes,
+            "lp_grads": size(grad_dtype) * numel, "contiguous_grad_buffer": int(bucket_bytes)}
 
 
 # DeepSpeed's default gradient bucket, in elements (stage3.py's reduce_bucket_size): ZeRO allocates it

@@ -20,6 +20,7 @@ from colo_rl import dist
 from colo_rl.config import LoraConfig, ModelConfig, RunConfig, TrainerConfig
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.batch import build_batch
+from colo_rl.train.ds_config import DEEPSPEED_STATE_KINDS
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=2, dtype="bf16")
 BUFFER = "_offload_buffer"  # DeepSpeed's key suffix for its host copies of Adam's moments
@@ -28,6 +29,7 @@ BUFFER = "_offload_buffer"  # DeepSpeed's key suffix for its host copies of Adam
 def make_actor(cfg, paged: bool) -> DeepSpeedActor:
     actor = DeepSpeedActor(cfg, torch.bfloat16, total_steps=4)
     actor.pages = paged  # as colocate.paging=on in a colocated run (auto pages on CUDA only)
+    actor.set_paged_kinds(DEEPSPEED_STATE_KINDS)
     return actor
 
 

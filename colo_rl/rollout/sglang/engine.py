@@ -53,7 +53,8 @@ from colo_rl.rollout.sglang.failure import (
 from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, raised_abort, sglang_sampling_params
 from colo_rl.rollout.sglang.lora import (ADAPTER_NAME, adapter_request, lora_engine_support, lora_server_kwargs,
                                          request_lora_paths)
-from colo_rl.rollout.sglang.weights import payload_calls, prepare_rank_payload, update_result, weight_session_api
+from colo_rl.rollout.sglang.weights import (payload_calls, prepare_flat_payload, prepare_rank_payload, update_result,
+                                            weight_session_api)
 
 log = logging.getLogger("colo_rl")
 
@@ -165,6 +166,14 @@ class SGLangEngine(Engine):
     @classmethod
     def check_runs_here(cls, cfg: Any) -> None:
         check_engine_runs_here(cfg.rollout.engine, cfg.rollout.sglang_kwargs)
+
+    @classmethod
+    def engine_kwargs(cls, cfg: Any) -> dict:
+        return dict(cfg.rollout.sglang_kwargs or {})
+
+    @classmethod
+    def cuda_graphs(cls, cfg: Any) -> bool:
+        return not cls.engine_kwargs(cfg).get("disable_cuda_graph")
 
     @classmethod
     def context_length(cls, cfg: Any, model_length: Optional[int]) -> tuple[Optional[int], str]:
@@ -346,6 +355,24 @@ class SGLangEngine(Engine):
             del keepalive
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()
+
+    def load_flat_weights(self, buffer: torch.Tensor, named_views: list[tuple[str, torch.Tensor]]) -> bool:
+        """Every weight in one call from the trainer's own flat buffer (the views' places in it),
+        without a copy (zero-copy producer); False, having sent nothing, where this SGLang or this
+        process cannot take it that way (`prepare_flat_payload`): then hand off in buckets."""
+        if self.tp_size > 1:
+            return False
+        prepared = prepare_flat_payload(buffer, named_views, self.api)
+        if prepared is None:
+            return False
+        payload, keepalive = prepared
+        try:
+            self.load_rank_payloads([payload])
+        finally:
+            del keepalive
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()
+        return True
 
     def load_rank_payloads(self, rank_payloads: list[dict]) -> None:
         """One bucket, as prepared by every TP rank (index = TP rank); producers stay alive until

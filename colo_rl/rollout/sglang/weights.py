@@ -4,13 +4,15 @@ CPU), the weight-update session (SGLang >= 0.5.21), result checks."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any, Mapping, Optional
 
 import torch
 
 from colo_rl.errors import HandoffError
 from colo_rl.rollout.sglang.compat import ensure_reductions_patched, sglang_api
-from colo_rl.rollout.sglang.env import ipc_producer_allocations
+from colo_rl.rollout.sglang.env import expandable_segments_enabled, ipc_producer_allocations
 
 
 # ===================================================================== weight updates (pure)
@@ -166,3 +168,56 @@ def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None
             return {"format": "flattened_bucket", "items": items}, keepalive
         items = [(name, api.serializer.serialize(t.detach())) for name, t in named_tensors]
         return {"format": "tensors", "items": items}, [t for _, t in named_tensors]
+
+
+# ===================================================================== zero-copy producer
+def flat_metadata(buffer: torch.Tensor, named_views: list[tuple[str, torch.Tensor]], meta_cls,
+                  byte_indexed: bool) -> tuple[torch.Tensor, list]:
+    """(the flattened tensor to send, SGLang's metadata) for weights that are views of one 1-D
+    `buffer`: each entry's start/end is its place in the buffer, in bytes over a uint8 view where
+    the bucket class is multi-dtype (SGLang >= 0.5.21: `supports_multi_dtypes`), else in elements."""
+    flat = buffer.view(torch.uint8) if byte_indexed else buffer
+    unit, size = (buffer.element_size() if byte_indexed else 1), buffer.element_size()
+    metadata = []
+    for name, view in named_views:
+        start = (view.data_ptr() - buffer.data_ptr()) // size * unit
+        numel = view.numel() * unit
+        metadata.append(meta_cls(name=name, shape=view.shape, dtype=view.dtype, start_idx=start,
+                                 end_idx=start + numel, numel=numel))
+    return flat, metadata
+
+
+def reconstructs_views(bucket_cls, flat: torch.Tensor, metadata: list,
+                       named_views: list[tuple[str, torch.Tensor]]) -> bool:
+    """Does SGLang's own `reconstruct_tensors` give back exactly our views (name, shape, dtype,
+    address)? Checked on every zero-copy handoff: it costs views only, and a layout change in SGLang
+    would otherwise load scrambled weights silently."""
+    out = bucket_cls(flattened_tensor=flat, metadata=metadata).reconstruct_tensors()
+    return len(out) == len(named_views) and all(
+        n == m and t.shape == v.shape and t.dtype == v.dtype and t.data_ptr() == v.data_ptr()
+        for (n, t), (m, v) in zip(out, named_views))
+
+
+def prepare_flat_payload(buffer: torch.Tensor, named_views: list[tuple[str, torch.Tensor]],
+                         api=None) -> Optional[tuple[dict, list]]:
+    """This rank's payload for weights that already lie in one flat buffer (DeepSpeed's, world size
+    1): the buffer itself as the flattened tensor, no copy. None where this SGLang or this process
+    cannot take it (no bucket class, a layout SGLang does not reconstruct to our views, a CUDA
+    buffer under expandable segments, which CUDA IPC cannot export): the bucketed handoff runs."""
+    api = api or sglang_api()
+    meta_cls = getattr(sys.modules.get(getattr(api.bucket_cls, "__module__", ""), None), "FlattenedTensorMetadata",
+                       None)
+    if api.bucket_cls is None or meta_cls is None:
+        return None
+    if buffer.is_cuda and expandable_segments_enabled(os.environ):
+        return None
+    byte_indexed = bool(getattr(api.bucket_cls, "supports_multi_dtypes", False))
+    if not byte_indexed and len({v.dtype for _, v in named_views}) > 1:
+        return None
+    flat, metadata = flat_metadata(buffer, named_views, meta_cls, byte_indexed)
+    if not reconstructs_views(api.bucket_cls, flat, metadata, named_views):
+        return None
+    if buffer.is_cuda:
+        ensure_reductions_patched(api)
+    data = {"flattened_tensor": flat, "metadata": metadata}
+    return {"format": "flattened_bucket", "items": [api.serializer.serialize(data, output_str=True)]}, [data]
