@@ -348,13 +348,7 @@ class SGLangEngine(Engine):
         if self.tp_size > 1:
             raise RuntimeError(f"SGLangEngine.load_weights with tp_size={self.tp_size}: every TP rank must send "
                                "its own payload; use colo_rl.rollout.tp_group.TPGroupEngine")
-        payload, keepalive = prepare_rank_payload(named_tensors, self.api)
-        try:
-            self.load_rank_payloads([payload])
-        finally:
-            del keepalive
-            if torch.cuda.is_available():
-                torch.cuda.ipc_collect()
+        self._send_own_payload(lambda: prepare_rank_payload(named_tensors, self.api))
 
     def load_flat_weights(self, buffer: torch.Tensor, named_views: list[tuple[str, torch.Tensor]]) -> bool:
         """Every weight in one call from the trainer's own flat buffer (the views' places in it),
@@ -365,14 +359,19 @@ class SGLangEngine(Engine):
         prepared = prepare_flat_payload(buffer, named_views, self.api)
         if prepared is None:
             return False
-        payload, keepalive = prepared
+        self._send_own_payload(lambda: prepared)  # its keepalive is the trainer's own buffer
+        return True
+
+    def _send_own_payload(self, prepare) -> None:
+        """This rank's payload (`prepare()`: payload, keepalive) as the one TP rank; the producer tensors
+        live until SGLang has copied them, then are dropped before the IPC blocks are collected."""
+        payload, keepalive = prepare()
         try:
             self.load_rank_payloads([payload])
         finally:
             del keepalive
             if torch.cuda.is_available():
                 torch.cuda.ipc_collect()
-        return True
 
     def load_rank_payloads(self, rank_payloads: list[dict]) -> None:
         """One bucket, as prepared by every TP rank (index = TP rank); producers stay alive until
