@@ -329,7 +329,10 @@ class GRPORecipe:
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
-        totals = dist.all_reduce_sum(dist.host_floats(sums))  # the statistics' one device-to-host transfer
+        # the statistics' one device-to-host transfer, the engine-vs-trainer mismatch sums with them
+        read = dist.host_floats({**sums, **{f"mismatch:{k}": v for k, v in (mismatch or {}).items()}})
+        mismatch = {k.split(":", 1)[1]: read.pop(k) for k in list(read) if k.startswith("mismatch:")} or None
+        totals = dist.all_reduce_sum(read)
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch

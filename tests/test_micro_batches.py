@@ -23,4 +23,4 @@ def test_same_gradient_for_1_2_and_8_micro_batches_for_every_loss_aggregation(tm
             for budget, s in splits.items():
                 assert s["grad_max"] > 0, (mode, s)  # a real gradient, not zeros
                 assert s["max_rel_diff"] < 1e-5, (mode, budget, s)
-                assert s["loss_diff"] < 1e-6, (mode, budget, s)
+                assert s["loss_diff"] < 1e-6 * max(1.0, s["loss"]), (mode, budget, s)  # token-sum's loss is a sum

@@ -90,7 +90,7 @@ def agreement(colo, completions, threshold=None, temperature: float = 1.0) -> di
     from colo_rl.colocate.handoff import LogprobAgreement
     from colo_rl.train.batch import build_batch
 
-    masks = [c.policy_mask for c in completions] if hasattr(completions[0], "policy_mask") else None  # episodes
+    masks = [c.policy_mask for c in completions]  # episodes: the policy's tokens; None: every token
     batch = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], colo.pad,
                         response_masks=masks, per_token={"rollout_logp": [c.logprobs for c in completions]})
     trainer, _ = colo.actor.response_logprobs(batch, temperature=temperature, grad=False)

@@ -151,8 +151,9 @@ def add_sums(total: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]
     return {k: torch.maximum(total[k], new[k]) if k in MAX_KEYS else total[k] + new[k] for k in total}
 
 
-def mismatch_metrics(total: dict[str, torch.Tensor] | None) -> dict[str, float]:
-    """The step's metrics from the accumulated sums, reduced over ranks (every rank calls it):
+def mismatch_metrics(total: dict[str, torch.Tensor | float] | None) -> dict[str, float]:
+    """The step's metrics from the accumulated sums (tensors, or the floats a caller already read
+    with the step's other statistics), reduced over ranks (every rank calls it):
 
         mismatch/kl_k1, mismatch/kl_k3          per-token means
         mismatch/tokens_masked_frac, ..._truncated_frac   shares of response tokens
@@ -162,7 +163,8 @@ def mismatch_metrics(total: dict[str, torch.Tensor] | None) -> dict[str, float]:
     if total is None:
         return {}
     sum_keys = sorted(k for k in total if k not in MAX_KEYS)
-    local = torch.stack([total[k].float() for k in (*sum_keys, *MAX_KEYS)]).tolist()  # one device sync
+    local = dist.host_floats({k: total[k] for k in (*sum_keys, *MAX_KEYS)})  # at most one device sync
+    local = [local[k] for k in (*sum_keys, *MAX_KEYS)]
     sums = dict(zip(sum_keys, dist.all_reduce_sum(local[:len(sum_keys)])))
     maxima = dict(zip(MAX_KEYS, dist.all_reduce_max(local[len(sum_keys):])))
     tok, seq = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0)

@@ -78,10 +78,10 @@ class TokenBatch:
 
 
 def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                response_masks: Optional[list[list[int]]] = None,
+                response_masks: Optional[list[Optional[list[int]]]] = None,
                 per_token: Optional[dict[str, list[list[float]]]] = None,
                 per_row: Optional[dict[str, list[float]]] = None) -> TokenBatch:
-    """Collate sequences. `response_masks` defaults to all response tokens counting;
+    """Collate sequences. `response_masks` (or a None entry in it) defaults to all response tokens counting;
     `per_token` values are aligned with the response tokens and padded with 0."""
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -96,7 +96,7 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
         if r:
             ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
             resp[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            m = response_masks[i] if response_masks is not None else [1] * len(r)
+            m = response_masks[i] if response_masks is not None and response_masks[i] is not None else [1] * len(r)
             rmask[i, :len(r)] = torch.tensor(m, dtype=torch.float32)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     extras: dict[str, torch.Tensor] = {}

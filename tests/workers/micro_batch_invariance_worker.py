@@ -84,6 +84,8 @@ def main(out: str) -> None:
     report = {}
     for mode in algos.LOSS_AGGREGATIONS.names():
         cfg.algo.loss_agg = mode
+        # the one mode that divides by a constant length (the same value on every split)
+        cfg.algo.loss_scale_factor = float(cfg.rollout.max_new_tokens) if mode == "seq-mean-token-sum-norm" else None
         grads = {}
         for budget, _ in SPLITS.items():
             cfg.trainer.micro_batch_tokens = str(budget)
@@ -93,7 +95,8 @@ def main(out: str) -> None:
         whole, _, loss_whole = grads[1_000_000]
         scale = float(whole.abs().max())
         report[mode] = {str(budget): {"micro_batches": n, "max_rel_diff": float((g - whole).abs().max()) / scale,
-                                      "loss_diff": abs(loss - loss_whole), "grad_max": scale}
+                                      "loss_diff": abs(loss - loss_whole),
+                                      "loss": abs(loss_whole), "grad_max": scale}
                         for budget, (g, n, loss) in grads.items()}
     Path(f"{out}.rank{dist.rank()}.json").write_text(json.dumps(report))
 

@@ -33,6 +33,7 @@ def config(paging: str, budget_gib=None) -> RunConfig:
     # short sequences: the update's activations (mostly logits over a 49k vocabulary) stay below
     # what the handoff needs beside the resident states, so some paging is needed and enough fits
     cfg.data.max_prompt_tokens = 16
+    cfg.trainer.micro_batch_tokens = "32"  # one group of 2 x (16 + 8): auto would plan its 1024-token floor
     cfg.colocate.paging, cfg.colocate.device_memory_gib = paging, budget_gib
     cfg.colocate.memory_margin_gib = 0.001
     cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.rollout.max_new_tokens = 4, 2, 8

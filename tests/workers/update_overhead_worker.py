@@ -13,6 +13,7 @@ asserts about the update's host-side costs.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import sys
@@ -25,6 +26,7 @@ from colo_rl import dist
 from colo_rl.algos import AdaptiveKLController
 from colo_rl.config import ModelConfig, RunConfig
 from colo_rl.metrics import Timer
+from colo_rl.samples import Completion, Rollout, groups_of
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.batch import build_batch
 
@@ -135,41 +137,45 @@ def load_recipe():
     return module.GRPORecipe
 
 
-def rollout_batch(G: int, groups: int):
+def rollout_of(G: int, groups: int) -> Rollout:
+    """`groups` prompt groups of G scripted completions (random tokens and rewards, log-probs -1)."""
     g = torch.Generator().manual_seed(7 + dist.rank())
-    completions = []
-    for _ in range(groups):
+    completions, problems = [], []
+    for j in range(groups):
         prompt = torch.randint(3, 400, (5,), generator=g).tolist()
+        problems.append(f"problem {j}")
         for _ in range(G):
             n = int(torch.randint(2, 7, (1,), generator=g))
-            tokens = torch.randint(3, 400, (n,), generator=g).tolist()
-            completions.append(types.SimpleNamespace(prompt_ids=prompt, token_ids=tokens))
-    b = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], 0,
-                    per_token={"rollout_logp": [[-1.0] * len(c.token_ids) for c in completions]})
-    rewards = torch.randint(0, 2, (len(completions),), generator=g).float()
-    return b, completions, rewards
+            completions.append(Completion(prompt, torch.randint(3, 400, (n,), generator=g).tolist(), [-1.0] * n, "stop"))
+    rewards = torch.randint(0, 2, (len(completions),), generator=g).float().tolist()
+    out, n = Rollout(), len(completions)
+    out.keep(groups_of(problems, G, {}, completions=completions, rewards=rewards, correct=[False] * n,
+                       lenient=[False] * n, formatted=[False] * n, texts=[""] * n))
+    return out
 
 
 def update_reads(packing: bool, micro_batch_size: int) -> dict:
-    G, groups = 4, 2
+    """Device reads in one update split into micro-batches of at most `micro_batch_size` sequences."""
+    G, groups = 4, 4
     cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size)
+    cfg.trainer.micro_batch_tokens = "100000"  # the sequence cap decides the split
     cfg.rollout.group_size, cfg.rollout.prompts_per_step = G, groups * dist.world_size()
     cfg.colocate.handoff_check_max_mean_abs = None
     cls = load_recipe()
     recipe = cls.__new__(cls)  # the attributes update() reads, without __init__'s engine
     recipe.cfg, recipe.timer = cfg, Timer()
+    recipe.tokenizer = types.SimpleNamespace(pad_token_id=0)
     recipe.kl_ctl = AdaptiveKLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-    n_micro = len(recipe.plan_micro_batches([1.0] * (G * groups)))
-    recipe.n_micro = n_micro
-    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4, grad_accum=n_micro)
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4)
     instrument(actor)
     recipe.colo = types.SimpleNamespace(actor=actor, ref=None)
-    b, completions, rewards = rollout_batch(G, groups)
-    recipe.update(b, completions, rewards)  # warm-up (DeepSpeed's first step builds its buffers)
+    rollout = rollout_of(G, groups)
+    recipe.update(copy.deepcopy(rollout))  # warm-up (DeepSpeed's first step builds its buffers)
     DeviceTensor.reads.clear()
-    out = recipe.update(b, completions, rewards)
-    return {"micro_batches": n_micro, "reads": list(DeviceTensor.reads), "loss": out["train/loss"],
-            "entropy": out.get("train/entropy"), "logprob_diff": out["handoff/logprob_diff_mean"]}
+    out = recipe.update(copy.deepcopy(rollout))
+    return {"micro_batches": int(out["train/micro_batches"]), "reads": list(DeviceTensor.reads),
+            "loss": out["train/loss"], "entropy": out.get("train/entropy"),
+            "logprob_diff": out["handoff/logprob_diff_mean"]}
 
 
 def main() -> int:
