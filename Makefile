@@ -52,7 +52,7 @@ install: $(STAMP) install-sandbox
 # are root and have apt-get; otherwise this prints what to run, and env=python is refused at start-up
 # until it is (env.python_sandbox=none runs the policy's code unsandboxed).
 install-sandbox:
-	@if command -v bwrap >/dev/null 2>&1; then echo "python tool sandbox: $$(bwrap --version) ($$(command -v bwrap))"; \
+	@if command -v bwrap >/dev/null 2>&1; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap && bwrap --version; \
 	else echo "note: the python tool's sandbox needs bubblewrap, not installed and not installable here (not root" \

@@ -169,7 +169,8 @@ def test_policy_cannot_read_answers_secrets_or_other_episodes(plant, name):
     assert "NameError" not in result["text"] and "SyntaxError" not in result["text"], result  # a broken snippet
     assert_unseen(result, plant, plant.secret_env, str(plant.answers) if name != "answers_by_path" else plant.marker)
     if name == "project_source_and_data":
-        assert "colo_rl" not in result["text"] and not result["ok"]
+        # the listing would name the project's files; the error may echo the path itself
+        assert "pyproject.toml" not in result["text"] and "recipes" not in result["text"] and not result["ok"]
     assert_trainer_fine(plant)
 
 

@@ -91,7 +91,12 @@ class DeepSpeedActor:
             model.requires_grad_(False)
         self.config = model.config
         # ZeRO-3 hooks per decoder layer, not per linear (trainer.zero_leaf_modules): the host cost of a micro-batch
-        self.leaf_classes = set_zero3_leaf_modules(ds_config, model) if cfg.trainer.zero_leaf_modules else []
+        # Not with LoRA adapters: DeepSpeed 0.19.8's leaf-module backward met an adapter's size-0
+        # partition (tests/test_lora_sft_dpo.py, tests/test_paging.py[lora]); see colocate/NOTES.md
+        leaf = cfg.trainer.zero_leaf_modules and not self.lora
+        if cfg.trainer.zero_leaf_modules and self.lora and dist.is_rank0():
+            log.info("ZeRO-3 leaf modules off: LoRA adapters are trained (model.lora.rank > 0)")
+        self.leaf_classes = set_zero3_leaf_modules(ds_config, model) if leaf else []
         kwargs = {}
         if with_optimizer:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]
