@@ -13,7 +13,6 @@ difference to the 1-micro-batch split relative to the gradient's largest entry (
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -25,36 +24,22 @@ from deepspeed.utils import safe_get_full_grad
 from colo_rl import algos, dist
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.metrics import Timer
-from colo_rl.samples import Completion, Rollout, groups_of
+from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
+from worker_support import load_recipe, scripted_rollout
 
-ROOT = Path(__file__).resolve().parents[2]
 G, GROUPS = 4, 8
 SPLITS = {1_000_000: 1, 120: 2, 1: 8}  # micro_batch_tokens -> micro-batches per rank
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.GRPORecipe
 
 
 def make_rollout(rank: int) -> Rollout:
     gen = torch.Generator().manual_seed(100 + rank)
     ids = lambda n: [int(x) for x in torch.randint(5, 1000, (n,), generator=gen)]  # noqa: E731
-    completions, problems = [], []
+    groups = []
     for j in range(GROUPS):
         prompt = ids(6)
-        problems.append(f"problem {j}")
-        lengths = [3, 5, 7, 9][j % 4:] + [3, 5, 7, 9][:j % 4]
-        completions += [Completion(prompt, ids(n), [-2.0] * n, "stop") for n in lengths]
-    rewards = torch.rand(GROUPS * G, generator=gen).tolist()
-    out = Rollout()
-    n = len(completions)
-    out.keep(groups_of(problems, G, {}, completions=completions, rewards=rewards, correct=[False] * n,
-                       lenient=[False] * n, formatted=[False] * n, texts=[""] * n))
-    return out
+        groups.append((prompt, [ids(n) for n in [3, 5, 7, 9][j % 4:] + [3, 5, 7, 9][:j % 4]]))
+    return scripted_rollout(groups, torch.rand(GROUPS * G, generator=gen).tolist(), -2.0)
 
 
 def main(out: str) -> None:

@@ -19,8 +19,8 @@ import torch
 from colo_rl import dist
 from colo_rl.config import LoraConfig, ModelConfig, RunConfig, TrainerConfig
 from colo_rl.train.actor import DeepSpeedActor
-from colo_rl.train.batch import build_batch
 from colo_rl.train.ds_config import DEEPSPEED_STATE_KINDS
+from worker_support import scripted_batch
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=2, dtype="bf16")
 BUFFER = "_offload_buffer"  # DeepSpeed's key suffix for its host copies of Adam's moments
@@ -33,15 +33,8 @@ def make_actor(cfg, paged: bool) -> DeepSpeedActor:
     return actor
 
 
-def batch(step: int):
-    g = torch.Generator().manual_seed(100 * step + dist.rank())
-    prompts = torch.randint(3, 400, (4, 6), generator=g).tolist()
-    responses = torch.randint(3, 400, (4, 5), generator=g).tolist()
-    return build_batch(prompts, responses, pad_id=0)
-
-
 def train_step(actor, step: int) -> dict:
-    b = batch(step)
+    b = scripted_batch(step)
     lp, _ = actor.response_logprobs(b)
     loss = -(lp * b.response_mask).sum() / (b.response_mask.sum() * dist.world_size())
     actor.backward(loss, last_micro_batch=True)

@@ -14,7 +14,6 @@ asserts about the update's host-side costs.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import sys
 import types
@@ -26,11 +25,10 @@ from colo_rl import dist
 from colo_rl.algos import AdaptiveKLController
 from colo_rl.config import ModelConfig, RunConfig
 from colo_rl.metrics import Timer
-from colo_rl.samples import Completion, Rollout, groups_of
+from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
-from colo_rl.train.batch import build_batch
+from worker_support import load_recipe, scripted_batch, scripted_rollout
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
 
 
@@ -40,13 +38,6 @@ def tiny_cfg(**trainer) -> RunConfig:
     for k, v in trainer.items():
         setattr(cfg.trainer, k, v)
     return cfg
-
-
-def batch(step: int):
-    g = torch.Generator().manual_seed(100 * step + dist.rank())
-    prompts = torch.randint(3, 400, (4, 6), generator=g).tolist()
-    responses = torch.randint(3, 400, (4, 5), generator=g).tolist()
-    return build_batch(prompts, responses, pad_id=0)
 
 
 def full_grads(actor) -> dict:
@@ -68,10 +59,11 @@ def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int, dict]:
             actor.offload_states()
             actor.reload_states()
         for j in range(2):  # two micro-batches: gradient accumulation across leaf-module fetches
-            b = batch(2 * step + j)
+            b = scripted_batch(2 * step + j)
             lp, _ = actor.response_logprobs(b)
             actor.backward(-(lp * b.response_mask).sum() / (16.0 * dist.world_size()), last_micro_batch=j == 1)
-        grads = full_grads(actor) if step == 0 else grads
+        if step == 0:
+            grads = full_grads(actor)
         actor.step()
     weights = actor.full_state_dict_on_rank0() or {}
     return weights, leaves, grads
@@ -130,28 +122,15 @@ def instrument(actor: DeepSpeedActor) -> None:
     actor.engine.backward = lambda loss, **k: engine_backward(plain(loss), **k)
 
 
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.GRPORecipe
-
-
 def rollout_of(G: int, groups: int) -> Rollout:
     """`groups` prompt groups of G scripted completions (random tokens and rewards, log-probs -1)."""
     g = torch.Generator().manual_seed(7 + dist.rank())
-    completions, problems = [], []
-    for j in range(groups):
+    parts = []
+    for _ in range(groups):
         prompt = torch.randint(3, 400, (5,), generator=g).tolist()
-        problems.append(f"problem {j}")
-        for _ in range(G):
-            n = int(torch.randint(2, 7, (1,), generator=g))
-            completions.append(Completion(prompt, torch.randint(3, 400, (n,), generator=g).tolist(), [-1.0] * n, "stop"))
-    rewards = torch.randint(0, 2, (len(completions),), generator=g).float().tolist()
-    out, n = Rollout(), len(completions)
-    out.keep(groups_of(problems, G, {}, completions=completions, rewards=rewards, correct=[False] * n,
-                       lenient=[False] * n, formatted=[False] * n, texts=[""] * n))
-    return out
+        parts.append((prompt, [torch.randint(3, 400, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+                               for _ in range(G)]))
+    return scripted_rollout(parts, torch.randint(0, 2, (groups * G,), generator=g).float().tolist(), -1.0)
 
 
 def update_reads(packing: bool, micro_batch_size: int) -> dict:
