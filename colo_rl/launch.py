@@ -63,7 +63,7 @@ def describe_failure(rank: int, failure) -> Optional[str]:
         how = f"exited with code {code}"
     log = Path(failure.error_file).parent / "stderr.log" if failure.error_file else None
     where = f"its output: {log}" if log is not None and log.exists() else \
-        f"its output is above (torchrun --log-dir DIR --redirects 3 keeps each rank's in DIR)"
+        "its output is above (torchrun --log-dir DIR --redirects 3 keeps each rank's in DIR)"
     return (f"error: rank {rank} (pid {failure.pid}) {how}; the other ranks' errors follow from it. {where}")
 
 

@@ -71,6 +71,15 @@ def failure_report(proc: subprocess.CompletedProcess, script: Path | str, log_di
     return message
 
 
+def wait_for_line(proc: subprocess.Popen, wanted: str) -> None:
+    """Read `proc`'s stdout up to the line `wanted` (DeepSpeed's start-up notes come first); fail the
+    test with its stderr if the process ends before printing it."""
+    for line in proc.stdout:
+        if line.strip() == wanted:
+            return
+    pytest.fail(proc.stderr.read())
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

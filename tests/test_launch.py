@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from colo_rl.launch import describe_failure, exit_code, root_cause
-from conftest import ROOT, WORKERS, child_env, python_path
+from conftest import ROOT, WORKERS, child_env, python_path, wait_for_line
 
 
 def _failure(code, t=100, pid=7, error_file=""):
@@ -60,11 +60,7 @@ def test_a_rank_killed_by_sigkill_is_named_by_the_launcher():
 def test_ctrl_c_is_a_clean_stop_that_exits_0_and_a_second_one_stops_now(signals):
     proc = _launch("stop", "40", "6")  # 4 minutes of 6-second steps unless stopped
     try:
-        for line in proc.stdout:  # DeepSpeed's start-up notes come first
-            if line.strip() == "ready":
-                break
-        else:
-            pytest.fail(proc.stderr.read())
+        wait_for_line(proc, "ready")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         if signals == 2:  # during the step, past StopSignal.force_after_s (a forwarded copy is not a second)

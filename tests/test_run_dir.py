@@ -9,9 +9,8 @@ import subprocess
 import sys
 import time
 
-import pytest
 
-from conftest import ROOT, child_env, python_path
+from conftest import ROOT, child_env, python_path, wait_for_line
 
 # runtime.start as a recipe calls it, then the run "trains" until it is killed
 HOLD = """
@@ -45,11 +44,7 @@ def _recipe(*args, timeout=120):
 def test_a_second_run_in_a_held_run_dir_is_refused_naming_the_holder_and_a_killed_one_is_not(tmp_path):
     holder = _start(tmp_path, hold_s=600)
     try:
-        for line in holder.stdout:  # DeepSpeed's start-up notes come first
-            if line.strip() == "started":
-                break
-        else:
-            pytest.fail(holder.stderr.read())
+        wait_for_line(holder, "started")
         rows = json.dumps({"step": 1}) + "\n"
         (tmp_path / "metrics.jsonl").write_text(rows)  # the holder's first row
         config = (tmp_path / "config.yaml").read_text()
