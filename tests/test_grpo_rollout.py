@@ -5,9 +5,6 @@ real engine and verifiers: test_grpo_recipe.py."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from colo_rl.config import RunConfig
@@ -16,16 +13,9 @@ from colo_rl.data.sampler import EpochSampler
 from colo_rl.metrics import Timer
 from colo_rl.rewards import RewardResult
 from colo_rl.rollout.base import Completion, SamplingParams
+from workers.worker_support import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
 G = 2
-
-
-def load_recipe():
-    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.GRPORecipe
 
 
 class EchoEngine:
