@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,7 +96,7 @@ def cuda_home(venv: Path) -> Path:
     return home
 
 
-def probe(out: Path) -> int:
+def probe(out: Path, keep_ops: Path | None = None) -> int:
     """Runs in the check venv: compile every kernel of the plan, each result written as it comes."""
     import torch
 
@@ -125,7 +126,14 @@ def probe(out: Path) -> int:
 
     def fused_adam():
         with arch_list_for_deepspeed():  # as DeepSpeedActor builds it: DeepSpeed cannot parse the image's 9.0a
-            return FusedAdamBuilder().jit_load(verbose=False)
+            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+            op = FusedAdamBuilder().jit_load(verbose=False)
+        if keep_ops is not None:  # carried to the GPU machine: COLO_RL_PREBUILT_OPS loads it there, no nvcc
+            from colo_rl.train.prebuilt_ops import build_manifest, save_prebuilt_op
+            kept = save_prebuilt_op("fused_adam", Path(op.__file__), keep_ops,
+                                    build_manifest(torch.__version__, torch.version.cuda, [a for a in re.split(r"[ ;]+", archs) if a]))
+            print(f"kept {kept} ({kept.stat().st_size / 2**20:.1f} MiB)", flush=True)
+        return op
 
     record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], fused_adam)
 
@@ -147,6 +155,19 @@ def probe(out: Path) -> int:
     return 0 if all(r["ok"] for r in results) else 1
 
 
+def keep_kernels_only(cache: Path) -> None:
+    """Of a TVM-FFI cache, keep each build folder's `<module>.so` (stripped of debug symbols) and drop
+    the objects and ninja files: what SGLang's `load_jit` loads without building, small enough to carry."""
+    for path in sorted(cache.rglob("*")):
+        if path.is_file() and not (path.suffix == ".so" and path.stem == path.parent.name.split("__arch_")[0]):
+            path.unlink()
+    for so in cache.rglob("*.so"):
+        if shutil.which("strip"):
+            subprocess.run(["strip", "--strip-unneeded", str(so)], check=False)
+    total = sum(f.stat().st_size for f in cache.rglob("*.so"))
+    print(f"kept {len(list(cache.rglob('*.so')))} SGLang JIT kernels in {cache} ({total / 2**20:.1f} MiB)")
+
+
 def nvcc_version() -> str:
     nvcc = os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else "nvcc"
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
@@ -160,10 +181,12 @@ def main(argv=None) -> int:
     p.add_argument("--toolkit", choices=["auto", "system", "wheels"], default="auto",
                    help="system: this machine's nvcc, found the way colo_rl finds it on a GPU (colo_rl.cuda_toolkit); "
                         "wheels: nvcc 13.0.88 from NVIDIA's wheels, in the check venv; auto: system when nvcc is on PATH")
+    p.add_argument("--keep-ops", type=Path, default=None,
+                   help="keep DeepSpeed's FusedAdam built here in this directory, for COLO_RL_PREBUILT_OPS on the GPU")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the part that runs in the venv
     args = p.parse_args(argv)
     if args.probe:
-        return probe(args.out)
+        return probe(args.out, args.keep_ops)
     py, site = args.venv / "bin" / "python", args.venv / "carry-site"
     if not (py.exists() and (site / "sglang").is_dir()):
         print(f"no check venv with the carry at {args.venv}: run `make gpu-wheels-check` first", file=sys.stderr)
@@ -182,9 +205,16 @@ def main(argv=None) -> int:
         env["LD_LIBRARY_PATH"] = str(stub)
     args.out.unlink(missing_ok=True)  # a probe that dies early must not leave an old report to read
     with tempfile.TemporaryDirectory(prefix="colo_rl-compile-") as tmp:  # empty caches: a real compile
-        env.update(TVM_FFI_CACHE_DIR=f"{tmp}/tvm-ffi", TORCH_EXTENSIONS_DIR=f"{tmp}/torch_extensions")
-        rc = subprocess.run([str(py), __file__, "--probe", "--out", str(args.out)], cwd=ROOT, env=env,
+        tvm_cache = f"{tmp}/tvm-ffi"
+        if args.keep_ops:  # SGLang loads a cached kernel by content hash and arch, wherever it was built
+            tvm_cache = str((args.keep_ops / "tvm-ffi").resolve())
+            shutil.rmtree(tvm_cache, ignore_errors=True)
+        env.update(TVM_FFI_CACHE_DIR=tvm_cache, TORCH_EXTENSIONS_DIR=f"{tmp}/torch_extensions")
+        keep = ["--keep-ops", str(args.keep_ops.resolve())] if args.keep_ops else []
+        rc = subprocess.run([str(py), __file__, "--probe", "--out", str(args.out), *keep], cwd=ROOT, env=env,
                             timeout=1800).returncode
+    if args.keep_ops:
+        keep_kernels_only(args.keep_ops / "tvm-ffi")
     if not args.out.exists():
         print(f"the compile probe itself failed (exit {rc})", file=sys.stderr)
         return 1

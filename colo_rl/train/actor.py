@@ -23,6 +23,7 @@ from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, b
                                      set_zero3_leaf_modules, state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
+from colo_rl.train.prebuilt_ops import load_prebuilt_ops
 
 log = logging.getLogger("colo_rl")
 
@@ -103,7 +104,7 @@ class DeepSpeedActor:
             fit_grad_bucket(ds_config, sum(p.numel() for p in kwargs["model_parameters"]))
             sched = lr_lambda(cfg.trainer, total_steps)
             kwargs["lr_scheduler"] = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, sched)
-        if with_optimizer:
+        if with_optimizer and "fused_adam" not in load_prebuilt_ops():  # $COLO_RL_PREBUILT_OPS
             prepare_jit_builds()  # FusedAdam is JIT-built on a GPU: CUDA_HOME, headers
             announce_op_build("fused_adam", "DeepSpeed's FusedAdam optimizer op")
         with arch_list_for_deepspeed():  # FusedAdam's build parses TORCH_CUDA_ARCH_LIST itself
