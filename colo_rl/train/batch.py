@@ -173,11 +173,15 @@ AUTO_MIN_TOKENS, AUTO_MAX_TOKENS = 1024, 65536
 
 
 def activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """A training forward + backward's memory per token, estimated: ~18 values of the hidden size
-    per decoder layer kept for the backward (attention and MLP inputs and outputs), plus three fp32
-    vocabulary-wide rows for the token's logits (the logits, their log-softmax, their gradient)."""
+    """A training forward + backward's memory per token, estimated: ~28 values of the hidden size
+    per decoder layer kept for the backward, plus three fp32 vocabulary-wide rows for the token's
+    logits (the logits, their log-softmax, their gradient).
+
+    The 28, counted on HF's Llama layer (FFN = 4 h): the two RMSNorms' inputs and outputs with
+    their fp32 upcasts (~8 h), q / k / v / RoPE'd q, k / attention output / o_proj input (~5 h with
+    GQA's narrower k, v), the MLP's gate, up, act(gate) and product (4 x 4 h = 16 h)."""
     elem = torch.finfo(dtype).bits // 8
-    return model_config.num_hidden_layers * model_config.hidden_size * 18 * elem + 3 * 4 * model_config.vocab_size
+    return model_config.num_hidden_layers * model_config.hidden_size * 28 * elem + 3 * 4 * model_config.vocab_size
 
 
 def micro_batch_token_budget(setting, model_config, dtype: torch.dtype, free_bytes: Optional[int],
