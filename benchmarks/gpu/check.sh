@@ -23,7 +23,10 @@
 # /tmp (their checkpoints are GBs); the files they write beside the checkpoints are copied into the logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-if ! nvidia-smi -L >/dev/null 2>&1; then
+# GPU_DRY_RUN=1: the same stages on the CPU with tiny shapes and the HF engine, results under
+# /tmp/colo_rl-gpu-dry-run (a rehearsal of the plumbing, not a measurement: tests/test_gpu_carry.py).
+DRY=${GPU_DRY_RUN:-0}
+if [ "$DRY" != 1 ] && ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check needs an NVIDIA GPU (nvidia-smi lists none). On a machine without one: make test." >&2
   exit 2
 fi
@@ -41,10 +44,22 @@ RUNS=${COLO_RL_GPU_RUNS:-/tmp/colo_rl-gpu-runs}
 SGLANG_KWARGS=${COLO_RL_SGLANG_KWARGS:-'{"attention_backend": "triton", "sampling_backend": "pytorch"}'}
 export COLO_RL_SGLANG_KWARGS="$SGLANG_KWARGS"
 HYDRA_KWARGS="rollout.sglang_kwargs=$($PY -c 'import json,os; d=json.loads(os.environ["COLO_RL_SGLANG_KWARGS"]); print("{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}")')"
-DEVICE=$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
+if [ "$DRY" = 1 ]; then
+  DEVICE=cpu
+  RES=${GPU_CHECK_RESULTS:-/tmp/colo_rl-gpu-dry-run}
+else
+  DEVICE=$($PY -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))')
+  RES=${GPU_CHECK_RESULTS:-benchmarks/results}
+fi
 DATE=$(date +%F)
-RES=${GPU_CHECK_RESULTS:-benchmarks/results}
-LOGS=$RES/gpu_check-$DEVICE-$DATE
+# make gpu-check's logs in gpu_check-*, make gpu-perf's in gpu_perf-* (GPU_LOG_PREFIX)
+LOGS=$RES/${GPU_LOG_PREFIX:-gpu_check}-$DEVICE-$DATE
+# DeepSpeed ops built on CPU (make gpu-prebuild-ops) are loaded, not built, when they match the device
+# (benchmarks/gpu/check_compile.py --keep-ops), and SGLang's JIT kernels from their TVM-FFI cache.
+if [ -d "${PREBUILT_OPS:-.whl/ops}" ]; then
+  export COLO_RL_PREBUILT_OPS="$(cd "${PREBUILT_OPS:-.whl/ops}" && pwd)"
+  [ -d "$COLO_RL_PREBUILT_OPS/tvm-ffi" ] && export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-$COLO_RL_PREBUILT_OPS/tvm-ffi}
+fi
 mkdir -p "$LOGS"
 export COLO_RL_GPU_LOG_DIR="$(cd "$LOGS" && pwd)"  # the SGLang test worker writes its output there as it runs
 STAGES=("$@")
@@ -158,6 +173,57 @@ stage_phase() {
 stage_grpo() { breakdown grpo_sglang 2 rollout.engine=sglang "$HYDRA_KWARGS" "${GRPO_ARGS[@]}"; }
 
 stage_hf() { breakdown grpo_hf 2 rollout.engine=hf "${GRPO_ARGS[@]}"; }
+
+# ---- make gpu-perf (the GPU performance issue): the update, the switch and the handoff on two
+# workloads with random weights (benchmarks/gpu/perf_models.py): `toy`, the demo's work on the embedded
+# model's shape (8 prompts x 8 completions, 40 new tokens, 12 steps), and `big`, a 0.5B-class Llama at
+# 128 sequences x 768 response tokens (6 steps). `*old` stages run the same work with the switches the
+# update and switch issues added turned back (one group per micro-batch, no ZeRO-3 leaf modules, paging on).
+PERF_MODELS=$(realpath -m "${PERF_MODELS:-.whl/models}")
+if [ "$DRY" = 1 ]; then
+  PERF_ENGINE=(rollout.engine=hf)
+  TINY=(model.hidden_size=64 model.num_layers=2)
+  TOY=(model.path=$PERF_MODELS/toy model.random_init=true "${TINY[@]}" rollout.prompts_per_step=2 rollout.group_size=2
+       rollout.max_new_tokens=8 trainer.total_steps=3 data.eval_size=0)
+  BIG=(model.path=$PERF_MODELS/toy model.random_init=true "${TINY[@]}" rollout.prompts_per_step=2 rollout.group_size=4
+       rollout.max_new_tokens=16 trainer.total_steps=3 data.eval_size=0)
+  MFU=(--dry-run)
+else
+  PERF_ENGINE=(rollout.engine=sglang "$HYDRA_KWARGS")
+  TOY=(model.path=$PERF_MODELS/toy model.random_init=true rollout.prompts_per_step=8 rollout.group_size=8
+       rollout.max_new_tokens=40 trainer.total_steps=12 data.eval_size=0)
+  BIG=(model.path=$PERF_MODELS/0.5b model.random_init=true rollout.prompts_per_step=16 rollout.group_size=8
+       rollout.max_new_tokens=768 trainer.total_steps=6 data.eval_size=0)
+  MFU=()
+fi
+OLD=(trainer.micro_batch_size=1 trainer.zero_leaf_modules=false colocate.paging=on)
+
+stage_versions() {
+  [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY - <<'EOF'
+import importlib.metadata as md, os, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+for pkg in ["sglang", "sglang-kernel", "deepspeed", "transformers", "hydra-core"]:
+    try:
+        print(pkg, md.version(pkg))
+    except md.PackageNotFoundError:
+        print(pkg, "MISSING")
+ops = os.environ.get("COLO_RL_PREBUILT_OPS")
+print("COLO_RL_PREBUILT_OPS", ops, sorted(os.listdir(ops)) if ops else "")
+EOF
+  $PY benchmarks/gpu/perf_models.py --out "$PERF_MODELS"
+}
+mfu() { run_py benchmarks/gpu/update_mfu.py "${MFU[@]}" --no-readme --out "$RES" "$@"; }
+stage_mfu() { mfu --name update_mfu; }
+stage_mfuold() { mfu --name update_mfu_leaf_off --leaf false; }
+stage_mfuflex() {
+  if [ "$DRY" = 1 ]; then echo "FlexAttention trains on a GPU only: skipped in the dry run"; return 0; fi
+  mfu --name update_mfu_flex --attn flex_attention
+}
+stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
+stage_toyold() { breakdown perf_toy_old 2 "${PERF_ENGINE[@]}" "${TOY[@]}" "${OLD[@]}"; }
+stage_big() { breakdown perf_big 1 "${PERF_ENGINE[@]}" "${BIG[@]}"; }
+stage_summary() { run_py benchmarks/gpu/perf_summary.py --res "$RES" --device "$DEVICE" --date "$DATE" --logs "$LOGS"; }
 
 stage_tools() {
   breakdown grpo_sglang_tools 1 rollout.engine=sglang "$HYDRA_KWARGS" env=calculator data=arithmetic_hard \

@@ -70,6 +70,14 @@ def busy_fraction(trace: dict, category: str) -> dict:
             "busy_fraction": busy / max(t1 - t0, 1e-9)}
 
 
+def top_ops(averages, key: str, n: int = 12) -> list[dict]:
+    """The profiler's `n` largest entries by `key` (self_cpu_time_total / self_device_time_total,
+    microseconds), as {name, calls, self_ms}."""
+    rows = sorted(averages, key=lambda e: getattr(e, key, 0.0), reverse=True)[:n]
+    return [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key, 0.0) / 1e3} for e in rows
+            if getattr(e, key, 0.0) > 0]
+
+
 def update_flops(dims: dict, prompt_len: int, response_len: int, group_size: int, groups: int) -> float:
     """Model FLOPs of one update (forward + backward) of `groups` packed rows; see the module docstring."""
     h, n_layers, ffn, V = dims["hidden_size"], dims["num_hidden_layers"], dims["intermediate_size"], dims["vocab_size"]
@@ -136,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak (default: by device name)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-readme", action="store_true")
+    p.add_argument("--name", default="update_mfu", help="results file name (<name>-<device>-<date>)")
     args = p.parse_args(argv)
     if args.dry_run:
         args.sequences, args.group_size, args.prompt_len, args.response_len = 4, 2, 6, 8
@@ -171,6 +180,8 @@ def main(argv=None) -> int:
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
         busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
+        host_top = top_ops(prof.key_averages(), "self_cpu_time_total")
+        device_top = top_ops(prof.key_averages(), "self_device_time_total") if on_gpu else []
     flops = update_flops(dims, args.prompt_len, args.response_len, args.group_size, groups)
     best = min(seconds)
     name = torch.cuda.get_device_name(0).lower() if on_gpu else "cpu"
@@ -179,7 +190,8 @@ def main(argv=None) -> int:
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
               "attn": args.attn, "leaf_modules": args.leaf, "update_seconds": seconds, "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
-              "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy}
+              "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
+              "host_top": host_top, "device_top": device_top}
     mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
     table = "\n".join([
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
@@ -188,8 +200,13 @@ def main(argv=None) -> int:
         f"leaf modules {'on' if args.leaf else 'off'}.", "",
         "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
         f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
-        f"({busy['category']}) | {busy['events']} |"])
-    stem = "update_mfu_dry_run" if args.dry_run else "update_mfu"
+        f"({busy['category']}) | {busy['events']} |", "",
+        "Top host functions of the profiled update (self CPU time):", "",
+        "| function | calls | self ms |", "|---|---|---|",
+        *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
+        *(["", "Top device kernels (self device time):", "", "| kernel | calls | ms |", "|---|---|---|",
+           *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in device_top]] if device_top else [])])
+    stem = args.name + ("_dry_run" if args.dry_run else "")
     if dist.is_rank0():
         common.publish(stem, result, table, args.out or common.RESULTS, readme=not args.no_readme)
     return 0

@@ -1,0 +1,173 @@
+"""`make gpu-perf`'s last stage: one table of what the GPU performance issue asks, from the stages'
+results (step_breakdown_perf_* and update_mfu* JSONs, each run's ledger.jsonl and metrics.jsonl).
+
+    python benchmarks/gpu/perf_summary.py --res benchmarks/results --device nvidia-h100-80gb-hbm3 \
+        --date 2026-11-26 --logs benchmarks/results/gpu_perf-nvidia-h100-80gb-hbm3-2026-11-26
+
+Per GRPO run: the step split, tokens/s generated and trained, the update's approximate MFU (6 N per
+trained response token: prompts and attention not counted, so a lower bound), micro-batches per
+step, the paging plan's decision, page-out / page-in GB/s when paging, the handoff (ms, GB/s, beside
+a device-to-device copy of the same bytes timed here), the colocation share. Per update_mfu run: MFU
+and the GPU-busy fraction of a profiled update. Writes gpu_perf-<device>-<date>.json + .md. A stage
+that did not run is listed as missing, never filled in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import common  # noqa: E402
+
+RUNS = {"perf_toy": "toy, new defaults", "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
+MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
+            "update_mfu_flex": "flex_attention, leaf modules on"}
+PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def llama_params(config: dict) -> dict:
+    """Parameters of a Llama-style config: the layers', the embedding's (tied: the LM head too)."""
+    h, ffn, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = config.get("head_dim", h // config["num_attention_heads"]) * config["num_key_value_heads"]
+    q = config.get("head_dim", h // config["num_attention_heads"]) * config["num_attention_heads"]
+    layers = n * (h * q + q * h + 2 * h * kv + 3 * h * ffn)
+    return {"layers": layers, "embedding": h * config["vocab_size"]}
+
+
+def ledger_figures(records: list[dict], skip: int) -> dict:
+    """Paging decision, page-out / page-in rates and the handoff from a run's ledger (steps after `skip`)."""
+    plan = next((r["paging_plan"] for r in records if "paging_plan" in r), None)
+    kept = [r for r in records if r["step"] > skip]
+    moved = lambda r, frm: [m for m in r["moves"] if m["from"] == frm and m.get("moved") and m["what"] != "weights handoff"]  # noqa: E731
+    outs = [m for r in kept if r["transition"] == "update->generation" for m in moved(r, "device")]
+    ins = [m for r in kept if r["transition"] == "generation->update" for m in moved(r, "host")]
+    handoffs = [m for r in kept for m in r["moves"] if m["what"] == "weights handoff"]
+
+    def rate(moves):
+        b, s = sum(m["bytes"] for m in moves), sum(m["seconds"] for m in moves)
+        steps = max(len({r["step"] for r in kept}), 1)
+        return {"gib_per_step": b / steps / common.GIB, "s_per_step": s / steps, "gb_per_s": b / s / 1e9 if b and s else None}
+
+    h_ms = statistics.median([1000 * m["seconds"] for m in handoffs]) if handoffs else None
+    h_bytes = statistics.median([m["bytes"] for m in handoffs]) if handoffs else None
+    return {"paging_plan": plan, "page_out": rate(outs), "page_in": rate(ins),
+            "handoff": {"ms": h_ms, "bytes": h_bytes, "gb_per_s": h_bytes / h_ms / 1e6 if h_ms else None,
+                        "zero_copy": all(m.get("zero_copy", False) for m in handoffs) if handoffs else None,
+                        "buckets": handoffs[-1].get("buckets") if handoffs else None}}
+
+
+def device_copy_ms(nbytes: Optional[float]) -> Optional[float]:
+    if not nbytes:
+        return None
+    from benchmarks.phase_switch import device_copy_seconds
+
+    s = device_copy_seconds(int(nbytes))
+    return 1000 * s if s else None
+
+
+def run_figures(name: str, args, peak: float) -> dict:
+    path = args.res / f"step_breakdown_{name}-{args.device}-{args.date}.json"
+    if not path.exists():
+        return {"missing": str(path)}
+    sb = json.loads(path.read_text())
+    b = sb["breakdown"]
+    run_logs = args.logs / name
+    skip = min(b["steps_kept"]) - 1 if b["steps_kept"] else 0
+    metrics = [m for m in jsonl(run_logs / "metrics.jsonl") if "time/update" in m and m["step"] > skip]
+    model_path = next((o.split("=", 1)[1] for o in sb["config"]["overrides"] if o.startswith("model.path=")), None)
+    config = json.loads((ROOT / model_path / "config.json").read_text()) if model_path and (ROOT / model_path / "config.json").exists() else None
+    out = {"config": sb["config"], "phases_s": {k: v["seconds_mean"] for k, v in b["phases"].items()},
+           "step_s": b["step_seconds_mean"], "colocation_share": b["colocation_share"],
+           "gen_tokens_per_s": b["gen_tokens_per_s"], "train_response_tokens_per_s": b["train_response_tokens_per_s"],
+           "micro_batches": statistics.median([m["train/micro_batches"] for m in metrics]) if metrics else None,
+           "checks": sb.get("checks"), "wall_s": sb.get("wall_seconds")}
+    if config and metrics and peak:
+        params = llama_params(config)
+        tokens = statistics.median([m["throughput/train_tokens"] for m in metrics])
+        seconds = statistics.median([m["time/update"] for m in metrics])
+        out["update_mfu_lower_bound"] = 6 * (params["layers"] + params["embedding"]) * tokens / seconds / 1e12 / peak
+        out["params"] = params
+    ledger = ledger_figures(jsonl(run_logs / "ledger.jsonl"), skip)
+    ledger["handoff"]["device_copy_ms"] = device_copy_ms(ledger["handoff"]["bytes"])
+    out["ledger"] = ledger
+    return out
+
+
+def markdown(result: dict) -> str:
+    f = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
+    lines = [f"# make gpu-perf: {result['device']}, {result['date']}", "",
+             "Random weights (learning is not measured). toy: the demo's work (8 prompts x 8 completions, <= 40 new "
+             "tokens) on the embedded model's shape; 0.5B: a 0.5B-class Llama, 128 sequences x 768 new tokens. "
+             "Old switches: one group per micro-batch, ZeRO-3 leaf modules off, colocate.paging=on.", "",
+             "| run | step s | generation | reward | update | handoff | switch | colocation share | gen tok/s | "
+             "train resp tok/s | micro-batches | update MFU >= |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, label in RUNS.items():
+        r = result["runs"].get(name, {})
+        if "missing" in r:
+            lines.append(f"| {label} | not run | | | | | | | | | | |")
+            continue
+        p = r["phases_s"]
+        mfu = r.get("update_mfu_lower_bound")
+        lines.append(f"| {label} | {f(r['step_s'])} | {f(p['generation'])} | {f(p['reward'])} | {f(p['update'])} | "
+                     f"{f(p['handoff'])} | {f(p['phase_switch'])} | {100 * r['colocation_share']:.1f} % | "
+                     f"{f(r['gen_tokens_per_s'], '.0f')} | {f(r['train_response_tokens_per_s'], '.0f')} | "
+                     f"{f(r['micro_batches'], '.0f')} | {'-' if mfu is None else f'{100 * mfu:.1f} %'} |")
+    lines += ["", "| run | paging plan | paged | page-out GiB/step, s, GB/s | page-in GiB/step, s, GB/s | handoff ms | "
+              "handoff GB/s | device copy ms | zero-copy | buckets |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, label in RUNS.items():
+        r = result["runs"].get(name, {})
+        if "missing" in r:
+            continue
+        lg = r["ledger"]
+        plan, po, pi, h = lg["paging_plan"] or {}, lg["page_out"], lg["page_in"], lg["handoff"]
+        lines.append(f"| {label} | {plan.get('mode', '-')}: {'fits' if plan.get('fits') else 'pages'} | "
+                     f"{', '.join(plan.get('paged', [])) or 'nothing'} | {f(po['gib_per_step'], '.2f')}, "
+                     f"{f(po['s_per_step'])}, {f(po['gb_per_s'], '.1f')} | {f(pi['gib_per_step'], '.2f')}, "
+                     f"{f(pi['s_per_step'])}, {f(pi['gb_per_s'], '.1f')} | {f(h['ms'], '.1f')} | {f(h['gb_per_s'], '.1f')} | "
+                     f"{f(h['device_copy_ms'], '.2f')} | {h['zero_copy']} | {h['buckets']} |")
+    lines += ["", "Update alone (benchmarks/gpu/update_mfu.py: 0.5B-class, 128 x 768, 150-token prompts, one "
+              "optimizer step, profiled once):", "",
+              "| update | s (best) | TFLOP/s | MFU | GPU busy |", "|---|---|---|---|---|"]
+    for name, label in MFU_RUNS.items():
+        m = result["mfu"].get(name)
+        if m is None:
+            lines.append(f"| {label} | not run | | | |")
+            continue
+        mfu = "-" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"
+        lines.append(f"| {label} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
+                     f"{100 * m['busy']['busy_fraction']:.1f} % |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--res", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--device", required=True)
+    p.add_argument("--date", required=True)
+    p.add_argument("--logs", type=Path, required=True, help="the check's log folder (each run's ledger, metrics)")
+    args = p.parse_args(argv)
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in args.device), 0.0)
+    result = {"device": args.device, "date": args.date, "peak_tflops": peak,
+              "runs": {name: run_figures(name, args, peak) for name in RUNS}, "mfu": {}}
+    for name in MFU_RUNS:
+        for suffix in ("", "_dry_run"):
+            path = args.res / f"{name}{suffix}-{args.device}-{args.date}.json"
+            if path.exists():
+                result["mfu"][name] = json.loads(path.read_text())
+    common.publish("gpu_perf", result, markdown(result), args.res, readme=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
