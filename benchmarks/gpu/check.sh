@@ -191,9 +191,9 @@ if [ "$DRY" = 1 ]; then
 else
   PERF_ENGINE=(rollout.engine=sglang "$HYDRA_KWARGS")
   TOY=(model.path=$PERF_MODELS/toy model.random_init=true rollout.prompts_per_step=8 rollout.group_size=8
-       rollout.max_new_tokens=40 trainer.total_steps=12 data.eval_size=0)
+       rollout.max_new_tokens=40 trainer.total_steps=${TOY_STEPS:-12} data.eval_size=0)
   BIG=(model.path=$PERF_MODELS/0.5b model.random_init=true rollout.prompts_per_step=16 rollout.group_size=8
-       rollout.max_new_tokens=768 trainer.total_steps=6 data.eval_size=0)
+       rollout.max_new_tokens=768 trainer.total_steps=${BIG_STEPS:-6} data.eval_size=0)
   MFU=()
 fi
 OLD=(trainer.micro_batch_size=1 trainer.zero_leaf_modules=false colocate.paging=on)

@@ -112,6 +112,7 @@ class DeepSpeedActor:
                 model=model, config=ds_config, **kwargs)
         if with_optimizer:
             self.engine.train()
+            self._materialise_optimizer_states()
         else:
             self.engine.eval()
         self.module = self.engine.module
@@ -257,6 +258,32 @@ class DeepSpeedActor:
             f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
             f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
             f"run started from (with the same model.dtype), or start a new run (resume=null).")
+
+    def _materialise_optimizer_states(self) -> None:
+        """Create FusedAdam's moments now, as its first step would (zeros, the group's step count).
+
+        Why: DeepSpeed 0.19's ZeRO-3 leaves them to the first `step()`, so until then the device
+        holds the trainer without its largest state (2 x fp32 per weight: 3.4 GiB at 0.5B). The
+        paging plan counts them and SGLang sizes its KV cache from what is free when it starts:
+        measured without them, the KV cache no longer fit beside a resident trainer after the first
+        step (H100, 2026-11-26: torch_memory_saver's resume ran out of memory). The step's arithmetic
+        is unchanged: FusedAdam initialises exactly these values when a state is empty."""
+        opt, zero = self._inner_optimizer(), self.engine.optimizer
+        try:
+            from deepspeed.ops.adam.fused_adam import FusedAdam
+        except ImportError:
+            return
+        # ZeRO-3 keys the states by its flat fp32 partitions, put into their param group only
+        # for the duration of a step (stage3.py _optimizer_step): the group is read by index
+        flats = getattr(zero, "fp32_partitioned_groups_flat", None)
+        if not isinstance(opt, FusedAdam) or flats is None or getattr(zero, "offload_optimizer", False):
+            return
+        for i, flat in enumerate(flats):
+            state = opt.state[flat]
+            if len(state) == 0:
+                state["step"] = opt.param_groups[zero.sub_group_to_group_id[i]].get("step", 0)
+                state["exp_avg"] = torch.zeros_like(flat.data)
+                state["exp_avg_sq"] = torch.zeros_like(flat.data)
 
     def _replay_cpu_adam_steps(self) -> None:
         """Make the first step after a resume bit-identical on CPU.

@@ -64,6 +64,9 @@ def buffer_keys(state: dict) -> list[str]:
 def run_mode(cfg, run_dir: Path) -> dict:
     plain, paged = make_actor(cfg, False), make_actor(cfg, True)
     out: dict = {"steps_plain": [], "steps_paged": [], "page_outs": 0}
+    # before any step: what the paging plan and the engine's sizing see at set-up
+    out["state_bytes_before_first_step"] = paged.state_bytes()
+    out["moved_tensor_bytes_before_first_step"] = moved_tensor_bytes(paged)
     for step in range(2):
         out["steps_plain"].append(train_step(plain, step))
         paged.offload_states()  # the generation phase
