@@ -46,6 +46,13 @@ TITLES = {
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",
     "step_breakdown_sglang_tools": "Step breakdown, multi-turn GRPO with the calculator tool on SGLang (GPU)",
+    "step_breakdown_perf_toy": "make gpu-perf: GRPO on the embedded model's shape, new defaults (GPU)",
+    "step_breakdown_perf_toy_old": "make gpu-perf: the same work with the old switches (GPU)",
+    "step_breakdown_perf_big": "make gpu-perf: GRPO on a 0.5B-class model, 128 x 768 (GPU)",
+    "update_mfu": "make gpu-perf: the 0.5B-class update alone, MFU and GPU-busy fraction (GPU)",
+    "update_mfu_leaf_off": "make gpu-perf: the same update without ZeRO-3 leaf modules (GPU)",
+    "update_mfu_flex": "make gpu-perf: the same update with FlexAttention (GPU)",
+    "gpu_perf": "make gpu-perf: the summary table (GPU)",
     "phase_switch_sglang_0.5b": "Phase switch with SGLang: 0.5B-class random Llama (GPU)",
     "phase_switch_sglang_smollm2": "Phase switch with SGLang: the embedded model's shape (GPU)",
 }
@@ -288,9 +295,9 @@ def refresh_readme(out_dir: Path = RESULTS) -> Path:
                       f"From [`{stem}.json`]({stem}.json).", "", body, ""]
             for png in sorted(out_dir.glob(f"{stem}*.png")):
                 parts += [f"![{png.stem}]({png.name})", ""]
-    checks = sorted(out_dir.glob("gpu_check-*/SUMMARY.md"))
-    if checks:  # make gpu-check's runs: what passed and failed, what was changed, their logs
-        parts += ["## GPU checks (`make gpu-check`)", ""]
+    checks = sorted(out_dir.glob("gpu_check-*/SUMMARY.md")) + sorted(out_dir.glob("gpu_perf-*/SUMMARY.md"))
+    if checks:  # make gpu-check's and gpu-perf's runs: what passed and failed, what was changed, their logs
+        parts += ["## GPU runs (`make gpu-check`, `make gpu-perf`)", ""]
         parts += [f"- [`{s.parent.name}`]({s.parent.name}/SUMMARY.md)" for s in checks] + [""]
     path = out_dir / "README.md"
     path.write_text("\n".join(parts).rstrip() + "\n")
