@@ -89,6 +89,8 @@ def run_figures(name: str, args, peak: float) -> dict:
     config = json.loads((ROOT / model_path / "config.json").read_text()) if model_path and (ROOT / model_path / "config.json").exists() else None
     out = {"config": sb["config"], "phases_s": {k: v["seconds_mean"] for k, v in b["phases"].items()},
            "step_s": b["step_seconds_mean"], "colocation_share": b["colocation_share"],
+           "step_s_median": b["step_seconds_median"],
+           "phases_s_median": {k: v["seconds_median"] for k, v in b["phases"].items()},
            "gen_tokens_per_s": b["gen_tokens_per_s"], "train_response_tokens_per_s": b["train_response_tokens_per_s"],
            "micro_batches": statistics.median([m["train/micro_batches"] for m in metrics]) if metrics else None,
            "checks": sb.get("checks"), "wall_s": sb.get("wall_seconds")}
@@ -110,6 +112,7 @@ def markdown(result: dict) -> str:
              "Random weights (learning is not measured). toy: the demo's work (8 prompts x 8 completions, <= 40 new "
              "tokens) on the embedded model's shape; 0.5B: a 0.5B-class Llama, 128 sequences x 768 new tokens. "
              "Old switches: one group per micro-batch, ZeRO-3 leaf modules off, colocate.paging=on.", "",
+             "Seconds per step: mean / median over the kept steps (the first steps' warm-up weighs on the mean).", "",
              "| run | step s | generation | reward | update | handoff | switch | colocation share | gen tok/s | "
              "train resp tok/s | micro-batches | update MFU >= |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, label in RUNS.items():
@@ -117,10 +120,11 @@ def markdown(result: dict) -> str:
         if "missing" in r:
             lines.append(f"| {label} | not run | | | | | | | | | | |")
             continue
-        p = r["phases_s"]
+        p, q = r["phases_s"], r["phases_s_median"]
         mfu = r.get("update_mfu_lower_bound")
-        lines.append(f"| {label} | {f(r['step_s'])} | {f(p['generation'])} | {f(p['reward'])} | {f(p['update'])} | "
-                     f"{f(p['handoff'])} | {f(p['phase_switch'])} | {100 * r['colocation_share']:.1f} % | "
+        two = lambda k: f"{f(p[k])} / {f(q[k])}"  # noqa: E731
+        lines.append(f"| {label} | {f(r['step_s'])} / {f(r['step_s_median'])} | {two('generation')} | {two('reward')} | "
+                     f"{two('update')} | {two('handoff')} | {two('phase_switch')} | {100 * r['colocation_share']:.1f} % | "
                      f"{f(r['gen_tokens_per_s'], '.0f')} | {f(r['train_response_tokens_per_s'], '.0f')} | "
                      f"{f(r['micro_batches'], '.0f')} | {'-' if mfu is None else f'{100 * mfu:.1f} %'} |")
     lines += ["", "| run | paging plan | paged | page-out GiB/step, s, GB/s | page-in GiB/step, s, GB/s | handoff ms | "
@@ -131,7 +135,8 @@ def markdown(result: dict) -> str:
             continue
         lg = r["ledger"]
         plan, po, pi, h = lg["paging_plan"] or {}, lg["page_out"], lg["page_in"], lg["handoff"]
-        lines.append(f"| {label} | {plan.get('mode', '-')}: {'fits' if plan.get('fits') else 'pages'} | "
+        decision = ("does not fit" if not plan.get("fits", True) else "pages" if plan.get("paged") else "resident")
+        lines.append(f"| {label} | {plan.get('mode', '-')}: {decision} | "
                      f"{', '.join(plan.get('paged', [])) or 'nothing'} | {f(po['gib_per_step'], '.2f')}, "
                      f"{f(po['s_per_step'])}, {f(po['gb_per_s'], '.1f')} | {f(pi['gib_per_step'], '.2f')}, "
                      f"{f(pi['s_per_step'])}, {f(pi['gb_per_s'], '.1f')} | {f(h['ms'], '.1f')} | {f(h['gb_per_s'], '.1f')} | "

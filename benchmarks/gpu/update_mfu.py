@@ -1,6 +1,6 @@
 """The update at the hardware's speed (issue 37, GPU half): one GRPO-shaped update of a 0.5B-class
 random Llama through colo_rl's DeepSpeed actor, its model FLOPs utilisation, and the fraction of its
-wall time the GPU is busy (a torch.profiler trace of one update). For a future `make gpu-perf`.
+wall time the GPU is busy (a torch.profiler trace of one update). A stage of `make gpu-perf`.
 
     python benchmarks/gpu/update_mfu.py                           # GPU: 128 x 768, 0.5B-class, bf16
     python benchmarks/gpu/update_mfu.py --attn flex_attention     # FlexAttention block masks
