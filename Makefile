@@ -143,11 +143,11 @@ GPU_PY ?= python3
 GPU_SITE ?= /tmp/colo_rl-site
 CARRY ?= .whl
 GPU_STAGES ?=
-#   make gpu-perf (the GPU performance run, one device call, after gpu-install):
+#   make gpu-perf (the GPU performance run, two device calls, after gpu-install):
 #   here:            make gpu-perf-carry         -> .whl/part1 (stack), .whl/ops (FusedAdam, sm_90), .whl/models (toy)
 #                    make gpu-perf-dry-run       -> the same stages on CPU, tiny shapes, HF engine
-#   on the GPU:      make gpu-install gpu-perf   (carry .whl/part1 .whl/ops .whl/models)
-.PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install gpu-perf gpu-perf-carry gpu-perf-dry-run
+#   on the GPU:      make gpu-install gpu-perf, then gpu-perf-old   (carry .whl/part1 .whl/ops .whl/models)
+.PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install gpu-perf gpu-perf-old gpu-perf-carry gpu-perf-dry-run
 gpu-wheels:
 	python3 benchmarks/gpu/carry.py build --with-model
 
@@ -169,9 +169,14 @@ gpu-check:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) bash benchmarks/gpu/check.sh $(GPU_STAGES)
 
 # Most valuable first: a stage the call's budget cuts leaves the earlier ones' results packed in $$OUT.
-GPU_PERF_STAGES ?= versions mfu toy big toyold mfuold mfuflex summary
+# Two device calls (H100 timings, 2026-11-26): gpu-perf ~470 s, then at once gpu-perf-old ~220 s.
+GPU_PERF_STAGES ?= versions big toy mfu mfuflex summary
+GPU_PERF_OLD_STAGES ?= versions toyold mfuold summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
+
+gpu-perf-old:
+	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_OLD_STAGES)
 
 gpu-perf-carry:
 	python3 benchmarks/gpu/carry.py build
@@ -181,7 +186,7 @@ gpu-perf-carry:
 	@du -scm .whl/part1 .whl/ops .whl/models | tail -1 | awk '{print "carry: " $$1 " MiB (+ the working tree; a call takes 64)"}'
 
 gpu-perf-dry-run: $(STAMP)
-	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
+	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) toyold mfuold
 
 # The benchmark suite's GPU preset (after gpu-install; the race needs trl's wheel and is skipped without it).
 bench-gpu:

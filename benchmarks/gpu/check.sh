@@ -223,7 +223,8 @@ stage_mfuflex() {
 stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
 stage_toyold() { breakdown perf_toy_old 2 "${PERF_ENGINE[@]}" "${TOY[@]}" "${OLD[@]}"; }
 stage_big() { breakdown perf_big 1 "${PERF_ENGINE[@]}" "${BIG[@]}"; }
-stage_summary() { run_py benchmarks/gpu/perf_summary.py --res "$RES" --device "$DEVICE" --date "$DATE" --logs "$LOGS"; }
+# not bounded by run_py's reserve: seconds of work on what the call has measured, before the packing
+stage_summary() { timeout 60 "$PY" benchmarks/gpu/perf_summary.py --res "$RES" --device "$DEVICE" --date "$DATE" --logs "$LOGS"; }
 
 stage_tools() {
   breakdown grpo_sglang_tools 1 rollout.engine=sglang "$HYDRA_KWARGS" env=calculator data=arithmetic_hard \

@@ -1,0 +1,88 @@
+"""make gpu-perf's CPU parts: the summary's arithmetic (benchmarks/gpu/perf_summary.py), the random-weight
+model directories (perf_models.py), and its stages end to end on CPU (GPU_DRY_RUN=1, slow)."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu.perf_models import MODEL_05B, derive, unpack
+from benchmarks.gpu.perf_summary import ledger_figures, llama_params
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def test_llama_params_counts_gqa_projections_and_the_tied_embedding():
+    # SmolLM2-135M: 30 layers of h=576, 9 heads / 3 KV heads of 64, FFN 1536, vocabulary 49152
+    cfg = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152)
+    p = llama_params(cfg)
+    per_layer = 576 * 576 * 2 + 2 * 576 * 192 + 3 * 576 * 1536  # q, o; k, v; gate, up, down
+    assert p == {"layers": 30 * per_layer, "embedding": 576 * 49152}
+    assert 134e6 < p["layers"] + p["embedding"] < 135e6  # the 134.5M the model card gives (norms aside)
+
+
+def _record(step, transition, moves, plan=None):
+    r = {"step": step, "transition": transition, "moves": moves, "seconds": sum(m["seconds"] for m in moves)}
+    if plan:
+        r["paging_plan"] = plan
+    return r
+
+
+def test_ledger_figures_rates_per_step_and_the_handoff_after_warm_up():
+    plan = {"mode": "on", "paged": ["optim_states"], "fits": True}
+    out = lambda s: {"what": "trainer states", "from": "device", "to": "host", "bytes": 2 * GIB, "moved": True, "seconds": s}  # noqa: E731
+    back = lambda s: {"what": "trainer states", "from": "host", "to": "device", "bytes": 2 * GIB, "moved": True, "seconds": s}  # noqa: E731
+    hand = lambda ms: {"what": "weights handoff", "from": "trainer", "to": "engine", "bytes": 10**9, "moved": True,  # noqa: E731
+                       "seconds": ms / 1000, "zero_copy": True, "buckets": 1}
+    records = [_record(0, "update->generation", [hand(500)], plan),  # set-up: no page-out, a slow first handoff
+               _record(1, "generation->update", [back(9.0)]), _record(1, "update->generation", [out(9.0), hand(400)]),
+               _record(2, "generation->update", [back(0.5)]), _record(2, "update->generation", [out(0.25), hand(10)]),
+               _record(3, "generation->update", [back(0.5)]), _record(3, "update->generation", [out(0.25), hand(20)])]
+    f = ledger_figures(records, skip=1)  # step 1 is warm-up
+    assert f["paging_plan"] == plan
+    assert f["page_out"]["gib_per_step"] == 2.0 and f["page_out"]["s_per_step"] == 0.25
+    assert f["page_out"]["gb_per_s"] == pytest.approx(2 * GIB / 0.25 / 1e9)
+    assert f["page_in"]["s_per_step"] == 0.5
+    assert f["handoff"]["ms"] == pytest.approx(15.0)  # the median of 10 and 20 ms
+    assert f["handoff"]["gb_per_s"] == pytest.approx(10**9 / 15e-3 / 1e9)
+    assert f["handoff"]["zero_copy"] is True
+
+
+def test_the_05b_directory_is_the_toys_tokenizer_with_the_05b_shape(tmp_path):
+    import lzma
+
+    toy = tmp_path / "toy"
+    toy.mkdir()
+    (toy / "config.json").write_text(json.dumps({"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152}))
+    (toy / "tokenizer.json.xz").write_bytes(lzma.compress(b'{"model": "bpe"}'))
+    unpack(toy)
+    assert (toy / "tokenizer.json").read_bytes() == b'{"model": "bpe"}'
+    big = derive(toy, tmp_path / "0.5b", MODEL_05B)
+    cfg = json.loads((big / "config.json").read_text())
+    assert cfg["hidden_size"] == 1024 and cfg["num_hidden_layers"] == 28 and cfg["vocab_size"] == 49152
+    assert (big / "tokenizer.json").read_bytes() == b'{"model": "bpe"}'
+
+
+@pytest.mark.slow
+def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
+    """The same stages as on a GPU, tiny shapes on the HF engine: the summary's toy row and the
+    update's row come from the runs' own files."""
+    env = dict(os.environ, GPU_DRY_RUN="1", GPU_PY=str(Path(os.sys.executable)), GPU_SITE="/nonexistent",
+               GPU_LOG_PREFIX="gpu_perf", GPU_CHECK_RESULTS=str(tmp_path / "res"), PERF_MODELS=str(tmp_path / "models"),
+               COLO_RL_GPU_RUNS=str(tmp_path / "runs"), CHECK_BUDGET_S="800")
+    proc = subprocess.run(["bash", "benchmarks/gpu/check.sh", "versions", "mfu", "toy", "summary"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (summary,) = (tmp_path / "res").glob("gpu_perf-cpu-*.json")
+    result = json.loads(summary.read_text())
+    toy = result["runs"]["perf_toy"]
+    assert "missing" in result["runs"]["perf_big"]  # not run: listed as missing, never filled in
+    assert toy["phases_s"]["update"] > 0 and toy["micro_batches"] >= 1
+    assert toy["ledger"]["paging_plan"]["mode"] == "auto"
+    assert result["mfu"]["update_mfu"]["dry_run"] is True
+    md = summary.with_suffix(".md").read_text()
+    assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
