@@ -21,6 +21,9 @@ from colo_rl import dist  # noqa: E402
 def main() -> None:
     mode, steps = sys.argv[1], int(sys.argv[2])
     dist.init()
+    # every rank's handler is in place before the barrier: "ready" then means no rank can still be
+    # inside start-up code that a SIGINT would interrupt (a slow rank on a loaded machine was)
+    stop = dist.StopSignal() if mode == "stop" else None
     dist.barrier()
     if mode == "dead":
         if dist.rank() == 1:
@@ -30,7 +33,7 @@ def main() -> None:
             dist.all_reduce_max([1.0])
             time.sleep(0.5)
         return
-    stop = dist.StopSignal()
+    dist.barrier()  # ... and every rank has left the first barrier
     if dist.is_rank0():
         print("ready", flush=True)
     for step in range(steps):
