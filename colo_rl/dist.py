@@ -5,6 +5,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
+import inspect
 import logging
 import os
 import signal
@@ -30,25 +32,51 @@ def set_scope(group: Any, ranks: Optional[list[int]]) -> None:
     global _SCOPE
     _SCOPE = None if group is None else (group, tuple(ranks))
     if group is not None:
-        _scope_deepspeed_barriers()
+        _scope_deepspeed_comm()
 
 
-def _scope_deepspeed_barriers() -> None:
-    """DeepSpeed's ZeRO-3 holds barriers over the whole job (stage3.py: while it builds its partitions
-    and optimizer states; engine.py: around checkpoints), not over its data-parallel group: within a
-    scope its world is the pool, so a barrier without a group is the pool's (the other pool never
-    reaches them and would hang it)."""
-    import deepspeed.comm as ds_comm
+def _scope_deepspeed_comm() -> None:
+    """DeepSpeed's collectives without a group are the job's: ZeRO-3 holds barriers over the whole job
+    (stage3.py, while it builds partitions and optimizer states; engine.py around checkpoints) and
+    checks its parameter trace with broadcasts from rank 0 (zero/utils.py), not over its
+    data-parallel group. Within a scope its world is the pool: every method of DeepSpeed's
+    communication backend called without a group gets the pool's group, and a peer rank
+    (src / dst) given as a world rank is mapped to the job rank (a rank the other pool never
+    reaches would hang it). get_rank() / get_world_size() are the pool's too, so "rank 0" is the
+    pool's first rank. DeepSpeed is also given `PoolMPU`: it never builds a world group of its own."""
+    import deepspeed.comm.comm as ds_comm
 
-    original = ds_comm.barrier
-    if getattr(original, "colo_rl_scoped", False):
+    backend = ds_comm.cdb
+    if backend is None or getattr(backend, "colo_rl_scoped", False):
         return
+    for name in dir(type(backend)):
+        method = getattr(backend, name) if not name.startswith("_") else None
+        if not callable(method):
+            continue
+        try:
+            signature = inspect.signature(method)
+        except (TypeError, ValueError):
+            continue
+        if "group" in signature.parameters:
+            setattr(backend, name, _pool_call(method, signature))
+    backend.colo_rl_scoped = True
 
-    def barrier(group=None, *args, **kwargs):
-        return original(scope_group() if group is None else group, *args, **kwargs)
 
-    barrier.colo_rl_scoped = True
-    ds_comm.barrier = barrier
+def _pool_call(method: Callable, signature: inspect.Signature) -> Callable:
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if _SCOPE is None:
+            return method(*args, **kwargs)
+        bound = signature.bind_partial(*args, **kwargs)
+        if bound.arguments.get("group") is not None:
+            return method(*args, **kwargs)
+        bound.arguments["group"] = _SCOPE[0]
+        for peer in ("src", "dst"):
+            if isinstance(bound.arguments.get(peer), int):
+                bound.arguments[peer] = _SCOPE[1][bound.arguments[peer]]
+        return method(*bound.args, **bound.kwargs)
+
+    return call
 
 
 def new_pool_groups(pools: list[list[int]]) -> list[Any]:
