@@ -167,6 +167,10 @@ class GRPORecipe:
         start = time.time()
         train_metrics = self.update(rollout, fresh=rollout.policy_version == step)
         sync = self.pool.after_update(step, (start, time.time()))
+        if "time/weight_sync" in sync:  # the broadcast's bytes and seconds, as a colocated handoff's
+            self.colo.ledger.append({"step": step, "transition": "weight sync", "rank": dist.rank(), "moves": [
+                {"what": "weights broadcast", "from": "trainer", "to": "generation ranks", "moved": True,
+                 "bytes": int(sync["split/weight_sync_bytes"]), "seconds": sync["time/weight_sync"]}]})
         return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(), **flow, **sync}
 
     def generate_slot(self, version: int) -> tuple[Rollout, dict[str, float]]:

@@ -17,6 +17,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from conftest import WORKERS, run_torchrun
 
@@ -77,3 +78,25 @@ def test_drop_policy_counts_every_dropped_group(tmp_path):
     dropped = rows[-1]["split/dropped_groups_total"]
     assert dropped == sum(r["split/dropped_groups"] for r in rows) > 0
     assert generated == STEPS + dropped / 4 + unused  # 4 groups per slot: trained, dropped or unused
+
+
+def check_wire(out):
+    gen, trainer = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert trainer["buckets"] > 1  # 64-byte buckets: the weights travel in several
+    assert gen["versions"] == [[0, False], [1, True]]
+    assert len(gen["first"]) == 4 and all(gen["first"].values()) and all(gen["second"].values())
+    assert gen["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert trainer["part"] == {"slot": 3, "version": 1, "groups": ["g0", "g1"]} and trainer["end"]
+
+
+def test_wire_carries_weights_and_rollouts_over_gloo(tmp_path):
+    run_torchrun(WORKERS / "split_wire_worker.py", [str(tmp_path)], timeout=300)
+    check_wire(tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_wire_carries_weights_and_rollouts_over_nccl(tmp_path):
+    """The same over NCCL (one GPU per rank): every buffer on the device (wire.on_wire)."""
+    run_torchrun(WORKERS / "split_wire_worker.py", [str(tmp_path)], timeout=300)
+    check_wire(tmp_path)
