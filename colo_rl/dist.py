@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import functools
 import inspect
 import logging
 import os
@@ -50,31 +49,38 @@ def _scope_deepspeed_comm() -> None:
     if backend is None or getattr(backend, "colo_rl_scoped", False):
         return
     for name in dir(type(backend)):
-        method = getattr(backend, name) if not name.startswith("_") else None
-        if not callable(method):
-            continue
-        try:
-            signature = inspect.signature(method)
-        except (TypeError, ValueError):
-            continue
-        if "group" in signature.parameters:
-            setattr(backend, name, _pool_call(method, signature))
+        original = _undecorated(getattr(type(backend), name), name) if not name.startswith("_") else None
+        if original is not None and "group" in inspect.signature(original).parameters:
+            setattr(backend, name, _pool_call(getattr(backend, name), inspect.signature(original), backend))
     backend.colo_rl_scoped = True
 
 
-def _pool_call(method: Callable, signature: inspect.Signature) -> Callable:
-    @functools.wraps(method)
+def _undecorated(fn: Any, name: str) -> Optional[Callable]:
+    """The function `name` itself under DeepSpeed's decorators (they keep no __wrapped__: found
+    among the closures), for its signature; None if there is none."""
+    todo, seen = [fn], 0
+    while todo and seen < 16:
+        f = todo.pop(0)
+        seen += 1
+        if inspect.isfunction(f) and f.__name__ == name:
+            return f
+        todo += [c.cell_contents for c in (getattr(f, "__closure__", None) or ())
+                 if inspect.isfunction(getattr(c, "cell_contents", None))]
+    return None
+
+
+def _pool_call(method: Callable, signature: inspect.Signature, owner: Any) -> Callable:
     def call(*args, **kwargs):
         if _SCOPE is None:
             return method(*args, **kwargs)
-        bound = signature.bind_partial(*args, **kwargs)
+        bound = signature.bind_partial(owner, *args, **kwargs)
         if bound.arguments.get("group") is not None:
             return method(*args, **kwargs)
         bound.arguments["group"] = _SCOPE[0]
         for peer in ("src", "dst"):
             if isinstance(bound.arguments.get(peer), int):
                 bound.arguments[peer] = _SCOPE[1][bound.arguments[peer]]
-        return method(*bound.args, **bound.kwargs)
+        return method(*bound.args[1:], **bound.kwargs)
 
     return call
 
