@@ -138,9 +138,9 @@ def deepspeed_mpu() -> Optional[PoolMPU]:
     return PoolMPU(*_SCOPE) if _SCOPE else None
 
 
-def scope_group() -> Any:
-    """The process group the helpers below use: the pool's, or None (the default group)."""
-    return _SCOPE[0] if _SCOPE else None
+def _in_scope() -> dict:
+    """A collective's group argument: the pool's within a scope, none (the default group) otherwise."""
+    return {"group": _SCOPE[0]} if _SCOPE else {}
 
 
 def job_rank() -> int:
@@ -289,7 +289,7 @@ def free_port() -> int:
 
 def barrier() -> None:
     if dist.is_initialized() and world_size() > 1:
-        dist.barrier(group=scope_group())
+        dist.barrier(**_in_scope())
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -297,7 +297,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not dist.is_initialized() or world_size() == 1:
         return obj
     box = [obj if rank() == src else None]
-    dist.broadcast_object_list(box, src=_SCOPE[1][src] if _SCOPE else src, group=scope_group())
+    dist.broadcast_object_list(box, src=_SCOPE[1][src] if _SCOPE else src, **_in_scope())
     return box[0]
 
 
@@ -305,7 +305,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
     if not dist.is_initialized() or world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj, group=scope_group())
+    dist.all_gather_object(out, obj, **_in_scope())
     return out
 
 
@@ -319,7 +319,7 @@ def all_reduce_sum(values: list[float] | dict[str, float]) -> list[float] | dict
     if dist.is_initialized() and world_size() > 1:
         if dist.get_backend() == "nccl":
             t = t.to(device())
-        dist.all_reduce(t, group=scope_group())
+        dist.all_reduce(t, **_in_scope())
     return t.cpu().tolist()
 
 
@@ -342,7 +342,7 @@ def all_reduce_max(values: list[float]) -> list[float]:
     if dist.is_initialized() and world_size() > 1:
         if dist.get_backend() == "nccl":
             t = t.to(device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=scope_group())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, **_in_scope())
     return t.cpu().tolist()
 
 
