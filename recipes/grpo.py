@@ -25,7 +25,7 @@ from colo_rl import algos, dist, loop, runtime
 from colo_rl.bottleneck import bottleneck_report, format_report
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
-from colo_rl.colocate.setup import build_colocated, build_engine, build_split_trainer
+from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
@@ -100,10 +100,9 @@ class GRPORecipe:
         if self.split is None:
             self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
                                         grad_accum=1)
-            self.engine = self.colo.engine
         elif self.split.generates:  # an engine only; its weights come from the trainer, version by version
-            self.engine = build_engine(cfg, self.tokenizer, ctx.dtype, guard=None)
-            self.pool = GenerationPool(self.split, cfg, self.engine, self.generate_slot, self.total_steps)
+            self.colo = build_split_generator(cfg, self.tokenizer, ctx.dtype)
+            self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps)
         else:  # ZeRO-3 over the trainer ranks only, no engine
             self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
             self.pool = TrainerPool(self.split, cfg, self.colo.actor, self.total_steps)
@@ -237,7 +236,7 @@ class GRPORecipe:
             problems = [self.train[i] for i in self.sampler.next_local(cfg.rollout.prompts_per_step)]
             with self.timer("generation"):  # tool calls included: they run between an episode's turns
                 prompts = [ids for _, ids in problems]
-                completions = generate_completions(self.engine, prompts, self.sampling, self.multiturn,
+                completions = generate_completions(self.colo.engine, prompts, self.sampling, self.multiturn,
                                                    [p for p, _ in problems])
             of_completion = [p for p, _ in problems for _ in range(G)]  # each completion's problem
             with self.timer("reward"):

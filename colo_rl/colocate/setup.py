@@ -134,6 +134,13 @@ def build_split_trainer(cfg, dtype: torch.dtype, run_dir: Optional[Path], total_
     return Colocated(actor=actor, ref=ref, engine=None, switch=NoPhases(), guard=PhaseGuard(), ledger=ledger)
 
 
+def build_split_generator(cfg, tokenizer, dtype: torch.dtype) -> Colocated:
+    """A split run's generation rank: its engine only, always awake; its weights come from the
+    trainer ranks (colo_rl/split), never from the disk."""
+    engine = build_engine(cfg, tokenizer, dtype, None)
+    return Colocated(actor=None, ref=None, engine=engine, switch=NoPhases(), guard=PhaseGuard(), ledger=Ledger(None))
+
+
 def sequence_tokens(cfg) -> int:
     """The longest sequence a generation phase makes: prompt + response (a multi-turn episode's
     response tokens, observations included, where an environment runs)."""
