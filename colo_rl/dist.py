@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import inspect
 import logging
 import os
 import signal
@@ -19,11 +20,143 @@ import torch.distributed as dist
 log = logging.getLogger("colo_rl")
 
 
-def rank() -> int:
+# The pool this process belongs to (split placement, colo_rl/split): its process group and the
+# job ranks in it. While set, rank() / world_size() and the collectives below act within the pool,
+# so the trainer's code (ZeRO-3 sums, the data shard, metrics on "rank 0") sees its own world.
+_SCOPE: Optional[tuple[Any, tuple[int, ...]]] = None
+
+
+def set_scope(group: Any, ranks: Optional[list[int]]) -> None:
+    """Act within `group` (job ranks `ranks`) from now on; `set_scope(None, None)`: the whole job."""
+    global _SCOPE
+    _SCOPE = None if group is None else (group, tuple(ranks))
+    if group is not None:
+        _scope_deepspeed_comm()
+
+
+def _scope_deepspeed_comm() -> None:
+    """DeepSpeed's collectives without a group are the job's: ZeRO-3 holds barriers over the whole job
+    (stage3.py, while it builds partitions and optimizer states; engine.py around checkpoints) and
+    checks its parameter trace with broadcasts from rank 0 (zero/utils.py), not over its
+    data-parallel group. Within a scope its world is the pool: every method of DeepSpeed's
+    communication backend called without a group gets the pool's group, and a peer rank
+    (src / dst) given as a world rank is mapped to the job rank (a rank the other pool never
+    reaches would hang it). get_rank() / get_world_size() are the pool's too, so "rank 0" is the
+    pool's first rank. DeepSpeed is also given `PoolMPU`: it never builds a world group of its own."""
+    import deepspeed.comm.comm as ds_comm
+
+    backend = ds_comm.cdb
+    if backend is None or getattr(backend, "colo_rl_scoped", False):
+        return
+    for name in dir(type(backend)):
+        original = _undecorated(getattr(type(backend), name), name) if not name.startswith("_") else None
+        if original is not None and "group" in inspect.signature(original).parameters:
+            setattr(backend, name, _pool_call(getattr(backend, name), inspect.signature(original), backend))
+    backend.colo_rl_scoped = True
+
+
+def _undecorated(fn: Any, name: str) -> Optional[Callable]:
+    """The function `name` itself under DeepSpeed's decorators (they keep no __wrapped__: found
+    among the closures), for its signature; None if there is none."""
+    todo, seen = [fn], 0
+    while todo and seen < 16:
+        f = todo.pop(0)
+        seen += 1
+        if inspect.isfunction(f) and f.__name__ == name:
+            return f
+        todo += [c.cell_contents for c in (getattr(f, "__closure__", None) or ())
+                 if inspect.isfunction(getattr(c, "cell_contents", None))]
+    return None
+
+
+def _pool_call(method: Callable, signature: inspect.Signature, owner: Any) -> Callable:
+    def call(*args, **kwargs):
+        if _SCOPE is None:
+            return method(*args, **kwargs)
+        bound = signature.bind_partial(owner, *args, **kwargs)
+        if bound.arguments.get("group") is not None:
+            return method(*args, **kwargs)
+        bound.arguments["group"] = _SCOPE[0]
+        for peer in ("src", "dst"):
+            if isinstance(bound.arguments.get(peer), int):
+                bound.arguments[peer] = _SCOPE[1][bound.arguments[peer]]
+        return method(*bound.args[1:], **bound.kwargs)
+
+    return call
+
+
+def new_pool_groups(pools: list[list[int]]) -> list[Any]:
+    """One process group per pool (job ranks), plus a single-rank group per rank for DeepSpeed's
+    model-parallel group (`PoolMPU`). Every rank of the job must call it, with the same pools:
+    torch creates every group on every rank."""
+    global _SINGLE
+    groups = [dist.new_group(ranks) for ranks in pools]
+    _SINGLE = [dist.new_group([r]) for r in range(world_size())]
+    return groups
+
+
+_SINGLE: list[Any] = []
+
+
+class PoolMPU:
+    """DeepSpeed's `mpu` for a pool: ZeRO partitions, reduces gradients and counts its world over
+    the pool's group only (split placement: the generation ranks never join the trainer's
+    collectives); no model parallelism (a model-parallel group of one rank)."""
+
+    def __init__(self, group: Any, ranks: tuple[int, ...]):
+        self.group, self.ranks = group, list(ranks)
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self.ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ranks.index(job_rank())
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.ranks
+
+    def get_model_parallel_group(self):
+        return _SINGLE[job_rank()]
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_pipeline_model_parallel_world_size = get_model_parallel_world_size
+
+
+def deepspeed_mpu() -> Optional[PoolMPU]:
+    """The `mpu` DeepSpeed is given: the pool's while a scope is set (split placement), else None."""
+    return PoolMPU(*_SCOPE) if _SCOPE else None
+
+
+def _in_scope() -> dict:
+    """A collective's group argument: the pool's within a scope, none (the default group) otherwise."""
+    return {"group": _SCOPE[0]} if _SCOPE else {}
+
+
+def job_rank() -> int:
+    """This process's rank in the whole job (torchrun's RANK), whatever the scope."""
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
+def rank() -> int:
+    if _SCOPE:
+        return _SCOPE[1].index(job_rank())
+    return job_rank()
+
+
 def world_size() -> int:
+    if _SCOPE:
+        return len(_SCOPE[1])
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -156,7 +289,7 @@ def free_port() -> int:
 
 def barrier() -> None:
     if dist.is_initialized() and world_size() > 1:
-        dist.barrier()
+        dist.barrier(**_in_scope())
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -164,7 +297,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not dist.is_initialized() or world_size() == 1:
         return obj
     box = [obj if rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=_SCOPE[1][src] if _SCOPE else src, **_in_scope())
     return box[0]
 
 
@@ -172,7 +305,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
     if not dist.is_initialized() or world_size() == 1:
         return [obj]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, **_in_scope())
     return out
 
 
@@ -186,7 +319,7 @@ def all_reduce_sum(values: list[float] | dict[str, float]) -> list[float] | dict
     if dist.is_initialized() and world_size() > 1:
         if dist.get_backend() == "nccl":
             t = t.to(device())
-        dist.all_reduce(t)
+        dist.all_reduce(t, **_in_scope())
     return t.cpu().tolist()
 
 
@@ -209,7 +342,7 @@ def all_reduce_max(values: list[float]) -> list[float]:
     if dist.is_initialized() and world_size() > 1:
         if dist.get_backend() == "nccl":
             t = t.to(device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, **_in_scope())
     return t.cpu().tolist()
 
 

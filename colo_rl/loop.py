@@ -127,7 +127,13 @@ def main(recipe_cls: Callable[..., Recipe], hydra_cfg, recipe: str) -> None:
         if ctx.made_run_dir:
             runtime.remove_stub_run_dir(ctx.run_dir)
         raise
+    if getattr(instance, "serves", False):  # a split run's generation rank: its pool's loop, no steps of its own
+        instance.serve()
+        instance.metrics.close()
+        runtime.finish()
+        return
     result = run(instance, ctx.cfg, ctx.ckpt, instance.metrics, instance.start_metrics)
+    getattr(instance, "close", lambda: None)()  # a split run's trainer stops its generators
     instance.metrics.close()
     if not result.stopped_by:
         log.info("done in %.1f min: %s", (time.perf_counter() - t0) / 60, ctx.run_dir)

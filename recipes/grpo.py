@@ -25,18 +25,19 @@ from colo_rl import algos, dist, loop, runtime
 from colo_rl.bottleneck import bottleneck_report, format_report
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
-from colo_rl.colocate.setup import build_colocated
+from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
 from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import Timer, plot_curves, read_jsonl
+from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
+from colo_rl.split.pools import GenerationPool, TrainerPool, enter_split
 from colo_rl.train.batch import agreed_micro_batches
 from colo_rl.train.packing import PackedRollout, pack_rollout
 
@@ -54,6 +55,8 @@ class GRPORecipe:
 
     def __init__(self, ctx):
         self.cfg, self.run_dir, self.t_start = ctx.cfg, ctx.run_dir, time.perf_counter()
+        # placement.mode=split: from here on this rank's world is its pool (generation or trainer ranks)
+        self.split = enter_split(ctx.cfg) if ctx.cfg.placement.mode == "split" else None
         cfg, world = self.cfg, dist.world_size()
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -93,9 +96,20 @@ class GRPORecipe:
 
         # ---- the colocated pieces: DeepSpeed actor (+ reference), rollout engine, phase switcher
         # (the micro-batch count follows the step's lengths: each optimizer step sets its boundary itself)
-        self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
-                                    grad_accum=1)
-        self.metrics = runtime.metrics_logger(ctx, CONSOLE)
+        self.pool = None
+        if self.split is None:
+            self.colo = build_colocated(cfg, self.tokenizer, ctx.dtype, self.run_dir, total_steps=optimizer_steps,
+                                        grad_accum=1)
+        elif self.split.generates:  # an engine only; its weights come from the trainer, version by version
+            self.colo = build_split_generator(cfg, self.tokenizer, ctx.dtype)
+            self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps)
+        else:  # ZeRO-3 over the trainer ranks only, no engine
+            self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
+            self.pool = TrainerPool(self.split, cfg, self.colo.actor, self.total_steps)
+            runtime.seed_everything(cfg.trainer.seed + dist.rank())  # the pool's rank, as a colocated run's
+            self.start_metrics.update(self.pool.start())
+        # a split run's metrics are the trainer ranks' ("rank 0" of the generation pool writes none)
+        self.metrics = MetricsLogger(ctx.run_dir, (), CONSOLE) if self.serves else runtime.metrics_logger(ctx, CONSOLE)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
                                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                        n=cfg.rollout.group_size)
@@ -110,6 +124,8 @@ class GRPORecipe:
         return step
 
     def evaluate(self, step: int) -> dict[str, float]:
+        if self.split is not None:  # the trainer ranks hold no engine (docs/placement.md)
+            return {}
         out = held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
                                 [p.answer for p, _ in self.eval_set], self.scorer,
                                 self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn,
@@ -122,6 +138,8 @@ class GRPORecipe:
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, colo = self.cfg, self.colo
+        if self.split is not None:
+            return self.split_train_step(step)
         colo.switch.begin_step(step)  # the ledger's records name it; the phase timers start from zero
         # Entering the generation phase pages the trainer's states out and hands the engine the
         # weights of the last update (the weight handoff), then wakes its KV cache.
@@ -136,6 +154,43 @@ class GRPORecipe:
             train_metrics = self.update(rollout)
         return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
+
+    def split_train_step(self, step: int) -> dict[str, float]:
+        """A trainer rank's step in split placement: the next rollout within the staleness bound from the
+        generation ranks, the update, the new weights to the generators (colo_rl/split/pools.py)."""
+        rollout, flow = self.pool.receive(step)
+        self.timer.seconds.update({k.removeprefix("time/"): v for k, v in flow.items()
+                                   if k in ("time/generation", "time/reward")})
+        if self.cfg.algo.overlong_buffer_len:
+            self.add_overlong_shaping(rollout)
+        start = time.time()
+        train_metrics = self.update(rollout, fresh=rollout.policy_version == step)
+        sync = self.pool.after_update(step, (start, time.time()))
+        if "time/weight_sync" in sync:  # the broadcast's bytes and seconds, as a colocated handoff's
+            self.colo.ledger.append({"step": step, "transition": "weight sync", "rank": dist.rank(), "moves": [
+                {"what": "weights broadcast", "from": "trainer", "to": "generation ranks", "moved": True,
+                 "bytes": int(sync["split/weight_sync_bytes"]), "seconds": sync["time/weight_sync"]}]})
+        return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(), **flow, **sync}
+
+    def generate_slot(self, version: int) -> tuple[Rollout, dict[str, float]]:
+        """A generation rank's rollout with the weights of `version`, and its generation / reward seconds."""
+        rollout = self.rollout(policy_version=version)
+        return rollout, self.timer.pop()
+
+    def serve(self) -> None:
+        """A generation rank's whole run (split placement): rollouts until the trainer stops it."""
+        self.pool.serve()
+
+    @property
+    def serves(self) -> bool:
+        return self.split is not None and self.split.generates
+
+    def close(self) -> None:
+        """The run ends: a split run's trainer stops its generators."""
+        if self.pool is not None and not self.serves:
+            unused = self.pool.close()
+            log.info("split placement: generators stopped; %d slot(s) generated past the end were not trained",
+                     unused)
 
     def save(self, ckpt, step: int) -> None:
         with self.colo.switch.update():
@@ -267,16 +322,18 @@ class GRPORecipe:
                                     multiple_of=cfg.trainer.mini_batches_per_step)
         return pack_rollout(rollout, plan, self.tokenizer.pad_token_id, self.colo.actor.dtype, cfg.trainer.packing)
 
-    def update(self, rollout: Rollout) -> dict[str, float]:
+    def update(self, rollout: Rollout, fresh: bool = True) -> dict[str, float]:
         """trainer.ppo_epochs x trainer.mini_batches_per_step optimizer steps on one rollout;
-        losses normalised by global token / sequence counts (all ranks)."""
+        losses normalised by global token / sequence counts (all ranks). `fresh`: generated with the
+        trainer's current weights, so the engine-vs-trainer log-prob check applies (a stale rollout's
+        log-probs are the behaviour policy's: the loss's rollout correction weighs them, decoupled PPO)."""
         cfg, algo, actor, ref = self.cfg, self.cfg.algo, self.colo.actor, self.colo.ref
         packed = self.pack(rollout)
         plan, table = packed.rows, packed.table
         # as many on every rank (agreed when planned): ZeRO-3's gathers are collectives
         assert len(plan) % cfg.trainer.mini_batches_per_step == 0, (len(plan), cfg.trainer.mini_batches_per_step)
         on_policy = cfg.trainer.mini_batches_per_step == 1 and cfg.trainer.ppo_epochs == 1
-        agreement = LogprobAgreement()  # engine vs trainer on the same weights: did the handoff work?
+        agreement = LogprobAgreement() if fresh else None  # engine vs trainer on the same weights: did the handoff work?
         with self.timer("logprobs"):
             if not on_policy:  # pi_old: the weights before this batch's first optimizer step
                 packed.attach("old_logp", packed.logprobs(actor, cfg.rollout.temperature, agreement))
@@ -308,7 +365,7 @@ class GRPORecipe:
                         mb = actor.to_device(mb)  # pinned, non-blocking on a GPU
                         logp, entropy = actor.response_logprobs(mb, cfg.rollout.temperature, with_entropy=want_entropy,
                                                                 entropy_grad=algo.entropy_coef > 0)
-                        if on_policy:
+                        if on_policy and agreement is not None:
                             agreement.add(mb.extras["rollout_logp"], logp, mb.response_mask)
                         old = logp.detach() if on_policy else mb.extras["old_logp"]
                         loss, stats = algos.rl_loss(
@@ -327,7 +384,7 @@ class GRPORecipe:
                             sums[key] = sums.get(key, 0.0) + value * m_tok
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
-                    if epoch == 0 and k == 0:  # before any weight change: engine and trainer saw the same weights
+                    if epoch == 0 and k == 0 and agreement is not None:  # before any weight change: the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
         # the statistics' one device-to-host transfer, the engine-vs-trainer mismatch sums with them
         read = dist.host_floats({**sums, **{f"mismatch:{k}": v for k, v in (mismatch or {}).items()}})

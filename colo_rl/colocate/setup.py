@@ -112,6 +112,35 @@ def build_colocated(cfg, tokenizer, dtype: torch.dtype, run_dir: Optional[Path],
                      ledger=ledger, reward_model=reward_model)
 
 
+class NoPhases:
+    """The phase switcher of a rank that only trains (split placement): nothing to switch."""
+    step = 0
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    generation = update = staticmethod(contextlib.nullcontext)
+
+    def timed_phase_seconds(self) -> dict[str, float]:
+        return {}
+
+
+def build_split_trainer(cfg, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int) -> Colocated:
+    """A split run's trainer rank: the DeepSpeed actor (+ reference) over the trainer pool only
+    (dist's scope is the pool: DeepSpeed is given its group), no engine, nothing paged."""
+    actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=1)
+    ref = reference_model(cfg, actor, dtype, total_steps, None) if cfg.algo.kl_coef > 0 else None
+    ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None, plan={"mode": "split"})
+    return Colocated(actor=actor, ref=ref, engine=None, switch=NoPhases(), guard=PhaseGuard(), ledger=ledger)
+
+
+def build_split_generator(cfg, tokenizer, dtype: torch.dtype) -> Colocated:
+    """A split run's generation rank: its engine only, always awake; its weights come from the
+    trainer ranks (colo_rl/split), never from the disk."""
+    engine = build_engine(cfg, tokenizer, dtype, None)
+    return Colocated(actor=None, ref=None, engine=engine, switch=NoPhases(), guard=PhaseGuard(), ledger=Ledger(None))
+
+
 def sequence_tokens(cfg) -> int:
     """The longest sequence a generation phase makes: prompt + response (a multi-turn episode's
     response tokens, observations included, where an environment runs)."""

@@ -31,6 +31,7 @@ GRPO_ALGO = reads("grpo", others="GRPO only", eval=TRAINS_NOTHING)
 DPO_ALGO = reads("dpo", others="DPO only", eval=TRAINS_NOTHING)
 GRPO_AND_EVAL = reads("grpo", "eval", others="GRPO only")
 MULTI_TURN = reads("grpo", "eval", others="multi-turn rollouts are for GRPO and recipes/eval.py")
+SPLIT = reads("grpo", others="only GRPO runs in split placement")
 EVAL_ONLY = reads("eval", others="recipes/eval.py only")
 OFFLINE = reads("sft", "dpo", eval=TRAINS_NOTHING, grpo="set trainer.total_steps")  # SFT / DPO's step count
 # Why a resumed run may not change an option (options.py: `refuse`), where several share the reason.
@@ -190,6 +191,12 @@ class RolloutConfig:
     # Not in struct mode (its keys are SGLang's, checked there), so `rollout.sglang_kwargs={...}` can
     # set new keys without a `+`.
     sglang_kwargs: dict[str, Any] = opt(scope=ALL, factory=lambda: OmegaConf.create({}, flags={"struct": False}))
+    # placement.mode=split: train on samples at most this many optimizer steps older than the trainer's
+    # weights (0 = the synchronous split, 1 = one-step-off); see docs/placement.md
+    max_staleness: int = opt(1, SPLIT, check=ge(0, "0 = no overlap, every sample from the current weights"))
+    # placement.mode=split, a sample past max_staleness: wait = generators wait for new weights
+    # (nothing is wasted), drop = generators never wait and the trainer drops it (counted)
+    staleness_policy: str = opt("wait", SPLIT, choices=("wait", "drop"))
 
 
 @dataclass
@@ -219,6 +226,20 @@ class ColocateConfig:
                                              resume=SILENT)
     # Page into pinned host memory (faster copies; costs locked RAM). GPU only.
     offload_pin_memory: bool = opt(True, ALL, resume=SILENT)
+
+
+@dataclass
+class PlacementConfig:
+    """Which ranks generate and which train (docs/placement.md, colo_rl/split)."""
+
+    # colocated = every rank generates, then trains (one device, two phases); split = ranks
+    # [0, generation_ranks) only generate and the others only train, at the same time
+    mode: str = opt("colocated", SPLIT, choices=("colocated", "split"),
+                    resume=refuse("a split run's data position lives on its generation ranks"))
+    # split: how many ranks (the first ones) run rollout engines; the rest train with ZeRO-3
+    generation_ranks: int = opt(1, SPLIT, check=POSITIVE_INT)
+    # split: the trainer sends its weights to the generation ranks every this many optimizer steps
+    sync_every: int = opt(1, SPLIT, check=POSITIVE_INT)
 
 
 @dataclass
@@ -393,6 +414,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     colocate: ColocateConfig = field(default_factory=ColocateConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -162,9 +162,42 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
                           f"algo.loss_scale_factor={cfg.rollout.max_new_tokens}, rollout.max_new_tokens); no other "
                           f"aggregation reads algo.loss_scale_factor")
     check_rollout_correction(algo)
+    if cfg.placement.mode == "split":
+        check_split_rules(cfg)
     if algo.policy_loss == "gspo" and algo.clip_high > 0.05:
         raise ConfigError(f"algo.policy_loss=gspo clips a sequence-level ratio: algo.clip_low/clip_high of the "
                           f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
+
+
+# What placement.mode=split does not run yet, with the reason (docs/placement.md): refused at start-up.
+SPLIT_NOT_YET = {
+    "rollout.engine": ("hf", "the split weight sync loads the HF engine; SGLang's path is not wired yet"),
+    "rollout.tp_size": (1, "tensor-parallel engines inside the generation pool are not wired yet"),
+    "model.lora.rank": (0, "LoRA adapters on the wire are not wired yet"),
+    "env.name": ("none", "multi-turn episodes are not run by the generation pool yet"),
+    "algo.dynamic_sampling": (False, "dynamic sampling's extra rounds are not run by the generation pool yet"),
+    "reward.model.path": (None, "the reward model is not placed on the trainer pool yet"),
+    "resume": (None, "a split run's data position lives on the generation ranks and is not saved yet"),
+}
+
+
+def check_split_rules(cfg: "RunConfig") -> None:
+    """placement.mode=split: what it cannot run yet, and a weight sync often enough for the bound."""
+    for key, (wanted, why) in SPLIT_NOT_YET.items():
+        value = _get(cfg, key)
+        if value != wanted:
+            raise ConfigError(f"placement.mode=split with {key}={value}: {why}. Use placement.mode=colocated "
+                              f"or {key}={wanted}")
+    k, every = cfg.rollout.max_staleness, cfg.placement.sync_every
+    if every > k + 1:
+        raise ConfigError(f"placement.sync_every={every} with rollout.max_staleness={k}: between two weight syncs "
+                          f"the trainer gets {every - 1} steps ahead of the generators' weights; set "
+                          f"placement.sync_every <= rollout.max_staleness + 1")
+    if k > 0 and cfg.algo.rollout_correction is None and cfg.algo.tis_cap is None:
+        raise ConfigError(f"rollout.max_staleness={k}: samples up to {k} step(s) old are trained on, and the loss "
+                          f"needs the generating policy's log-probs as its behaviour policy (decoupled PPO: the "
+                          f"importance weight pi_old / pi_rollout). Set algo.rollout_correction (e.g. tis_token) "
+                          f"or rollout.max_staleness=0")
 
 
 def check_rollout_correction(algo: "AlgoConfig") -> None:

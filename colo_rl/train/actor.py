@@ -108,8 +108,9 @@ class DeepSpeedActor:
             prepare_jit_builds()  # FusedAdam is JIT-built on a GPU: CUDA_HOME, headers
             announce_op_build("fused_adam", "DeepSpeed's FusedAdam optimizer op")
         with arch_list_for_deepspeed():  # FusedAdam's build parses TORCH_CUDA_ARCH_LIST itself
+            # mpu: a split run's trainer pool is DeepSpeed's whole world (None: the job's)
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
-                model=model, config=ds_config, **kwargs)
+                model=model, config=ds_config, mpu=dist.deepspeed_mpu(), **kwargs)
         if with_optimizer:
             self.engine.train()
             self._materialise_optimizer_states()

@@ -1,0 +1,197 @@
+"""The two pools of a split run: the generation ranks' loop and the trainer's side of the flow.
+
+    generation rank                                  trainer ranks (the leader broadcasts weights)
+    take weights v0  <------------------------------ send weights v0 (set-up)
+    loop, between generate calls:
+      newest weights that arrived -> engine
+      wait: until version >= slot - k (counted)
+      rollout(version) -> its groups to each trainer  receive the next slot from every generator;
+      (isend; at most max(1, k) slots in flight)        drop it if step - version > k (counted)
+                                                      update -> version step + 1
+                     <------------------------------ send weights (every placement.sync_every steps;
+    stop flag in the weights -> END to each trainer    the last send carries stop)
+                                                      drain until END from every generator
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from colo_rl import dist
+from colo_rl.samples import Group, Rollout
+from colo_rl.split import staleness as st
+from colo_rl.split.placement import SplitLayout, split_layout
+from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object
+
+log = logging.getLogger("colo_rl")
+
+
+@dataclass
+class SplitRole:
+    layout: SplitLayout
+    generates: bool  # this rank is a generation rank
+    weight_group: Any  # the weight broadcast's process group (leader + generation ranks)
+
+
+def enter_split(cfg) -> SplitRole:
+    """Make the pools' process groups (every rank calls it) and scope this rank's helpers to its pool:
+    from here on dist.rank() / world_size() and the collectives are the pool's (dist.set_scope)."""
+    layout = split_layout(dist.world_size(), cfg.placement.generation_ranks, cfg.rollout.tp_size,
+                          cfg.rollout.prompts_per_step, dist.local_world_size())
+    gen_group, train_group, weight_group = dist.new_pool_groups(
+        [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)])
+    generates = layout.generates(dist.job_rank())
+    log.info("split placement: ranks %s generate, ranks %s train (ZeRO-3 among them); rollout.max_staleness=%d, "
+             "staleness_policy=%s", list(layout.generation), list(layout.trainers), cfg.rollout.max_staleness,
+             cfg.rollout.staleness_policy)
+    dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
+    dist.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
+    return SplitRole(layout, generates, weight_group)
+
+
+@dataclass
+class RolloutPart:
+    """One generator's groups of one slot for one trainer, with what the generator measured."""
+    slot: int
+    version: int  # the weights that generated every group here
+    groups: list[Group]
+    slot_groups: int  # the generator's groups in this slot (all trainers' parts)
+    failures: int = 0
+    rounds: int = 1
+    gen_interval: tuple[float, float] = (0.0, 0.0)  # wall clock (time.time) of the generation
+    seconds: dict[str, float] = field(default_factory=dict)  # time/generation, time/reward
+    idle_seconds: float = 0.0  # waiting for weights or queue space since the previous slot
+    waits: int = 0  # times it waited for newer weights (wait policy) since the previous slot
+    in_flight: int = 0  # slots already sent and not yet received when this one was queued
+
+
+class GenerationPool:
+    """A generation rank's loop: weights in, rollouts out, until the trainer's last weights say stop."""
+
+    def __init__(self, role: SplitRole, cfg, engine, make_rollout: Callable[[int], tuple[Rollout, dict]],
+                 total_steps: int):
+        self.layout, self.engine, self.make_rollout = role.layout, engine, make_rollout
+        self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
+        self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
+        self.index = role.layout.generation.index(dist.job_rank())
+
+    def serve(self) -> int:
+        """Runs to the end of training; returns the slots generated."""
+        stop_signal = dist.StopSignal()  # Ctrl-C: the trainer ranks stop the run; this rank follows their stop
+        try:
+            return self._serve()
+        finally:
+            stop_signal.restore()
+
+    def _serve(self) -> int:
+        version, stop = self.receiver.take(self.engine)  # version 0: the trainer's starting weights
+        pending: deque[list[Pending]] = deque()
+        capacity = max(1, self.k)
+        slot, waits, free_since = 0, 0, time.perf_counter()
+        while not stop:
+            if self.policy == "wait" and slot >= self.total_steps:  # every slot is trained: wait for the stop
+                version, stop = self.receiver.take(self.engine)
+                continue
+            while not stop and (self.receiver.ready() or
+                                (self.policy == "wait" and not st.may_generate(slot, version, self.k))):
+                waits += not self.receiver.ready()
+                version, stop = self.receiver.take(self.engine)  # between generate calls only
+            if stop:
+                break
+            g0, start = time.time(), time.perf_counter()
+            rollout, seconds = self.make_rollout(version)
+            interval, done = (g0, time.time()), time.perf_counter()
+            while len(pending) >= capacity:  # the bounded queue: the oldest slot must be received first
+                for p in pending.popleft():
+                    p.wait()
+            in_flight = sum(not all(p.done() for p in sends) for sends in pending)
+            idle = (start - free_since) + (time.perf_counter() - done)  # weights, then queue space
+            pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
+            slot, waits, free_since = slot + 1, 0, time.perf_counter()
+        ends = [send_object(None, dst) for dst in self.layout.trainers]
+        for sends in [*pending, ends]:
+            for p in sends:
+                p.wait()
+        log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(), slot,
+                 version)
+        return slot
+
+    def _send(self, slot, version, rollout: Rollout, interval, seconds, idle, waits, in_flight) -> list[Pending]:
+        n, sends = len(rollout.groups), []
+        for i, dst in enumerate(self.layout.trainers):
+            share = self.layout.groups_for(self.index, i, n)
+            part = RolloutPart(slot, version, rollout.groups[share.start:share.stop], n,
+                               failures=rollout.failures if i == 0 else 0, rounds=rollout.rounds,
+                               gen_interval=interval, seconds=seconds, idle_seconds=idle, waits=waits,
+                               in_flight=in_flight)
+            sends.append(send_object(part, dst))
+        return sends
+
+
+class TrainerPool:
+    """The trainer ranks' side: rollouts in (the bound applied), weights out."""
+
+    def __init__(self, role: SplitRole, cfg, actor, total_steps: int):
+        self.layout, self.cfg, self.total_steps = role.layout, cfg, total_steps
+        self.k = cfg.rollout.max_staleness
+        self.sender = WeightSender(actor, role.weight_group if dist.job_rank() == role.layout.leader else None,
+                                   role.layout.leader, int(cfg.colocate.handoff_bucket_mb) << 20)
+        self.stats = st.StalenessStats()
+        self.last_update: tuple[float, float] | None = None
+        self.version = 0
+        self.stopped = False
+        self.unused_slots = 0
+
+    def start(self) -> dict[str, float]:
+        """The starting weights (version 0) to the generators: their engines never read the disk's."""
+        return self.sender.send(0, stop=False)
+
+    def receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """The rollout this trainer trains at `step`: the next slot within the bound (older ones dropped)."""
+        t0 = time.perf_counter()
+        while True:
+            parts = [recv_object(src) for src in self.layout.generation]
+            if any(p is None for p in parts):
+                raise RuntimeError("a generation rank ended before the trainer stopped it")
+            version = min(p.version for p in parts)
+            if st.admitted(step, version, self.k):
+                break
+            self.stats.record_dropped(sum(p.slot_groups for p in parts))
+        wait = time.perf_counter() - t0
+        rollout = Rollout(groups=[g for p in parts for g in p.groups], policy_version=version,
+                          failures=sum(p.failures for p in parts), rounds=max(p.rounds for p in parts))
+        self.stats.record_trained(st.staleness(step, version), sum(p.slot_groups for p in parts))
+        generated = (min(p.gen_interval[0] for p in parts), max(p.gen_interval[1] for p in parts))
+        out = {"time/trainer_wait": wait, "time/generation_idle": max(p.idle_seconds for p in parts),
+               **{k: max(p.seconds.get(k, 0.0) for p in parts) for k in parts[0].seconds},
+               "split/queue_depth": float(max(p.in_flight for p in parts)),
+               "split/policy_version": float(version), "split/generator_waits": float(sum(p.waits for p in parts)),
+               "split/generation_start": generated[0], "split/generation_end": generated[1],
+               "split/overlap_seconds": st.overlap_seconds(generated, self.last_update) if self.last_update else 0.0}
+        return rollout, out
+
+    def after_update(self, step: int, update_interval: tuple[float, float]) -> dict[str, float]:
+        """The update of `step` is done (weights of version step + 1): send them when due; the last
+        step's send carries the stop."""
+        self.last_update, self.version = update_interval, step + 1
+        out = {"split/update_start": update_interval[0], "split/update_end": update_interval[1], **self.stats.pop()}
+        last = step + 1 >= self.total_steps
+        if last or (step + 1) % self.cfg.placement.sync_every == 0:
+            out.update(self.sender.send(step + 1, stop=last))
+            self.stopped = last
+        return out
+
+    def close(self) -> int:
+        """The run ends (done or stopped by a signal): stop the generators, take what they still had in
+        flight (unused); returns those slots."""
+        if not self.stopped:
+            self.sender.send(self.version, stop=True)
+            self.stopped = True
+        for src in self.layout.generation:
+            while recv_object(src) is not None:
+                self.unused_slots += 1
+        return self.unused_slots

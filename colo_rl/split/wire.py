@@ -1,0 +1,174 @@
+"""What travels between the pools, over the job's process group (gloo on CPU, NCCL on GPU).
+
+Rollouts: pickled objects, generation rank -> trainer rank, point-to-point. A message is a header
+(int64: payload bytes, kind) and the payload (uint8); the generator sends without blocking
+(`isend`), so up to the queue's capacity of rollouts are in flight while it generates the next.
+Weights: the leader trainer broadcasts in buckets to the weight group (leader + generation ranks):
+an int64 header (version, stop), then each bucket as one flat uint8 buffer. A generation rank
+posts its receives ahead (async) and looks between generate calls whether they completed, so
+its engine switches version only between generate calls.
+On NCCL every buffer lives on the rank's GPU (`on_wire`); that is the only GPU-specific line.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as tdist
+
+from colo_rl import dist
+
+KIND_OBJECT, KIND_END = 0, 1
+ALIGN = 16  # bytes: each tensor of a bucket starts aligned, so a uint8 slice views as any dtype
+
+
+def on_wire(t: torch.Tensor) -> torch.Tensor:
+    """Where the backend wants the tensor: the GPU for NCCL, the host for gloo."""
+    return t.to(dist.device()) if tdist.get_backend() == "nccl" else t
+
+
+class Pending:
+    """Sends in flight: their works, and the tensors they read (kept alive until done)."""
+
+    def __init__(self, works: list, tensors: list[torch.Tensor]):
+        self.works, self.tensors = works, tensors
+
+    def done(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def send_object(obj: Any, dst: int) -> Pending:
+    """Start sending `obj` (pickled) to job rank `dst`; None sends the end marker."""
+    if obj is None:
+        header = on_wire(torch.tensor([0, KIND_END], dtype=torch.int64))
+        return Pending([tdist.isend(header, dst)], [header])
+    payload = on_wire(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
+    header = on_wire(torch.tensor([payload.numel(), KIND_OBJECT], dtype=torch.int64))
+    return Pending([tdist.isend(header, dst), tdist.isend(payload, dst)], [header, payload])
+
+
+def recv_object(src: int) -> Optional[Any]:
+    """The next object from job rank `src` (blocking); None at its end marker."""
+    header = on_wire(torch.empty(2, dtype=torch.int64))
+    tdist.recv(header, src)
+    n, kind = (int(x) for x in header.cpu())
+    if kind == KIND_END:
+        return None
+    payload = on_wire(torch.empty(n, dtype=torch.uint8))
+    tdist.recv(payload, src)
+    return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+# ------------------------------------------------------------------ weights
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes into the bucket
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+def bucket_layout(params: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> list[list[Slot]]:
+    """Consecutive (name, shape, dtype) in buckets of at most `bucket_bytes` (a larger tensor alone),
+    each tensor at an ALIGN-ed offset: the same layout on the leader and the generators."""
+    buckets: list[list[Slot]] = []
+    used = 0
+    for name, shape, dtype in params:
+        nbytes = Slot(name, tuple(shape), dtype, 0).nbytes
+        fits = bool(buckets) and used + nbytes <= bucket_bytes
+        offset = used if fits else 0
+        if not fits:
+            buckets.append([])
+        buckets[-1].append(Slot(name, tuple(shape), dtype, offset))
+        used = -(-(offset + nbytes) // ALIGN) * ALIGN
+    return buckets
+
+
+def bucket_bytes(bucket: list[Slot]) -> int:
+    last = bucket[-1]
+    return -(-(last.offset + last.nbytes) // ALIGN) * ALIGN
+
+
+def unpack(bucket: list[Slot], flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket's named tensors as views of its flat buffer."""
+    return [(s.name, flat[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape)) for s in bucket]
+
+
+def pack(bucket: list[Slot], tensors: list[tuple[str, torch.Tensor]], flat: torch.Tensor) -> None:
+    """Copy the named tensors into the flat buffer at the bucket's offsets."""
+    for s, (name, t) in zip(bucket, tensors):
+        assert name == s.name, (name, s.name)
+        flat[s.offset:s.offset + s.nbytes].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+
+
+class WeightSender:
+    """The trainer's side: every trainer joins the ZeRO-3 gathers, the leader broadcasts."""
+
+    def __init__(self, actor, group, leader: int, max_bucket_bytes: int):
+        self.actor, self.group, self.leader = actor, group, leader
+        self.is_leader = dist.job_rank() == leader
+        params = [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in actor.module.named_parameters()]
+        self.buckets = bucket_layout(params, max_bucket_bytes)
+        if self.is_leader:  # the generators allocate their receive buffers from it
+            tdist.broadcast_object_list([self.buckets], src=leader, group=group)
+
+    def send(self, version: int, stop: bool) -> dict[str, float]:
+        """Weights of `version` to every generation rank (`stop`: the last send, the run ends)."""
+        t0, sent = time.perf_counter(), 0
+        if self.is_leader:
+            tdist.broadcast(on_wire(torch.tensor([version, int(stop)], dtype=torch.int64)), src=self.leader,
+                            group=self.group)
+        for bucket in self.buckets:
+            with self.actor.gathered([s.name for s in bucket]) as tensors:  # a collective of the trainers
+                if self.is_leader:
+                    flat = on_wire(torch.empty(bucket_bytes(bucket), dtype=torch.uint8))
+                    pack(bucket, tensors, flat)
+                    tdist.broadcast(flat, src=self.leader, group=self.group)
+                    sent += flat.numel()
+        return {"time/weight_sync": time.perf_counter() - t0, "split/weight_sync_bytes": float(sent)}
+
+
+class WeightReceiver:
+    """A generation rank's side: receives posted ahead, taken between generate calls."""
+
+    def __init__(self, group, leader: int):
+        self.group, self.leader = group, leader
+        box = [None]
+        tdist.broadcast_object_list(box, src=leader, group=group)
+        self.buckets: list[list[Slot]] = box[0]
+        self._post()
+
+    def _post(self) -> None:
+        self.header = on_wire(torch.empty(2, dtype=torch.int64))
+        self.flats = [on_wire(torch.empty(bucket_bytes(b), dtype=torch.uint8)) for b in self.buckets]
+        self.works = [tdist.broadcast(t, src=self.leader, group=self.group, async_op=True)
+                      for t in (self.header, *self.flats)]
+
+    def ready(self) -> bool:
+        """Have the next weights arrived (all buckets)?"""
+        return all(w.is_completed() for w in self.works)
+
+    def take(self, engine) -> tuple[int, bool]:
+        """Wait for the next weights, load them into `engine`, post the receives of the ones after
+        (unless this was the last send); (version, stop)."""
+        for w in self.works:
+            w.wait()
+        version, stop = (int(x) for x in self.header.cpu())
+        for bucket, flat in zip(self.buckets, self.flats):
+            engine.load_weights(unpack(bucket, flat))
+        engine.finish_weight_update()
+        if not stop:
+            self._post()
+        return version, bool(stop)

@@ -1,0 +1,133 @@
+"""The split pools' protocol in one process: GenerationPool and TrainerPool in two threads, the wire
+replaced by in-memory queues (the real wire under torchrun: tests/test_split_placement.py). Checks
+the schedule itself, fast: the bound holds, wait never drops, drop counts every dropped slot, the
+stop ends both sides, whatever the relative speeds."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from colo_rl.samples import Group, Rollout
+from colo_rl.split import pools
+from colo_rl.split.placement import split_layout
+
+
+class Sent:
+    """A message in flight: done once the receiver took it (the bounded queue waits on that)."""
+
+    def __init__(self):
+        self.taken = threading.Event()
+
+    def done(self):
+        return self.taken.is_set()
+
+    def wait(self):
+        assert self.taken.wait(30), "a send was never received"
+
+
+class Wire:
+    def __init__(self):
+        self.to_trainer: queue.Queue = queue.Queue()
+        self.weights: queue.Queue = queue.Queue()
+
+    def send_object(self, obj, dst):
+        sent = Sent()
+        self.to_trainer.put((obj, sent))
+        return sent
+
+    def recv_object(self, src):
+        obj, sent = self.to_trainer.get(timeout=30)
+        sent.taken.set()
+        return obj
+
+
+def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_every=1):
+    wire = Wire()
+    monkeypatch.setattr(pools, "send_object", wire.send_object)
+    monkeypatch.setattr(pools, "recv_object", wire.recv_object)
+
+    class Receiver:
+        def __init__(self, group, leader):
+            pass
+
+        def ready(self):
+            return not wire.weights.empty()
+
+        def take(self, engine):
+            version, stop = wire.weights.get(timeout=30)
+            engine.version = version
+            return version, stop
+
+    class Sender:
+        def __init__(self, actor, group, leader, max_bucket_bytes):
+            pass
+
+        def send(self, version, stop):
+            wire.weights.put((version, stop))
+            return {"time/weight_sync": 0.0, "split/weight_sync_bytes": 0.0}
+
+    monkeypatch.setattr(pools, "WeightReceiver", Receiver)
+    monkeypatch.setattr(pools, "WeightSender", Sender)
+    cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k, staleness_policy=policy),
+                          placement=SimpleNamespace(sync_every=sync_every), colocate=SimpleNamespace(handoff_bucket_mb=1))
+    role = pools.SplitRole(split_layout(2, 1, 1, 2), generates=True, weight_group=None)
+    engine = SimpleNamespace(version=-1)
+    made = []
+
+    def make_rollout(version):
+        assert engine.version == version  # the rollout is tagged with the weights that generated it
+        time.sleep(gen_s)
+        made.append(version)
+        groups = [Group(f"p{len(made)}.{j}", [], []) for j in range(2)]
+        return Rollout(groups=groups, policy_version=version), {"time/generation": gen_s}
+
+    monkeypatch.setattr(pools.dist, "job_rank", lambda: 0)
+    gen = pools.GenerationPool(role, cfg, engine, make_rollout, steps)
+    monkeypatch.setattr(pools.dist, "job_rank", lambda: 1)
+    trainer = pools.TrainerPool(role, cfg, actor=None, total_steps=steps)
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("slots", gen.serve()))
+    thread.start()
+    trainer.start()
+    rows = []
+    for step in range(steps):
+        rollout, flow = trainer.receive(step)
+        start = time.time()
+        time.sleep(update_s)
+        rows.append({**flow, **trainer.after_update(step, (start, time.time()))})
+    unused = trainer.close()
+    thread.join(30)
+    assert not thread.is_alive()
+    return rows, out["slots"], unused, made
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_wait_trains_every_slot_within_the_bound(monkeypatch, k):
+    rows, slots, unused, made = run_pools(monkeypatch, k, "wait")
+    assert slots == 6 and unused == 0 and len(made) == 6
+    assert all(r["split/staleness_max"] <= k and r["split/dropped_groups"] == 0 for r in rows)
+    if k == 0:  # synchronous: step t trains version t, and nothing overlaps
+        assert [r["split/policy_version"] for r in rows] == list(range(6))
+        assert all(r["split/overlap_seconds"] == 0 for r in rows)
+    else:  # generation runs ahead: stale samples, overlapping the update
+        assert max(r["split/staleness_max"] for r in rows) >= 1
+        assert sum(r["split/overlap_seconds"] for r in rows) > 0
+
+
+def test_drop_counts_every_slot_it_drops(monkeypatch):
+    rows, slots, unused, made = run_pools(monkeypatch, 0, "drop", update_s=0.05)
+    dropped = rows[-1]["split/dropped_groups_total"]
+    assert all(r["split/staleness_max"] == 0 for r in rows)
+    assert dropped == sum(r["split/dropped_groups"] for r in rows) > 0
+    assert slots == 6 + dropped / 2 + unused  # 2 groups per slot: each trained, dropped, or unused
+
+
+def test_sync_every_two_with_k1_never_needs_a_version_not_sent(monkeypatch):
+    rows, slots, unused, _ = run_pools(monkeypatch, 1, "wait", sync_every=2)
+    assert slots == 6 and all(r["split/staleness_max"] <= 1 for r in rows)
+    assert sum("time/weight_sync" in r for r in rows) == 3  # after steps 2, 4, 6

@@ -1,0 +1,118 @@
+"""Split placement's pure parts: the layout and its refusals, the staleness bound and its counts,
+the weight buckets' layout, and the config rules a split run is checked against at start-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from colo_rl.config import RunConfig
+from colo_rl.config.validation import check_grpo_rules
+from colo_rl.errors import ConfigError
+from colo_rl.split import staleness as st
+from colo_rl.split.placement import split_layout
+from colo_rl.split.wire import bucket_bytes, bucket_layout, pack, unpack
+
+
+def test_layout_puts_generation_first_and_the_leader_after():
+    lay = split_layout(world=5, generation_ranks=2, tp_size=1, prompts_per_step=6)
+    assert lay.generation == (0, 1) and lay.trainers == (2, 3, 4) and lay.leader == 2
+    assert lay.weight_ranks == (2, 0, 1)
+
+
+@pytest.mark.parametrize("world,g,tp,prompts,keys", [
+    (2, 2, 1, 4, ["placement.generation_ranks", "no rank left to train"]),
+    (4, 3, 2, 6, ["rollout.tp_size=2", "placement.generation_ranks=3", "cross the boundary"]),
+    (3, 1, 1, 3, ["rollout.prompts_per_step=3", "2 trainer ranks"]),
+    (3, 2, 1, 5, ["rollout.prompts_per_step=5", "2 generation ranks"]),
+])
+def test_a_split_that_cannot_work_is_refused_naming_the_keys(world, g, tp, prompts, keys):
+    with pytest.raises(ConfigError) as e:
+        split_layout(world=world, generation_ranks=g, tp_size=tp, prompts_per_step=prompts)
+    for key in keys:
+        assert key in str(e.value)
+
+
+@pytest.mark.parametrize("g,n,per_gen", [(1, 1, 4), (1, 2, 4), (2, 1, 2), (2, 3, 3), (3, 2, 2)])
+def test_every_group_of_a_slot_reaches_exactly_one_trainer(g, n, per_gen):
+    lay = split_layout(world=g + n, generation_ranks=g, tp_size=1, prompts_per_step=g * per_gen)
+    seen = []
+    for i in range(n):
+        mine = [gen * per_gen + j for gen in range(g) for j in lay.groups_for(gen, i, per_gen)]
+        assert len(mine) == g * per_gen // n  # an even share per trainer
+        seen += mine
+    assert sorted(seen) == list(range(g * per_gen))
+
+
+def test_staleness_bound_and_wait_rule():
+    assert st.staleness(5, 3) == 2
+    assert st.admitted(5, 4, 1) and not st.admitted(5, 3, 1) and st.admitted(5, 5, 0)
+    with pytest.raises(ValueError, match="ahead of the trainer"):
+        st.staleness(2, 3)
+    # wait policy, k = 1: the rollout for step s needs weights of version >= s - 1
+    assert st.may_generate(0, 0, 1) and st.may_generate(1, 0, 1) and not st.may_generate(2, 0, 1)
+    assert not st.may_generate(1, 0, 0)  # k = 0: synchronous
+
+
+def test_staleness_stats_count_per_step_and_in_total():
+    s = st.StalenessStats()
+    s.record_trained(0, 4)
+    first = s.pop()
+    assert first["split/staleness_mean"] == 0 and first["split/dropped_groups"] == 0
+    s.record_dropped(4)
+    s.record_trained(1, 4)
+    second = s.pop()
+    assert second["split/staleness_max"] == 1 and second["split/staleness_mean"] == 1
+    assert second["split/dropped_groups"] == 4 and second["split/dropped_groups_total"] == 4
+    assert second["split/staleness_hist/0"] == 4 and second["split/staleness_hist/1"] == 4
+    assert s.pop()["split/dropped_groups"] == 0
+
+
+def test_overlap_of_two_intervals():
+    assert st.overlap_seconds((0, 2), (1, 5)) == 1
+    assert st.overlap_seconds((0, 1), (1, 5)) == 0 and st.overlap_seconds((3, 4), (0, 1)) == 0
+
+
+def test_weight_buckets_round_trip_mixed_dtypes_aligned():
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 2)),
+               ("big", torch.randn(40))]
+    buckets = bucket_layout([(n, tuple(t.shape), t.dtype) for n, t in tensors], bucket_bytes=100)
+    # a: 60 B (next at 64); b: 14 B at 64 (next at 80); c: 16 B at 80 -> 96 <= 100; big: 160 B alone
+    assert [[(s.name, s.offset) for s in b] for b in buckets] == [[("a", 0), ("b", 64), ("c", 80)], [("big", 0)]]
+    by_name = dict(tensors)
+    for b in buckets:
+        flat = torch.zeros(bucket_bytes(b), dtype=torch.uint8)
+        pack(b, [(s.name, by_name[s.name]) for s in b], flat)
+        for name, view in unpack(b, flat):
+            assert view.dtype == by_name[name].dtype and torch.equal(view, by_name[name])
+
+
+def split_cfg(**changes) -> RunConfig:
+    cfg = RunConfig()
+    cfg.placement.mode = "split"
+    cfg.algo.rollout_correction = "tis_token"
+    for key, value in changes.items():
+        *path, last = key.split("__")
+        target = cfg
+        for p in path:
+            target = getattr(target, p)
+        setattr(target, last, value)
+    return cfg
+
+
+def test_split_config_accepted_as_documented():
+    check_grpo_rules(split_cfg())
+    check_grpo_rules(split_cfg(rollout__max_staleness=0, algo__rollout_correction=None))
+
+
+@pytest.mark.parametrize("changes,words", [
+    ({"rollout__engine": "sglang"}, "rollout.engine=sglang"),
+    ({"env__name": "calculator"}, "env.name=calculator"),
+    ({"algo__dynamic_sampling": True}, "algo.dynamic_sampling=True"),
+    ({"resume": "auto"}, "resume=auto"),
+    ({"placement__sync_every": 3, "rollout__max_staleness": 1}, "placement.sync_every <= rollout.max_staleness + 1"),
+    ({"algo__rollout_correction": None}, "algo.rollout_correction"),
+])
+def test_split_config_refusals_name_the_keys(changes, words):
+    with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("+", r"\+")):
+        check_grpo_rules(split_cfg(**changes))
