@@ -251,3 +251,36 @@ def test_race_gives_trl_colo_rls_prompts_step_by_step():
     sampler = EpochSampler(10, seed=7)  # what recipes/grpo.py draws, step by step
     assert [order[k * 4:(k + 1) * 4] for k in range(4)] == [sampler.next_global(4) for _ in range(4)]
     assert sorted(order[:8]) != list(range(8)) and len(set(order[:10])) == 10  # shuffled, one epoch = every problem
+
+
+def _side(rewards, accuracy):
+    return {"reward": rewards, "accuracy": accuracy, "step_seconds": [3.0, 2.0, 1.0], "wall_seconds": 60.0,
+            "completion_len": [10.0, 20.0, None]}
+
+
+def test_race_learning_pairs_seeds_and_judges_the_gap_against_their_spread():
+    from benchmarks import race_learning
+
+    runs = {("fp32", 1): {"colo_rl": _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2]), "trl": _side([0.2, 0.3, 0.4], [0.1, 0.1, 0.1])},
+            ("fp32", 2): {"colo_rl": _side([0.3, 0.4, 0.5], [0.2, 0.2, 0.2]), "trl": _side([0.2, 0.3, 0.4], [0.0, 0.0, 0.3])},
+            ("bf16", 1): {"colo_rl": _side([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])}}  # one side only: left out
+    out = race_learning.compare(runs, steps=3)
+    assert set(out) == {"fp32"}
+    b = out["fp32"]
+    assert b["colo_rl"]["reward_mean_per_seed"] == pytest.approx([0.2, 0.4])
+    assert b["gap_per_seed"] == pytest.approx([-0.1, 0.1])
+    assert b["gap"] == pytest.approx(0.0)
+    step2 = b["colo_rl"]["reward_per_step"][1]
+    assert step2["mean"] == pytest.approx(0.3) and step2["std"] == pytest.approx(0.1414214, rel=1e-5)
+    assert b["trl"]["accuracy_per_step"][2]["mean"] == pytest.approx(0.2)
+    assert b["colo_rl"]["completion_len_mean"] == pytest.approx(15.0)  # None (not logged) left out
+    # std over seeds of colo_rl's per-seed means is 0.1414 (TRL's 0): twice it bounds the noise
+    assert "twice the larger seed std is 0.283: within the seed spread" in b["verdict"]
+    runs[("fp32", 2)]["colo_rl"] = _side([0.1, 0.2, 0.3], [0.0, 0.0, 0.0])  # same as seed 1: std 0
+    assert "beyond the seed spread" in race_learning.compare(runs, steps=3)["fp32"]["verdict"]
+
+
+def test_race_dtype_reaches_both_sides():
+    args = race_trl.parse_args(["--dtype", "fp32"])
+    assert "model.dtype=fp32" in race_trl.colo_overrides(args, Path("/tmp/x"))
+    assert not any(o.startswith("model.dtype") for o in race_trl.colo_overrides(race_trl.parse_args([]), Path("/x")))
