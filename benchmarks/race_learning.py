@@ -47,7 +47,7 @@ def side_args(args, seed: int, dtype: str) -> SimpleNamespace:
 def run_side(args, side: str, seed: int, dtype: str, log) -> dict:
     """One side of one (dtype, seed), or its saved JSON when it already ran."""
     work = args.work / f"{dtype}-seed{seed}"
-    saved = work / f"{side}.json"
+    saved = work / f"{side}-result.json"  # not trl.json: the TRL worker's own output
     if saved.exists() and not args.fresh:
         result = json.loads(saved.read_text())
         if len(result["reward"]) >= args.steps:
