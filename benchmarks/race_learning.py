@@ -121,7 +121,7 @@ def table(result: dict) -> str:
              f"on before."]
     for dtype, b in result["comparison"].items():
         c, t = b["colo_rl"], b["trl"]
-        lines += ["", f"## {dtype}, seeds {b['seeds']}", "",
+        lines += ["", f"### {dtype}, seeds {b['seeds']}", "",
                   "| | colo_rl | TRL GRPOTrainer |", "|---|---|---|",
                   f"| reward, mean over all steps | {ms(c['reward_mean'])} | {ms(t['reward_mean'])} |",
                   f"| reward, last 5 steps | {ms(c['reward_last5'])} | {ms(t['reward_last5'])} |",
