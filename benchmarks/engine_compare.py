@@ -39,6 +39,23 @@ SMOKE = ["model=tiny", "trainer.total_steps=1", "rollout.max_new_tokens=8", "rol
 MISMATCH_KEYS = ("handoff/logprob_diff_mean", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ratio_max")
 
 
+def demo_rollout() -> list[str]:
+    """The demo's rollout sizing (what `rollout=hf` composes to), pinned for every engine. The
+    rollout=sglang group sizes the work for a real model on GPUs (64 prompts a step, 1024 new
+    tokens, the schema's temperature 1.0): left to it, the SGLang runs would do other work than the
+    HF runs (8x the prompts, 25x the tokens, another temperature) and the table would compare
+    workloads, not engines. Every key either engine's group sets, except `engine`, at the value
+    rollout=hf gives it (its file's, else the schema's default)."""
+    from omegaconf import OmegaConf
+
+    from colo_rl.config.schema import RolloutConfig
+
+    hf, sglang = (OmegaConf.load(ROOT / "conf" / "rollout" / f"{e}.yaml") for e in ENGINES)
+    defaults = RolloutConfig()
+    keys = sorted((set(hf) | set(sglang)) - {"engine"})
+    return [f"rollout.{k}={hf[k] if k in hf else getattr(defaults, k)}" for k in keys]
+
+
 def sglang_overrides() -> list[str]:
     """rollout=sglang, and on a machine without CUDA the CPU engine's kwargs (the tests' own, one source)."""
     import torch
@@ -160,7 +177,7 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown engine {bad[0]!r}; choose from {list(ENGINES)}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    shared = SHARED + (SMOKE if args.smoke else []) + args.override
+    shared = SHARED + (SMOKE if args.smoke else demo_rollout()) + args.override  # --smoke sizes its own
     per_engine = {"hf": ["rollout=hf"], "sglang": sglang_overrides() if "sglang" in engines else []}
 
     def log(msg: str) -> None:

@@ -284,3 +284,26 @@ def test_race_dtype_reaches_both_sides():
     args = race_trl.parse_args(["--dtype", "fp32"])
     assert "model.dtype=fp32" in race_trl.colo_overrides(args, Path("/tmp/x"))
     assert not any(o.startswith("model.dtype") for o in race_trl.colo_overrides(race_trl.parse_args([]), Path("/x")))
+
+
+def test_engine_compare_gives_both_engines_the_demos_work():
+    """rollout=sglang's group sizes a GPU run (64 prompts, 1024 tokens, temperature 1.0): the
+    comparison pins the demo's sizing so only the engine differs between its runs."""
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks import engine_compare
+    from colo_rl.config import register_configs, to_object
+
+    register_configs()
+    rollouts = {}
+    for engine in ("hf", "sglang"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"rollout={engine}", *engine_compare.demo_rollout()])
+        rollouts[engine] = {k: v for k, v in asdict(to_object(cfg).rollout).items() if k != "engine"}
+    assert rollouts["sglang"] == rollouts["hf"]
+    assert rollouts["sglang"]["prompts_per_step"] == 8 and rollouts["sglang"]["max_new_tokens"] == 40
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # what it guards against
+        unpinned = to_object(compose("config", overrides=["rollout=sglang"])).rollout
+    assert (unpinned.prompts_per_step, unpinned.max_new_tokens) != (8, 40)
