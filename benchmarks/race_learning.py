@@ -21,6 +21,7 @@ Results: results/race_learning-<device>-<date>.json / .md / .png.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -62,14 +63,29 @@ def run_side(args, side: str, seed: int, dtype: str, log) -> dict:
     return result
 
 
+def trl_from_log(log: Path) -> dict:
+    """A TRL side stopped before its end (a time limit): the steps it logged, read from its log
+    (Trainer's per-step dicts: `reward`, `completions/mean_length`, `step_time`). The accuracy is
+    not logged by TRL, so it is missing here."""
+    rows = [ast.literal_eval(line[line.index("{"):]) for line in log.read_text().splitlines()
+            if line.lstrip().startswith("{") and "'reward':" in line]
+    return {"reward": [float(r["reward"]) for r in rows], "accuracy": [],
+            "completion_len": [float(r["completions/mean_length"]) for r in rows],
+            "step_seconds": [float(r["step_time"]) for r in rows], "wall_seconds": None, "from_log": str(log)}
+
+
 def spread(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "std": None, "n": 0}
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
             "n": len(values)}
 
 
 def compare(runs: dict, steps: int) -> dict:
     """Per dtype and side: per-step mean / std over seeds of reward and accuracy, each seed's mean
-    reward over all steps, and the verdict (paired gap against the seed spread)."""
+    reward over all steps, and the verdict (paired gap against the seed spread). A side that
+    logged fewer steps (trl_from_log) shortens the comparison to the steps every run has."""
+    steps = min([steps] + [len(side["reward"]) for pair in runs.values() for side in pair.values()])
     out = {}
     for dtype in DTYPES:
         seeds = sorted({s for (d, s) in runs if d == dtype and all(side in runs[(d, s)] for side in SIDES)})
@@ -80,11 +96,13 @@ def compare(runs: dict, steps: int) -> dict:
             per_seed = [runs[(dtype, s)][side] for s in seeds]
             block[side] = {
                 "reward_per_step": [spread([r["reward"][i] for r in per_seed]) for i in range(steps)],
-                "accuracy_per_step": [spread([r["accuracy"][i] for r in per_seed]) for i in range(steps)],
+                "accuracy_per_step": [spread([r["accuracy"][i] for r in per_seed if len(r["accuracy"]) > i])
+                                      for i in range(steps)],
                 "reward_mean_per_seed": [statistics.fmean(r["reward"][:steps]) for r in per_seed],
-                "accuracy_mean_per_seed": [statistics.fmean(r["accuracy"][:steps]) for r in per_seed],
+                "accuracy_mean_per_seed": [statistics.fmean(r["accuracy"][:steps]) for r in per_seed
+                                           if len(r["accuracy"]) >= steps],
                 "reward_last5_per_seed": [statistics.fmean(r["reward"][max(0, steps - 5):steps]) for r in per_seed],
-                "median_step_seconds": [race_trl.median_step(r["step_seconds"], 2) for r in per_seed],
+                "median_step_seconds": [race_trl.median_step(r["step_seconds"][:steps], 2) for r in per_seed],
                 "wall_seconds": [r["wall_seconds"] for r in per_seed],
                 "completion_len_mean": statistics.fmean(
                     x for r in per_seed for x in r["completion_len"][:steps] if x is not None)}
@@ -104,36 +122,41 @@ def compare(runs: dict, steps: int) -> dict:
                        f"{', '.join(f'{g:+.3f}' for g in gaps)}); twice the larger seed std is {noise:.3f}: "
                        + ("beyond the seed spread." if abs(gap) > noise else "within the seed spread (no difference "
                                                                              "shown)."))
-        block["gap"], block["verdict"] = gap, verdict
+        block["gap"], block["verdict"], block["steps"] = gap, verdict, steps
         out[dtype] = block
     return out
 
 
 def table(result: dict) -> str:
     def ms(s, d=3):
+        if s["mean"] is None:
+            return "n/a"
         return f"{s['mean']:.{d}f}" + (f" ({s['std']:.{d}f})" if s["std"] is not None else "")
+
+    def per_seed(xs, d=0):
+        return ", ".join("n/a" if x is None else f"{x:.{d}f}" for x in xs)
 
     lines = [f"# {common.TITLES['race_learning']}", "",
              f"benchmarks/race_trl.py's work on both sides (SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= 64 "
              f"new tokens, temperature 1, lr 1e-5, one optimizer step per batch, no reference model, the same prompts "
-             f"at each step), {result['steps']} steps, per precision and seed. Figures are mean (std) over seeds. "
+             f"at each step), per precision and seed. Figures are mean (std) over seeds. "
              f"Accuracy: the share of the step's 64 sampled completions that are correct, on problems not trained "
              f"on before."]
     for dtype, b in result["comparison"].items():
         c, t = b["colo_rl"], b["trl"]
-        lines += ["", f"### {dtype}, seeds {b['seeds']}", "",
+        lines += ["", f"### {dtype}, seeds {b['seeds']}, {b['steps']} steps", "",
                   "| | colo_rl | TRL GRPOTrainer |", "|---|---|---|",
                   f"| reward, mean over all steps | {ms(c['reward_mean'])} | {ms(t['reward_mean'])} |",
                   f"| reward, last 5 steps | {ms(c['reward_last5'])} | {ms(t['reward_last5'])} |",
                   f"| accuracy, mean over all steps | {ms(c['accuracy_mean'])} | {ms(t['accuracy_mean'])} |",
                   f"| mean completion tokens | {c['completion_len_mean']:.1f} | {t['completion_len_mean']:.1f} |",
-                  f"| median s / step (per seed) | {', '.join(f'{x:.1f}' for x in c['median_step_seconds'])} | "
-                  f"{', '.join(f'{x:.1f}' for x in t['median_step_seconds'])} |",
-                  f"| wall clock per run incl. start-up (s) | {', '.join(f'{x:.0f}' for x in c['wall_seconds'])} | "
-                  f"{', '.join(f'{x:.0f}' for x in t['wall_seconds'])} |",
+                  f"| median s / step (per seed) | {per_seed(c['median_step_seconds'], 1)} | "
+                  f"{per_seed(t['median_step_seconds'], 1)} |",
+                  f"| wall clock per run incl. start-up (s) | {per_seed(c['wall_seconds'])} | "
+                  f"{per_seed(t['wall_seconds'])} |",
                   "", b["verdict"], "",
                   "| step | colo_rl reward | TRL reward | colo_rl accuracy | TRL accuracy |", "|---|---|---|---|---|"]
-        for i in range(result["steps"]):
+        for i in range(b["steps"]):
             lines.append(f"| {i + 1} | {ms(c['reward_per_step'][i])} | {ms(t['reward_per_step'][i])} | "
                          f"{ms(c['accuracy_per_step'][i])} | {ms(t['accuracy_per_step'][i])} |")
     if result.get("note"):
@@ -152,9 +175,12 @@ def chart(result: dict, png: Path) -> None:
     for row, (dtype, b) in zip(axes, blocks.items()):
         for ax, key, title in ((row[0], "reward_per_step", "reward"), (row[1], "accuracy_per_step", "accuracy")):
             for side, label in (("colo_rl", "colo_rl"), ("trl", "TRL")):
-                mean = [s["mean"] for s in b[side][key]]
-                std = [s["std"] or 0.0 for s in b[side][key]]
-                x = range(1, len(mean) + 1)
+                kept = [(i + 1, s) for i, s in enumerate(b[side][key]) if s["mean"] is not None]
+                if not kept:  # a side whose log has no accuracy (trl_from_log)
+                    continue
+                x = [i for i, _ in kept]
+                mean = [s["mean"] for _, s in kept]
+                std = [s["std"] or 0.0 for _, s in kept]
                 ax.plot(x, mean, marker="o", label=label)
                 ax.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
             ax.set_title(f"{dtype}: {title} per step, mean +- std over seeds {b['seeds']}")
@@ -178,6 +204,8 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", action="store_true", help="rerun finished sides too")
     p.add_argument("--no-publish", action="store_true", help="run, write nothing to --out")
     p.add_argument("--note", default="", help="a sentence added under the tables (e.g. what did not run)")
+    p.add_argument("--trl-from-log", action="store_true",
+                   help="where a TRL side has no result (stopped by a time limit), take the steps its log holds")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -194,6 +222,12 @@ def main(argv=None) -> int:
     for dtype in dtypes:  # dtype-major, then seed: an interrupted queue still has whole seeds of fp32
         for seed in seeds:
             for side in sides:
+                partial = args.work / f"{dtype}-seed{seed}" / "trl.log"
+                if (side == "trl" and args.trl_from_log and partial.exists()
+                        and not (args.work / f"{dtype}-seed{seed}" / "trl-result.json").exists()):
+                    runs.setdefault((dtype, seed), {})[side] = trl_from_log(partial)
+                    log(f"trl {dtype} seed {seed}: {len(runs[(dtype, seed)][side]['reward'])} steps from {partial}")
+                    continue
                 runs.setdefault((dtype, seed), {})[side] = run_side(args, side, seed, dtype, log)
     if args.no_publish:
         return 0
