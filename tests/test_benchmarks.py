@@ -307,3 +307,24 @@ def test_engine_compare_gives_both_engines_the_demos_work():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # what it guards against
         unpinned = to_object(compose("config", overrides=["rollout=sglang"])).rollout
     assert (unpinned.prompts_per_step, unpinned.max_new_tokens) != (8, 40)
+
+
+def test_race_learning_reads_a_stopped_trl_side_from_its_log(tmp_path):
+    from benchmarks import race_learning
+
+    log = tmp_path / "trl.log"
+    log.write_text("loading...\n"
+                   "{'loss': '0.1', 'completions/mean_length': '38.19', 'reward': '0.01094', 'step_time': '260.8'}\n"
+                   "noise {not a dict}\n"
+                   "{'loss': '0.2', 'completions/mean_length': '37.8', 'reward': '0.275', 'step_time': '198.9'}\n"
+                   "{'train_runtime': '500'}\n")
+    trl = race_learning.trl_from_log(log)
+    assert trl["reward"] == [0.01094, 0.275] and trl["completion_len"] == [38.19, 37.8]
+    assert trl["step_seconds"] == [260.8, 198.9] and trl["accuracy"] == []
+    colo = _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2])
+    b = race_learning.compare({("fp32", 1): {"colo_rl": colo, "trl": trl}}, steps=3)["fp32"]
+    assert b["steps"] == 2  # the steps both sides have
+    assert b["gap"] == pytest.approx((0.1 + 0.2) / 2 - (0.01094 + 0.275) / 2)
+    assert b["trl"]["accuracy_per_step"][0]["mean"] is None and b["trl"]["accuracy_mean"]["mean"] is None
+    assert "| 1 | 0.100 | 0.011 | 0.000 | n/a |" in race_learning.table(
+        {"comparison": {"fp32": b}, "note": ""})
