@@ -261,8 +261,10 @@ def _side(rewards, accuracy):
 def test_race_learning_pairs_seeds_and_judges_the_gap_against_their_spread():
     from benchmarks import race_learning
 
-    runs = {("fp32", 1): {"colo_rl": _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2]), "trl": _side([0.2, 0.3, 0.4], [0.1, 0.1, 0.1])},
-            ("fp32", 2): {"colo_rl": _side([0.3, 0.4, 0.5], [0.2, 0.2, 0.2]), "trl": _side([0.2, 0.3, 0.4], [0.0, 0.0, 0.3])},
+    runs = {("fp32", 1): {"colo_rl": _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2]),
+                          "trl": _side([0.2, 0.3, 0.4], [0.1, 0.1, 0.1])},
+            ("fp32", 2): {"colo_rl": _side([0.3, 0.4, 0.5], [0.2, 0.2, 0.2]),
+                          "trl": _side([0.2, 0.3, 0.4], [0.0, 0.0, 0.3])},
             ("bf16", 1): {"colo_rl": _side([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])}}  # one side only: left out
     out = race_learning.compare(runs, steps=3)
     assert set(out) == {"fp32"}
