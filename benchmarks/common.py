@@ -40,6 +40,7 @@ TITLES = {
     "phase_switch": "Phase switch: seconds and memory per transition (ledger)",
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
     "race_learning": "Learning per step: colo_rl vs TRL GRPOTrainer, same work, several seeds",
+    "bf16_update_share": "bf16: how much of a small update reaches the forward, master on the bf16 grid or not",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "engine_compare": "Engines: the demo with the HF engine and with SGLang, same seeds",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",

@@ -330,3 +330,18 @@ def test_race_learning_reads_a_stopped_trl_side_from_its_log(tmp_path):
     assert b["trl"]["accuracy_per_step"][0]["mean"] is None and b["trl"]["accuracy_mean"]["mean"] is None
     assert "| 1 | 0.100 | 0.011 | 0.000 | n/a |" in race_learning.table(
         {"comparison": {"fp32": b}, "note": ""})
+
+
+def test_bf16_update_share_on_and_off_the_grid():
+    import torch
+
+    from benchmarks import bf16_update_share
+
+    on = torch.full((1000,), 1.5)  # on the bf16 grid; ulp in [1, 2) = 2^-7, half of it = 0.0039
+    # k = 1..3: 0.001..0.003 < half an ulp, nothing moves; k = 4: one ulp (0.0078) for 0.004 asked
+    shares = bf16_update_share.update_shares([on], lr=1e-3, steps=4, on_grid=True)
+    assert shares == pytest.approx([0, 0, 0, 2**-7 / 4e-3])
+    # off the grid, residuals spread over the ulp: the rounding follows the update on average
+    off = 1.25 + torch.rand(100000, generator=torch.Generator().manual_seed(0)) * 2**-7
+    shares = bf16_update_share.update_shares([off], lr=1e-3, steps=2, on_grid=False)
+    assert shares == pytest.approx([1.0, 1.0], abs=0.05)
