@@ -74,12 +74,15 @@ def run_one(name: str, seed: int, overrides: list[str], work: Path, nproc: int, 
         rc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {rc}); see {run_dir / 'stdout.log'}")
-    log(f"{name} seed {seed}: done in {(time.perf_counter() - t0) / 60:.1f} min")
+    wall = time.perf_counter() - t0
+    (run_dir / "wall_seconds").write_text(f"{wall:.1f}\n")  # launch to exit, start-up and evaluations included
+    log(f"{name} seed {seed}: done in {wall / 60:.1f} min")
     return run_dir
 
 
 def summarise(run_dir: Path, wall_s: float | None = None) -> dict:
-    """Curves and end figures of one run from its metrics.jsonl."""
+    """Curves and end figures of one run from its metrics.jsonl; its wall seconds (`wall_s`, else
+    the `wall_seconds` file run_one writes, else None)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if r.get("eval/accuracy") is not None]
     steps = [r for r in rows if r.get("reward/mean") is not None]
@@ -93,6 +96,8 @@ def summarise(run_dir: Path, wall_s: float | None = None) -> dict:
         "train_accuracy_last5": statistics.fmean(r["reward/accuracy"] for r in last),
         "s_per_step": statistics.median(r["time/step"] for r in steps),
         "clip_frac_mean": statistics.fmean(r.get("train/clip_frac", 0.0) for r in steps),
+        "wall_s": wall_s if wall_s is not None else (float((run_dir / "wall_seconds").read_text())
+                                                     if (run_dir / "wall_seconds").exists() else None),
     }
     if any("sampling/rounds" in r for r in steps):
         out["sampling_rounds_mean"] = statistics.fmean(r.get("sampling/rounds", 0.0) for r in steps)

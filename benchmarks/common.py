@@ -32,12 +32,15 @@ RESULTS = ROOT / "benchmarks" / "results"
 GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
 ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "step_breakdown_sglang_tools", "handoff",
-         "phase_switch", "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "algorithms"]
+         "phase_switch", "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "race_learning",
+         "algorithms", "engine_compare"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",
     "phase_switch": "Phase switch: seconds and memory per transition (ledger)",
     "race_trl": "Peer race: colo_rl vs TRL GRPOTrainer, same work",
+    "race_learning": "Learning per step: colo_rl vs TRL GRPOTrainer, same work, several seeds",
+    "bf16_update_share": "bf16: how much of a small update reaches the forward, master on the bf16 grid or not",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "engine_compare": "Engines: the demo with the HF engine and with SGLang, same seeds",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",

@@ -39,6 +39,23 @@ SMOKE = ["model=tiny", "trainer.total_steps=1", "rollout.max_new_tokens=8", "rol
 MISMATCH_KEYS = ("handoff/logprob_diff_mean", "mismatch/kl_k1", "mismatch/kl_k3", "mismatch/ratio_max")
 
 
+def demo_rollout() -> list[str]:
+    """The demo's rollout sizing (what `rollout=hf` composes to), pinned for every engine. The
+    rollout=sglang group sizes the work for a real model on GPUs (64 prompts a step, 1024 new
+    tokens, the schema's temperature 1.0): left to it, the SGLang runs would do other work than the
+    HF runs (8x the prompts, 25x the tokens, another temperature) and the table would compare
+    workloads, not engines. Every key either engine's group sets, except `engine`, at the value
+    rollout=hf gives it (its file's, else the schema's default)."""
+    from omegaconf import OmegaConf
+
+    from colo_rl.config.schema import RolloutConfig
+
+    hf, sglang = (OmegaConf.load(ROOT / "conf" / "rollout" / f"{e}.yaml") for e in ENGINES)
+    defaults = RolloutConfig()
+    keys = sorted((set(hf) | set(sglang)) - {"engine"})
+    return [f"rollout.{k}={hf[k] if k in hf else getattr(defaults, k)}" for k in keys]
+
+
 def sglang_overrides() -> list[str]:
     """rollout=sglang, and on a machine without CUDA the CPU engine's kwargs (the tests' own, one source)."""
     import torch
@@ -98,8 +115,8 @@ def table(result: dict) -> str:
              f"The embedded demo per engine and seed (seeds {result['seeds']}), shared overrides "
              f"`{' '.join(result['shared'])}`. Held-out: greedy accuracy on the held-out problems.", "",
              "| engine | seed | held-out start | held-out end | change (points) | reward, last 5 steps | "
-             "logprob diff (mean) | mismatch k1 | mismatch k3 | max ratio | s / step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "logprob diff (mean) | mismatch k1 | mismatch k3 | max ratio | s / step | wall (min) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(x, d=4):
         return "" if x is None else f"{x:.{d}f}"
@@ -109,13 +126,13 @@ def table(result: dict) -> str:
                      f"{100 * r['heldout_delta']:+.1f} | {r['reward_last5']:.3f} | "
                      f"{f(r['handoff/logprob_diff_mean_mean'], 5)} | {f(r['mismatch/kl_k1_mean'], 6)} | "
                      f"{f(r['mismatch/kl_k3_mean'], 6)} | {f(r['mismatch/ratio_max_mean'], 3)} | "
-                     f"{r['s_per_step']:.1f} |")
+                     f"{r['s_per_step']:.1f} | {f(r['wall_s'] and r['wall_s'] / 60, 1)} |")
     lines += ["", "| engine | held-out end, mean (std) | change, mean | reward last 5, mean |", "|---|---|---|---|"]
     for engine, s in result["comparison"]["engines"].items():
         std = s["heldout_end"]["std"]
         lines.append(f"| {engine} | {s['heldout_end']['mean']:.3f} ({f(std, 3) or '-'}) | "
                      f"{100 * s['heldout_delta']['mean']:+.1f} | {s['reward_last5']['mean']:.3f} |")
-    lines += ["", result["comparison"]["verdict"]]
+    lines += ["", result["comparison"]["verdict"]] + (["", result["note"]] if result.get("note") else [])
     return "\n".join(lines) + "\n"
 
 
@@ -153,13 +170,14 @@ def main(argv=None) -> int:
     p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
     p.add_argument("--smoke", action="store_true", help="tiny random model, 1 step (plumbing check, not a result)")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for every run")
+    p.add_argument("--note", default="", help="a paragraph added under the tables (e.g. the conclusion)")
     args = p.parse_args(argv)
     engines = [e for e in args.engines.split(",") if e]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         p.error(f"unknown engine {bad[0]!r}; choose from {list(ENGINES)}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
-    shared = SHARED + (SMOKE if args.smoke else []) + args.override
+    shared = SHARED + (SMOKE if args.smoke else demo_rollout()) + args.override  # --smoke sizes its own
     per_engine = {"hf": ["rollout=hf"], "sglang": sglang_overrides() if "sglang" in engines else []}
 
     def log(msg: str) -> None:
@@ -170,7 +188,8 @@ def main(argv=None) -> int:
         for engine in engines:
             run_dir = run_one(engine, seed, shared + per_engine[engine], args.work, args.nproc, args.fresh, log)
             runs[f"{engine}-seed{seed}"] = {"engine": engine, "seed": seed, **run_summary(run_dir)}
-    result = {"engines": engines, "seeds": seeds, "shared": shared, "runs": runs, "comparison": compare(runs)}
+    result = {"engines": engines, "seeds": seeds, "shared": shared, "runs": runs, "comparison": compare(runs),
+              "note": args.note}
     if args.smoke:
         print(table(result))
         return 0

@@ -4,7 +4,7 @@ Same model (SmolLM2-135M-Instruct, the embedded default), same prompts (colo_rl'
 and chat prompts), same reward (colo_rl's RewardScorer: verifier + format bonus), 8 prompts x 8
 completions per step, at most 64 new tokens, temperature 1.0, top-p 1, one optimizer step per batch,
 no reference model (KL 0), token-mean loss with clip 0.2, Adam lr 1e-5 constant, grad clip 1.0,
-bf16 where the CPU supports it (fp32 otherwise) for both. Each side runs in its own process, one
+bf16 where the CPU supports it (fp32 otherwise; --dtype picks one) for both. Each side runs in its own process, one
 after the other; the score is the median seconds per step over steps skip+1..steps (3-8 by default)
 and the ratio colo_rl / TRL (the target is 0.5 or lower). Reward per step is reported for both,
 so speed is not bought with learning.
@@ -66,7 +66,8 @@ def race_ratio(colo_seconds: list[float], trl_seconds: list[float], skip: int) -
 # ----------------------------------------------------------------------------- colo_rl side
 def colo_overrides(args, run_dir: Path) -> list[str]:
     model = ["model=tiny"] if args.model == "tiny" else ["model=smollm2"]
-    return model + [
+    dtype = [] if args.dtype == "auto" else [f"model.dtype={args.dtype}"]
+    return model + dtype + [
         f"rollout.prompts_per_step={args.prompts}", f"rollout.group_size={args.n}",
         f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
         f"rollout.eval_batch_size={args.prompts * args.n}",  # the HF engine's batch: the whole step at once
@@ -117,7 +118,7 @@ def run_trl(args, work: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "trl", "--worker-json", str(out),
            "--model", args.model, "--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n),
            "--max-new-tokens", str(args.max_new_tokens), "--trl-micro-batch", str(args.trl_micro_batch),
-           "--seed", str(args.seed),
+           "--seed", str(args.seed), "--dtype", args.dtype,
            *[a for o in args.colo_override for a in ("--colo-override", o)]]  # e.g. data.* for both sides
     t0 = time.perf_counter()
     load0 = len(common.LOAD.samples)
@@ -139,7 +140,7 @@ def trl_worker(args) -> None:
 
     from colo_rl.config import ModelConfig, register_configs
     from colo_rl.data import PromptBuilder, load_problems
-    from colo_rl.models import cpu_supports_bf16, load_model, load_tokenizer
+    from colo_rl.models import load_model, load_tokenizer, resolve_dtype
     from colo_rl.rewards import RewardScorer
 
     # The colo_rl side's config, composed from the same conf/ and overrides: the same problems,
@@ -163,7 +164,7 @@ def trl_worker(args) -> None:
         return res.rewards
 
     on_gpu = torch.cuda.is_available()
-    bf16 = on_gpu or cpu_supports_bf16()
+    bf16 = resolve_dtype(args.dtype) == torch.bfloat16  # as colo_rl's model.dtype resolves it
     if args.model == "tiny":
         model_cfg = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
     else:
@@ -340,12 +341,15 @@ def chart(result: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=SEED, help="both sides' seed (model init, sampling, prompt order)")
     p.add_argument("--skip", type=int, default=2, help="leading steps left out of the median (default 2: steps 3-8)")
     p.add_argument("--model", choices=["embedded", "tiny"], default="embedded")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="both sides' precision: colo_rl's model.dtype; TRL's bf16 autocast over fp32 weights "
+                        "(auto: bf16 on a GPU or a CPU with native bf16, fp32 otherwise)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -365,7 +369,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
     p.add_argument("--worker-json", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.worker == "trl":
         trl_worker(args)
         return 0
@@ -376,7 +384,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="colo_rl-race-", dir=ROOT / "outputs" if (ROOT / "outputs").exists() else None))
     sides = args.sides.split(",")
     result = {"work": {"model": "SmolLM2-135M-Instruct (embedded)" if args.model == "embedded" else "tiny random",
-                       "dtype": str(resolve_dtype("auto")).replace("torch.", ""), "prompts": args.prompts,
+                       "dtype": str(resolve_dtype(args.dtype)).replace("torch.", ""), "prompts": args.prompts,
                        "n": args.n, "max_new_tokens": args.max_new_tokens, "steps": args.steps, "skip": args.skip,
                        "seed": args.seed, "same_prompts_per_step": True,
                        "colo_micro_batch": args.colo_micro_batch, "trl_micro_batch": args.trl_micro_batch or

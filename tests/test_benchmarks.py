@@ -251,3 +251,97 @@ def test_race_gives_trl_colo_rls_prompts_step_by_step():
     sampler = EpochSampler(10, seed=7)  # what recipes/grpo.py draws, step by step
     assert [order[k * 4:(k + 1) * 4] for k in range(4)] == [sampler.next_global(4) for _ in range(4)]
     assert sorted(order[:8]) != list(range(8)) and len(set(order[:10])) == 10  # shuffled, one epoch = every problem
+
+
+def _side(rewards, accuracy):
+    return {"reward": rewards, "accuracy": accuracy, "step_seconds": [3.0, 2.0, 1.0], "wall_seconds": 60.0,
+            "completion_len": [10.0, 20.0, None]}
+
+
+def test_race_learning_pairs_seeds_and_judges_the_gap_against_their_spread():
+    from benchmarks import race_learning
+
+    runs = {("fp32", 1): {"colo_rl": _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2]),
+                          "trl": _side([0.2, 0.3, 0.4], [0.1, 0.1, 0.1])},
+            ("fp32", 2): {"colo_rl": _side([0.3, 0.4, 0.5], [0.2, 0.2, 0.2]),
+                          "trl": _side([0.2, 0.3, 0.4], [0.0, 0.0, 0.3])},
+            ("bf16", 1): {"colo_rl": _side([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])}}  # one side only: left out
+    out = race_learning.compare(runs, steps=3)
+    assert set(out) == {"fp32"}
+    b = out["fp32"]
+    assert b["colo_rl"]["reward_mean_per_seed"] == pytest.approx([0.2, 0.4])
+    assert b["gap_per_seed"] == pytest.approx([-0.1, 0.1])
+    assert b["gap"] == pytest.approx(0.0)
+    step2 = b["colo_rl"]["reward_per_step"][1]
+    assert step2["mean"] == pytest.approx(0.3) and step2["std"] == pytest.approx(0.1414214, rel=1e-5)
+    assert b["trl"]["accuracy_per_step"][2]["mean"] == pytest.approx(0.2)
+    assert b["colo_rl"]["completion_len_mean"] == pytest.approx(15.0)  # None (not logged) left out
+    # std over seeds of colo_rl's per-seed means is 0.1414 (TRL's 0): twice it bounds the noise
+    assert "twice the larger seed std is 0.283: within the seed spread" in b["verdict"]
+    runs[("fp32", 2)]["colo_rl"] = _side([0.1, 0.2, 0.3], [0.0, 0.0, 0.0])  # same as seed 1: std 0
+    assert "beyond the seed spread" in race_learning.compare(runs, steps=3)["fp32"]["verdict"]
+
+
+def test_race_dtype_reaches_both_sides():
+    args = race_trl.parse_args(["--dtype", "fp32"])
+    assert "model.dtype=fp32" in race_trl.colo_overrides(args, Path("/tmp/x"))
+    assert not any(o.startswith("model.dtype") for o in race_trl.colo_overrides(race_trl.parse_args([]), Path("/x")))
+
+
+def test_engine_compare_gives_both_engines_the_demos_work():
+    """rollout=sglang's group sizes a GPU run (64 prompts, 1024 tokens, temperature 1.0): the
+    comparison pins the demo's sizing so only the engine differs between its runs."""
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+
+    from benchmarks import engine_compare
+    from colo_rl.config import register_configs, to_object
+
+    register_configs()
+    rollouts = {}
+    for engine in ("hf", "sglang"):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=[f"rollout={engine}", *engine_compare.demo_rollout()])
+        rollouts[engine] = {k: v for k, v in asdict(to_object(cfg).rollout).items() if k != "engine"}
+    assert rollouts["sglang"] == rollouts["hf"]
+    assert rollouts["sglang"]["prompts_per_step"] == 8 and rollouts["sglang"]["max_new_tokens"] == 40
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):  # what it guards against
+        unpinned = to_object(compose("config", overrides=["rollout=sglang"])).rollout
+    assert (unpinned.prompts_per_step, unpinned.max_new_tokens) != (8, 40)
+
+
+def test_race_learning_reads_a_stopped_trl_side_from_its_log(tmp_path):
+    from benchmarks import race_learning
+
+    log = tmp_path / "trl.log"
+    log.write_text("loading...\n"
+                   "{'loss': '0.1', 'completions/mean_length': '38.19', 'reward': '0.01094', 'step_time': '260.8'}\n"
+                   "noise {not a dict}\n"
+                   "{'loss': '0.2', 'completions/mean_length': '37.8', 'reward': '0.275', 'step_time': '198.9'}\n"
+                   "{'train_runtime': '500'}\n")
+    trl = race_learning.trl_from_log(log)
+    assert trl["reward"] == [0.01094, 0.275] and trl["completion_len"] == [38.19, 37.8]
+    assert trl["step_seconds"] == [260.8, 198.9] and trl["accuracy"] == []
+    colo = _side([0.1, 0.2, 0.3], [0.0, 0.1, 0.2])
+    b = race_learning.compare({("fp32", 1): {"colo_rl": colo, "trl": trl}}, steps=3)["fp32"]
+    assert b["steps"] == 2  # the steps both sides have
+    assert b["gap"] == pytest.approx((0.1 + 0.2) / 2 - (0.01094 + 0.275) / 2)
+    assert b["trl"]["accuracy_per_step"][0]["mean"] is None and b["trl"]["accuracy_mean"]["mean"] is None
+    assert "| 1 | 0.100 | 0.011 | 0.000 | n/a |" in race_learning.table(
+        {"comparison": {"fp32": b}, "note": ""})
+
+
+def test_bf16_update_share_on_and_off_the_grid():
+    import torch
+
+    from benchmarks import bf16_update_share
+
+    on = torch.full((1000,), 1.5)  # on the bf16 grid; ulp in [1, 2) = 2^-7, half of it = 0.0039
+    # k = 1..3: 0.001..0.003 < half an ulp, nothing moves; k = 4: one ulp (0.0078) for 0.004 asked
+    shares = bf16_update_share.update_shares([on], lr=1e-3, steps=4, on_grid=True)
+    assert shares == pytest.approx([0, 0, 0, 2**-7 / 4e-3])
+    # off the grid, residuals spread over the ulp: the rounding follows the update on average
+    off = 1.25 + torch.rand(100000, generator=torch.Generator().manual_seed(0)) * 2**-7
+    shares = bf16_update_share.update_shares([off], lr=1e-3, steps=2, on_grid=False)
+    assert shares == pytest.approx([1.0, 1.0], abs=0.05)
