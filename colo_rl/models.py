@@ -256,6 +256,22 @@ def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
     return model
 
 
+def fp32_checkpoint_tensors(model_cfg, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `names` that the model's checkpoint stores in float32 (its safetensors files;
+    none for a random model or another format): what a bf16 run's fp32 master weights start from."""
+    if model_cfg.random_init:
+        return {}
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(resolve_model_path(model_cfg.path).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as fh:
+            for key in fh.keys():
+                if key in names and key not in out and fh.get_slice(key).get_dtype() == "F32":
+                    out[key] = fh.get_tensor(key)
+    return out
+
+
 def eos_token_ids(tokenizer, model_dir: Path | None = None) -> list[int]:
     """The token ids that end a response: the tokenizer's EOS and generation_config.json's."""
     ids = {tokenizer.eos_token_id}

@@ -14,7 +14,7 @@ from colo_rl import dist
 from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
 from colo_rl.errors import CheckpointError, ConfigError, NonFiniteError
 from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
-from colo_rl.models import load_model
+from colo_rl.models import fp32_checkpoint_tensors, load_model
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
@@ -113,6 +113,7 @@ class DeepSpeedActor:
                 model=model, config=ds_config, mpu=dist.deepspeed_mpu(), **kwargs)
         if with_optimizer:
             self.engine.train()
+            self._master_weights_from_checkpoint()
             self._materialise_optimizer_states()
         else:
             self.engine.eval()
@@ -259,6 +260,28 @@ class DeepSpeedActor:
             f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
             f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
             f"run started from (with the same model.dtype), or start a new run (resume=null).")
+
+    def _master_weights_from_checkpoint(self) -> None:
+        """A bf16 / fp16 run's fp32 master weights from the checkpoint's own fp32 values.
+
+        Why: DeepSpeed builds the masters from the low-precision model, so each starts exactly on the
+        bf16 grid, and an update reaches the weights the forward uses only once a master has drifted
+        half a bf16 step from it: 2.5 % of an lr-1e-5 step after one step, 20 % after eight
+        (benchmarks/bf16_update_share.py). Started from the checkpoint's fp32 values (off the grid),
+        the rounding follows the update from the first step, as in a trainer that keeps fp32 weights
+        under autocast (TRL, verl's FSDP). A checkpoint stored in bf16 is on the grid either way:
+        nothing to do. The low-precision weights are unchanged (round(fp32) is what was loaded)."""
+        if self.dtype not in (torch.bfloat16, torch.float16) or self.lora:
+            return
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        trained = dict((n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad)
+        values = fp32_checkpoint_tensors(self.cfg.model, set(trained))
+        for name, value in values.items():
+            safe_set_full_fp32_param(trained[name], value.to(self.engine.device))
+        if values and dist.is_rank0():
+            log.info("fp32 master weights from the checkpoint's fp32 values (%d of %d tensors)", len(values),
+                     len(trained))
 
     def _materialise_optimizer_states(self) -> None:
         """Create FusedAdam's moments now, as its first step would (zeros, the group's step count).
