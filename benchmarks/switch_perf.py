@@ -32,7 +32,7 @@ from benchmarks import common  # noqa: E402
 TARGETS = {"switch_resident_s": 0.1, "page_out_2.25gib_s": 0.1, "handoff_0.5b_ms": 15.0}
 
 
-def _moves(record: dict, moved_from: str) -> list[dict]:
+def moves_from(record: dict, moved_from: str) -> list[dict]:
     return [m for m in record["moves"] if m["from"] == moved_from and m["to"] == "host" and m["moved"]] \
         if moved_from == "device" else [m for m in record["moves"] if m["from"] == "host" and m["moved"]]
 
@@ -54,8 +54,8 @@ def switch_figures(result: dict) -> dict:
         recs = [r for r in records if r["step"] == step]
         handoff = sum(m["seconds"] for r in recs for m in r["moves"] if m["what"] == "weights handoff")
         per_step.append(sum(r["seconds"] for r in recs) - handoff)
-        outs += [rate(_moves(r, "device")) for r in recs if r["transition"] == "update->generation"]
-        ins += [rate(_moves(r, "host")) for r in recs if r["transition"] == "generation->update"]
+        outs += [rate(moves_from(r, "device")) for r in recs if r["transition"] == "update->generation"]
+        ins += [rate(moves_from(r, "host")) for r in recs if r["transition"] == "generation->update"]
     h = result.get("handoff") or {}
     zero_copy = [m.get("zero_copy", False) for r in records for m in r["moves"] if m["what"] == "weights handoff"]
     median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731

@@ -25,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from benchmarks.gpu.update_mfu import llama_params  # noqa: E402
+from benchmarks.switch_perf import moves_from, rate  # noqa: E402
 
 RUNS = {"perf_toy": "toy, new defaults", "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
 MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
@@ -36,32 +38,23 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def llama_params(config: dict) -> dict:
-    """Parameters of a Llama-style config: the layers', the embedding's (tied: the LM head too)."""
-    h, ffn, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    kv = config.get("head_dim", h // config["num_attention_heads"]) * config["num_key_value_heads"]
-    q = config.get("head_dim", h // config["num_attention_heads"]) * config["num_attention_heads"]
-    layers = n * (h * q + q * h + 2 * h * kv + 3 * h * ffn)
-    return {"layers": layers, "embedding": h * config["vocab_size"]}
-
-
 def ledger_figures(records: list[dict], skip: int) -> dict:
     """Paging decision, page-out / page-in rates and the handoff from a run's ledger (steps after `skip`)."""
     plan = next((r["paging_plan"] for r in records if "paging_plan" in r), None)
     kept = [r for r in records if r["step"] > skip]
-    moved = lambda r, frm: [m for m in r["moves"] if m["from"] == frm and m.get("moved") and m["what"] != "weights handoff"]  # noqa: E731
-    outs = [m for r in kept if r["transition"] == "update->generation" for m in moved(r, "device")]
-    ins = [m for r in kept if r["transition"] == "generation->update" for m in moved(r, "host")]
+    outs = [m for r in kept if r["transition"] == "update->generation" for m in moves_from(r, "device")]
+    ins = [m for r in kept if r["transition"] == "generation->update" for m in moves_from(r, "host")]
     handoffs = [m for r in kept for m in r["moves"] if m["what"] == "weights handoff"]
+    steps = max(len({r["step"] for r in kept}), 1)
 
-    def rate(moves):
-        b, s = sum(m["bytes"] for m in moves), sum(m["seconds"] for m in moves)
-        steps = max(len({r["step"] for r in kept}), 1)
-        return {"gib_per_step": b / steps / common.GIB, "s_per_step": s / steps, "gb_per_s": b / s / 1e9 if b and s else None}
+    def per_step(moves):
+        total = rate(moves)
+        return {"gib_per_step": total["bytes"] / steps / common.GIB, "s_per_step": total["seconds"] / steps,
+                "gb_per_s": total["gb_per_s"]}
 
     h_ms = statistics.median([1000 * m["seconds"] for m in handoffs]) if handoffs else None
     h_bytes = statistics.median([m["bytes"] for m in handoffs]) if handoffs else None
-    return {"paging_plan": plan, "page_out": rate(outs), "page_in": rate(ins),
+    return {"paging_plan": plan, "page_out": per_step(outs), "page_in": per_step(ins),
             "handoff": {"ms": h_ms, "bytes": h_bytes, "gb_per_s": h_bytes / h_ms / 1e6 if h_ms else None,
                         "zero_copy": all(m.get("zero_copy", False) for m in handoffs) if handoffs else None,
                         "buckets": handoffs[-1].get("buckets") if handoffs else None}}

@@ -78,11 +78,19 @@ def top_ops(averages, key: str, n: int = 12) -> list[dict]:
             if getattr(e, key, 0.0) > 0]
 
 
+def llama_params(config: dict) -> dict:
+    """Parameters of a Llama-style config: the layers', the embedding's (tied: the LM head too)."""
+    h, ffn, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    kv = config.get("head_dim", h // config["num_attention_heads"]) * config["num_key_value_heads"]
+    q = config.get("head_dim", h // config["num_attention_heads"]) * config["num_attention_heads"]
+    layers = n * (h * q + q * h + 2 * h * kv + 3 * h * ffn)
+    return {"layers": layers, "embedding": h * config["vocab_size"]}
+
+
 def update_flops(dims: dict, prompt_len: int, response_len: int, group_size: int, groups: int) -> float:
     """Model FLOPs of one update (forward + backward) of `groups` packed rows; see the module docstring."""
-    h, n_layers, ffn, V = dims["hidden_size"], dims["num_hidden_layers"], dims["intermediate_size"], dims["vocab_size"]
-    kv = h * dims["num_key_value_heads"] // dims["num_attention_heads"]
-    layer_params = 2 * h * h + 2 * h * kv + 3 * h * ffn  # q, o, k, v, gate / up / down
+    h, n_layers, V = dims["hidden_size"], dims["num_hidden_layers"], dims["vocab_size"]
+    layer_params = llama_params(dims)["layers"] // n_layers
     tokens = groups * (prompt_len + group_size * response_len)
     kept = groups * group_size * response_len  # positions whose logits are computed
     ctx = groups * (prompt_len * (prompt_len + 1) / 2
