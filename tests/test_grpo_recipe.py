@@ -98,15 +98,19 @@ def test_final_checkpoint_holds_the_trained_weights(run_dir):
     assert len(moved) > len(final) // 2, moved
 
 
+def tiny_run(steps: int) -> list[str]:
+    """The 2-rank tiny GRPO run these tests vary: model=tiny, 4 prompts x 2 completions of <= 6 tokens."""
+    return ["model=tiny", f"trainer.total_steps={steps}", "data.eval_size=2", "rollout.prompts_per_step=4",
+            "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4"]
+
+
 def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     """DAPO's dynamic sampling under torchrun (2 ranks): uninformative groups are set aside and
     more prompts sampled; each rank keeps the same number of groups, so the ZeRO-3 passes line up
     and the run finishes (a mismatch would hang a collective until the timeout)."""
     d = tmp_path / "run"
     run_torchrun(WORKERS / "grpo_resume_worker.py",
-                 ["model=tiny", "trainer.total_steps=2", "data.eval_size=2", "rollout.prompts_per_step=4",
-                  "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
-                  "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[odd_length]",
+                 [*tiny_run(2), "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[odd_length]",
                   "reward.format_weight=0", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2",
                   "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     r = rows(d)[1:]
@@ -126,9 +130,7 @@ def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path, passes
     KL to pi_old) and the engine-vs-trainer check reach metrics.jsonl."""
     d = tmp_path / "run"
     run_torchrun(WORKERS / "grpo_resume_worker.py",
-                 ["model=tiny", "trainer.total_steps=1", "data.eval_size=2", "rollout.prompts_per_step=4",
-                  "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
-                  "trainer.micro_batch_size=2", "trainer.lr=1e-2", passes,
+                 [*tiny_run(1), "trainer.micro_batch_size=2", "trainer.lr=1e-2", passes,
                   "algo.clip_ratio_c=1.5", "reward.functions=[letter_share]", "reward.format_weight=0",
                   "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     row = rows(d)[1]
@@ -148,9 +150,7 @@ def test_rollout_correction_and_the_mismatch_metrics_reach_the_log(tmp_path):
     target."""
     d = tmp_path / "run"
     run_torchrun(WORKERS / "grpo_resume_worker.py",
-                 ["model=tiny", "trainer.total_steps=2", "data.eval_size=2", "rollout.prompts_per_step=4",
-                  "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4",
-                  "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[letter_share]",
+                 [*tiny_run(2), "trainer.micro_batch_size=4", "trainer.lr=1e-3", "reward.functions=[letter_share]",
                   "reward.format_weight=0", "algo.adv_estimator=reinforce_pp", "algo.kl_coef=0.05",
                   "algo.kl_target=1e-6", "algo.kl_horizon=10", "algo.rollout_correction=icepop",
                   "algo.rollout_is_threshold=1.0", "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
