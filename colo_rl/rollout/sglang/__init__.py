@@ -26,7 +26,8 @@ from colo_rl.rollout.sglang.compat import (REQUIRED_SERVER_ARGS, check_cpu_engin
                                            memory_saver_for, memory_saver_kwargs, plan_engine_memory,
                                            plan_mem_fraction_static, sglang_api, sglang_dtype, supported_memory_tags,
                                            validate_sglang_kwargs)
-from colo_rl.rollout.sglang.engine import EngineMemoryState, SGLangEngine
+from colo_rl.rollout.sglang.engine import SGLangEngine
+from colo_rl.rollout.sglang.memory_state import EngineMemoryState
 from colo_rl.rollout.sglang.env import (cuda_runtime_dirs, engine_env_overrides, engine_environment,
                                         expandable_segments_enabled, trainer_logging_kept,
                                         without_expandable_segments)
