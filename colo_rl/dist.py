@@ -17,6 +17,8 @@ from typing import Any, Callable, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from colo_rl.op_builds import check_no_interrupted_build
+
 log = logging.getLogger("colo_rl")
 
 
@@ -222,6 +224,7 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
         os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
+    check_no_interrupted_build()  # DeepSpeed builds its CPU collective op here: a stale lock would hang
     with _deepspeed_startup_quiet(not (debug or is_rank0())):
         import deepspeed
 

@@ -42,3 +42,7 @@ class SGLangEngineError(RuntimeError):
 
 class EngineStateError(RuntimeError):
     """The engine was asked to do something its memory state does not allow."""
+
+
+class BuildLockError(RuntimeError):
+    """A JIT op build that was killed left torch's lock file: every later run would wait on it forever."""

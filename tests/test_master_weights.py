@@ -1,5 +1,5 @@
 """A bf16 run's fp32 master weights start from the checkpoint's fp32 values, not from their bf16
-rounding (DeepSpeedActor._master_weights_from_checkpoint; why: docs/algorithms.md, issue #40)."""
+rounding (colo_rl/train/optimizer_state.master_weights_from_checkpoint; why: docs/algorithms.md, issue #40)."""
 
 import json
 import sys

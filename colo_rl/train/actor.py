@@ -14,7 +14,8 @@ from colo_rl import dist
 from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
 from colo_rl.errors import CheckpointError, ConfigError, NonFiniteError
 from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
-from colo_rl.models import fp32_checkpoint_tensors, load_model
+from colo_rl.models import load_model
+from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
@@ -23,6 +24,8 @@ from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, b
                                      set_zero3_leaf_modules, state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
+from colo_rl.train.optimizer_state import (master_weights_from_checkpoint, materialise_adam_states,
+                                           replay_cpu_adam_steps)
 from colo_rl.train.prebuilt_ops import load_prebuilt_ops
 
 log = logging.getLogger("colo_rl")
@@ -107,14 +110,16 @@ class DeepSpeedActor:
         if with_optimizer and "fused_adam" not in load_prebuilt_ops():  # $COLO_RL_PREBUILT_OPS
             prepare_jit_builds()  # FusedAdam is JIT-built on a GPU: CUDA_HOME, headers
             announce_op_build("fused_adam", "DeepSpeed's FusedAdam optimizer op")
+        check_no_interrupted_build()  # FusedAdam is built or loaded next: a killed build's lock would hang
         with arch_list_for_deepspeed():  # FusedAdam's build parses TORCH_CUDA_ARCH_LIST itself
             # mpu: a split run's trainer pool is DeepSpeed's whole world (None: the job's)
             self.engine, self.optimizer, _, self.lr_scheduler = deepspeed.initialize(
                 model=model, config=ds_config, mpu=dist.deepspeed_mpu(), **kwargs)
         if with_optimizer:
             self.engine.train()
-            self._master_weights_from_checkpoint()
-            self._materialise_optimizer_states()
+            if dtype in (torch.bfloat16, torch.float16) and not self.lora:
+                master_weights_from_checkpoint(self.engine, cfg.model)
+            materialise_adam_states(self.engine.optimizer, self._inner_optimizer())
         else:
             self.engine.eval()
         self.module = self.engine.module
@@ -237,7 +242,8 @@ class DeepSpeedActor:
         drop_offload_buffers(self._inner_optimizer())
         if self.lora:
             self._check_frozen_base((client or {}).get(FROZEN_BASE_KEY), directory)
-        self._replay_cpu_adam_steps()
+        if self.with_optimizer and self.engine.device.type == "cpu":
+            replay_cpu_adam_steps(self._inner_optimizer())
 
     def frozen_base_fingerprint(self) -> dict[str, tuple[int, int]]:
         return frozen_fingerprint(self.module.named_parameters())
@@ -260,81 +266,6 @@ class DeepSpeedActor:
             f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
             f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
             f"run started from (with the same model.dtype), or start a new run (resume=null).")
-
-    def _master_weights_from_checkpoint(self) -> None:
-        """A bf16 / fp16 run's fp32 master weights from the checkpoint's own fp32 values.
-
-        Why: DeepSpeed builds the masters from the low-precision model, so each starts exactly on the
-        bf16 grid, and an update reaches the weights the forward uses only once a master has drifted
-        half a bf16 step from it: 2.5 % of an lr-1e-5 step after one step, 20 % after eight
-        (benchmarks/bf16_update_share.py). Started from the checkpoint's fp32 values (off the grid),
-        the rounding follows the update from the first step, as in a trainer that keeps fp32 weights
-        under autocast (TRL, verl's FSDP). A checkpoint stored in bf16 is on the grid either way:
-        nothing to do. The low-precision weights are unchanged (round(fp32) is what was loaded)."""
-        if self.dtype not in (torch.bfloat16, torch.float16) or self.lora:
-            return
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        trained = dict((n, p) for n, p in self.engine.module.named_parameters() if p.requires_grad)
-        values = fp32_checkpoint_tensors(self.cfg.model, set(trained))
-        for name, value in values.items():
-            safe_set_full_fp32_param(trained[name], value.to(self.engine.device))
-        if values and dist.is_rank0():
-            log.info("fp32 master weights from the checkpoint's fp32 values (%d of %d tensors)", len(values),
-                     len(trained))
-
-    def _materialise_optimizer_states(self) -> None:
-        """Create FusedAdam's moments now, as its first step would (zeros, the group's step count).
-
-        Why: DeepSpeed 0.19's ZeRO-3 leaves them to the first `step()`, so until then the device
-        holds the trainer without its largest state (2 x fp32 per weight: 3.4 GiB at 0.5B). The
-        paging plan counts them and SGLang sizes its KV cache from what is free when it starts:
-        measured without them, the KV cache no longer fit beside a resident trainer after the first
-        step (H100, 2026-11-26: torch_memory_saver's resume ran out of memory). The step's arithmetic
-        is unchanged: FusedAdam initialises exactly these values when a state is empty."""
-        opt, zero = self._inner_optimizer(), self.engine.optimizer
-        try:
-            from deepspeed.ops.adam.fused_adam import FusedAdam
-        except ImportError:
-            return
-        # ZeRO-3 keys the states by its flat fp32 partitions, put into their param group only
-        # for the duration of a step (stage3.py _optimizer_step): the group is read by index
-        flats = getattr(zero, "fp32_partitioned_groups_flat", None)
-        if not isinstance(opt, FusedAdam) or flats is None or getattr(zero, "offload_optimizer", False):
-            return
-        for i, flat in enumerate(flats):
-            state = opt.state[flat]
-            if len(state) == 0:
-                state["step"] = opt.param_groups[zero.sub_group_to_group_id[i]].get("step", 0)
-                state["exp_avg"] = torch.zeros_like(flat.data)
-                state["exp_avg_sq"] = torch.zeros_like(flat.data)
-
-    def _replay_cpu_adam_steps(self) -> None:
-        """Make the first step after a resume bit-identical on CPU.
-
-        DeepSpeed's CPU FusedAdam kernel (csrc/includes/cpu_adam.h, 0.19) keeps beta^t in one
-        process-wide float32 that it multiplies by beta once per step, and recomputes it with
-        pow(beta, t) when the step jumps, as on the first step after a resume. The two differ in
-        the last bit, and so would every update after it. Replaying steps 1..t on a one-element
-        dummy tensor puts the kernel's float in exactly the state an uninterrupted run has. (The
-        CUDA kernel computes the correction from t each step: nothing to do there.)"""
-        if not self.with_optimizer or self.engine.device.type != "cpu":
-            return
-        opt = self._inner_optimizer()
-        try:
-            from deepspeed.ops.adam.fused_adam import FusedAdam, multi_tensor_applier
-        except ImportError:
-            return
-        if not isinstance(opt, FusedAdam):
-            return
-        steps = max((int(st.get("step", 0)) for st in opt.state.values()), default=0)
-        group = opt.param_groups[0]
-        beta1, beta2 = group["betas"]
-        g, p, m, v = (torch.zeros(1) for _ in range(4))
-        for t in range(1, steps + 1):
-            multi_tensor_applier(opt.multi_tensor_adam, opt._dummy_overflow_buf, [[g], [p], [m], [v]], group["lr"],
-                                 beta1, beta2, group["eps"], t, opt.adam_w_mode,
-                                 1 if group["bias_correction"] else 0, group["weight_decay"])
 
     def counters(self) -> dict[str, int]:
         """What a checkpoint keeps of the actor besides DeepSpeed's own state."""
