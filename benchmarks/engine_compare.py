@@ -108,7 +108,22 @@ def compare(runs: dict[str, dict]) -> dict:
         verdict = (f"SGLang - HF = {100 * gap:+.1f} points of held-out accuracy; twice the larger seed std is "
                    f"{100 * noise:.1f} points: " + ("beyond the seed spread." if abs(gap) > noise
                                                   else "within the seed spread (no difference shown)."))
-    return {"engines": out, "gap": gap, "verdict": verdict}
+    paired = paired_gaps(by_engine["hf"], by_engine["sglang"])
+    if len(paired) > 1:
+        lower = sum(g < 0 for g in paired)
+        mean, sd = statistics.fmean(paired), statistics.stdev(paired)
+        t = mean / (sd / len(paired) ** 0.5) if sd > 0 else float("inf") * (1 if mean > 0 else -1)
+        verdict += (f" Paired by seed: SGLang lower on {lower} of {len(paired)} seeds (" +
+                    ", ".join(f"{100 * g:+.1f}" for g in paired) +
+                    f" points; mean {100 * mean:+.1f}, paired t = {t:.1f} with {len(paired) - 1} degrees of freedom).")
+    return {"engines": out, "gap": gap, "paired_gaps": paired, "verdict": verdict}
+
+
+def paired_gaps(hf: list[dict], sglang: list[dict]) -> list[float]:
+    """SGLang - HF held-out accuracy at the end, per seed both engines ran (in seed order): the seed
+    fixes the prompts' order and the sampling seed, so each pair shares everything but the engine."""
+    by_seed = {r["seed"]: r["heldout_end"] for r in hf}
+    return [r["heldout_end"] - by_seed[r["seed"]] for r in sorted(sglang, key=lambda r: r["seed"]) if r["seed"] in by_seed]
 
 
 def table(result: dict) -> str:
