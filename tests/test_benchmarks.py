@@ -216,8 +216,12 @@ def test_engine_comparison_judges_the_gap_against_the_seed_spread(tmp_path):
     comparison = engine_compare.compare(runs)
     # means 0.35 and 0.23: -12.0 points; stds 0.05 and 0.0265: twice the larger is 10.0 points
     assert comparison["gap"] == pytest.approx(-0.12)
+    # paired: 0.20-0.40, 0.25-0.30, 0.24-0.35 = -20, -5, -11 points; mean -12, sd 7.55, t = -12 / (7.55 / sqrt 3)
+    assert comparison["paired_gaps"] == pytest.approx([-0.20, -0.05, -0.11])
     assert comparison["verdict"] == ("SGLang - HF = -12.0 points of held-out accuracy; twice the larger seed std "
-                                     "is 10.0 points: beyond the seed spread.")
+                                     "is 10.0 points: beyond the seed spread. Paired by seed: SGLang lower on 3 of 3 "
+                                     "seeds (-20.0, -5.0, -11.0 points; mean -12.0, paired t = -2.8 with 2 degrees "
+                                     "of freedom).")
     md = engine_compare.table({"seeds": [7, 8, 9], "shared": engine_compare.SHARED, "runs": runs,
                                "comparison": comparison})
     assert "| hf | 0.350 (0.050) | +33.5 |" in md and "| sglang | 7 | 0.015 | 0.200 | +18.5 |" in md
