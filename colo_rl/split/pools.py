@@ -9,6 +9,8 @@
       (isend; at most max(1, k) slots in flight)        drop it if step - version > k (counted)
                                                       update -> version step + 1
                      <------------------------------ send weights (every placement.sync_every steps;
+    evaluate flag in the weights: this rank's share   evaluate: the shares of every generator, summed
+      of the held-out set -> to each trainer            (the step-0 weights and every eval step's)
     stop flag in the weights -> END to each trainer    the last send carries stop)
                                                       drain until END from every generator
 """
@@ -69,15 +71,33 @@ class RolloutPart:
     in_flight: int = 0  # slots already sent and not yet received when this one was queued
 
 
+@dataclass
+class HeldOutShare:
+    """One generator's share of a held-out evaluation of the weights of `version`
+    (colo_rl.evaluation.evaluate_shard's sums and samples)."""
+    version: int
+    sums: list[float]
+    samples: list[dict]
+    seconds: float = 0.0
+
+
+EvaluateShard = Callable[[int], tuple[list[float], list[dict]]]
+
+
 class GenerationPool:
-    """A generation rank's loop: weights in, rollouts out, until the trainer's last weights say stop."""
+    """A generation rank's loop: weights in, rollouts out, until the trainer's last weights say stop.
+    Weights the trainer marks for evaluation are evaluated here (`evaluate_shard`: this rank's share
+    of the held-out set) before the next rollout, and the share goes to every trainer."""
 
     def __init__(self, role: SplitRole, cfg, engine, make_rollout: Callable[[int], tuple[Rollout, dict]],
-                 total_steps: int):
+                 total_steps: int, evaluate_shard: EvaluateShard | None = None):
         self.layout, self.engine, self.make_rollout = role.layout, engine, make_rollout
         self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
+        self.evaluate_shard = evaluate_shard
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
         self.index = role.layout.generation.index(dist.job_rank())
+        self.eval_seconds = 0.0  # evaluating since the last slot: not idle time
+        self.eval_sends: list[Pending] = []
 
     def serve(self) -> int:
         """Runs to the end of training; returns the slots generated."""
@@ -87,19 +107,34 @@ class GenerationPool:
         finally:
             stop_signal.restore()
 
+    def _take(self) -> tuple[int, bool]:
+        """The next weights into the engine (between generate calls only); their held-out evaluation
+        when the trainer asked for it."""
+        version, stop = self.receiver.take(self.engine)
+        if self.receiver.evaluate:
+            if self.evaluate_shard is None:
+                raise RuntimeError("the trainer asked for a held-out evaluation this generation rank cannot run")
+            t0 = time.perf_counter()
+            sums, samples = self.evaluate_shard(version)
+            seconds = time.perf_counter() - t0
+            self.eval_seconds += seconds
+            share = HeldOutShare(version, sums, samples, seconds)
+            self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
+        return version, stop
+
     def _serve(self) -> int:
-        version, stop = self.receiver.take(self.engine)  # version 0: the trainer's starting weights
+        version, stop = self._take()  # version 0: the trainer's starting weights
         pending: deque[list[Pending]] = deque()
         capacity = max(1, self.k)
         slot, waits, free_since = 0, 0, time.perf_counter()
         while not stop:
             if self.policy == "wait" and slot >= self.total_steps:  # every slot is trained: wait for the stop
-                version, stop = self.receiver.take(self.engine)
+                version, stop = self._take()
                 continue
             while not stop and (self.receiver.ready() or
                                 (self.policy == "wait" and not st.may_generate(slot, version, self.k))):
                 waits += not self.receiver.ready()
-                version, stop = self.receiver.take(self.engine)  # between generate calls only
+                version, stop = self._take()  # between generate calls only
             if stop:
                 break
             g0, start = time.time(), time.perf_counter()
@@ -109,11 +144,12 @@ class GenerationPool:
                 for p in pending.popleft():
                     p.wait()
             in_flight = sum(not all(p.done() for p in sends) for sends in pending)
-            idle = (start - free_since) + (time.perf_counter() - done)  # weights, then queue space
+            # weights, then queue space (a held-out evaluation meanwhile is work, not idle)
+            idle = max(0.0, start - free_since - self.eval_seconds) + (time.perf_counter() - done)
             pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
-            slot, waits, free_since = slot + 1, 0, time.perf_counter()
+            slot, waits, free_since, self.eval_seconds = slot + 1, 0, time.perf_counter(), 0.0
         ends = [send_object(None, dst) for dst in self.layout.trainers]
-        for sends in [*pending, ends]:
+        for sends in [*pending, self.eval_sends, ends]:
             for p in sends:
                 p.wait()
         log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(), slot,
@@ -135,8 +171,13 @@ class GenerationPool:
 class TrainerPool:
     """The trainer ranks' side: rollouts in (the bound applied), weights out."""
 
-    def __init__(self, role: SplitRole, cfg, actor, total_steps: int):
+    def __init__(self, role: SplitRole, cfg, actor, total_steps: int,
+                 evaluates: Callable[[int], bool] = lambda version: False):
         self.layout, self.cfg, self.total_steps = role.layout, cfg, total_steps
+        self.evaluates = evaluates  # which versions the generation ranks evaluate (the loop's eval steps)
+        # messages taken from a generator's stream ahead of their turn (rollouts received while
+        # waiting for a held-out share), per generation rank
+        self.inbox: dict[int, deque] = {src: deque() for src in self.layout.generation}
         self.k = cfg.rollout.max_staleness
         self.sender = WeightSender(actor, role.weight_group if dist.job_rank() == role.layout.leader else None,
                                    role.layout.leader, int(cfg.colocate.handoff_bucket_mb) << 20)
@@ -148,15 +189,38 @@ class TrainerPool:
 
     def start(self) -> dict[str, float]:
         """The starting weights (version 0) to the generators: their engines never read the disk's."""
-        return self.sender.send(0, stop=False)
+        return self.sender.send(0, stop=False, evaluate=self.evaluates(0))
+
+    def _next(self, src: int):
+        return self.inbox[src].popleft() if self.inbox[src] else recv_object(src)
+
+    def evaluation(self, version: int) -> tuple[list[float], list[dict]]:
+        """The held-out evaluation of the weights of `version`: every generator's share, summed
+        (evaluate_shard's sums), and the first generator's samples. Rollouts that arrive first wait
+        in the inbox for `receive`."""
+        shares = []
+        for src in self.layout.generation:
+            while not isinstance(msg := recv_object(src), HeldOutShare):
+                if msg is None:
+                    raise RuntimeError(f"generation rank {src} ended before sending its held-out evaluation")
+                self.inbox[src].append(msg)
+            if msg.version != version:
+                raise RuntimeError(f"generation rank {src} evaluated version {msg.version}, the trainer expected "
+                                   f"{version}")
+            shares.append(msg)
+        sums = [sum(col) for col in zip(*(s.sums for s in shares))]
+        return sums, shares[0].samples
 
     def receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The rollout this trainer trains at `step`: the next slot within the bound (older ones dropped)."""
         t0 = time.perf_counter()
         while True:
-            parts = [recv_object(src) for src in self.layout.generation]
+            parts = [self._next(src) for src in self.layout.generation]
             if any(p is None for p in parts):
                 raise RuntimeError("a generation rank ended before the trainer stopped it")
+            if any(isinstance(p, HeldOutShare) for p in parts):
+                raise RuntimeError("a held-out evaluation arrived where a rollout was expected: the trainer "
+                                   "evaluates at other steps than it asked the generation ranks to")
             version = min(p.version for p in parts)
             if st.admitted(step, version, self.k):
                 break
@@ -179,9 +243,9 @@ class TrainerPool:
         step's send carries the stop."""
         self.last_update, self.version = update_interval, step + 1
         out = {"split/update_start": update_interval[0], "split/update_end": update_interval[1], **self.stats.pop()}
-        last = step + 1 >= self.total_steps
-        if last or (step + 1) % self.cfg.placement.sync_every == 0:
-            out.update(self.sender.send(step + 1, stop=last))
+        last, evaluate = step + 1 >= self.total_steps, self.evaluates(step + 1)
+        if last or evaluate or (step + 1) % self.cfg.placement.sync_every == 0:
+            out.update(self.sender.send(step + 1, stop=last, evaluate=evaluate))
             self.stopped = last
         return out
 
@@ -192,6 +256,8 @@ class TrainerPool:
             self.sender.send(self.version, stop=True)
             self.stopped = True
         for src in self.layout.generation:
-            while recv_object(src) is not None:
-                self.unused_slots += 1
+            self.unused_slots += sum(isinstance(m, RolloutPart) for m in self.inbox[src])
+            self.inbox[src].clear()
+            while (msg := recv_object(src)) is not None:
+                self.unused_slots += isinstance(msg, RolloutPart)
         return self.unused_slots
