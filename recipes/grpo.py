@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from colo_rl import algos, dist, loop, runtime
-from colo_rl.bottleneck import bottleneck_report, format_report
+from colo_rl.bottleneck import bottleneck_report, format_report, resolve_generation_ranks
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
 from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
@@ -56,7 +56,9 @@ class GRPORecipe:
     def __init__(self, ctx):
         self.cfg, self.run_dir, self.t_start = ctx.cfg, ctx.run_dir, time.perf_counter()
         # placement.mode=split: from here on this rank's world is its pool (generation or trainer ranks)
-        self.split = enter_split(ctx.cfg) if ctx.cfg.placement.mode == "split" else None
+        self.split = None if ctx.cfg.placement.mode != "split" else enter_split(ctx.cfg, resolve_generation_ranks(
+            ctx.cfg.placement, dist.world_size(), ctx.cfg.rollout.tp_size, ctx.cfg.rollout.prompts_per_step,
+            dist.local_world_size()))
         cfg, world = self.cfg, dist.world_size()
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)

@@ -20,16 +20,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from colo_rl import dist
+from colo_rl.errors import PoolError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
 from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object
 
 log = logging.getLogger("colo_rl")
+
+
+@contextmanager
+def peer(who: str):
+    """Talking to the other pool: the error a dead peer's closed connection raises (gloo: "Connection
+    closed by peer"; NCCL: a remote error) becomes one PoolError naming the rank(s) and the pool."""
+    try:
+        yield
+    except PoolError:
+        raise
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError included) are RuntimeErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PoolError(f"placement.mode=split: {who} stopped answering ({first}). That rank died or failed "
+                        f"(its own output, or the launcher's line, says why); a split run needs every rank of both "
+                        f"pools, so this rank stops too") from e
 
 
 @dataclass
@@ -39,10 +56,10 @@ class SplitRole:
     weight_group: Any  # the weight broadcast's process group (leader + generation ranks)
 
 
-def enter_split(cfg) -> SplitRole:
+def enter_split(cfg, generation_ranks: int) -> SplitRole:
     """Make the pools' process groups (every rank calls it) and scope this rank's helpers to its pool:
     from here on dist.rank() / world_size() and the collectives are the pool's (dist.set_scope)."""
-    layout = split_layout(dist.world_size(), cfg.placement.generation_ranks, cfg.rollout.tp_size,
+    layout = split_layout(dist.world_size(), generation_ranks, cfg.rollout.tp_size,
                           cfg.rollout.prompts_per_step, dist.local_world_size())
     gen_group, train_group, weight_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)])
@@ -98,6 +115,7 @@ class GenerationPool:
         self.index = role.layout.generation.index(dist.job_rank())
         self.eval_seconds = 0.0  # evaluating since the last slot: not idle time
         self.eval_sends: list[Pending] = []
+        self.trainers_named = f"a trainer rank (ranks {list(self.layout.trainers)}, the trainer pool)"
 
     def serve(self) -> int:
         """Runs to the end of training; returns the slots generated."""
@@ -110,7 +128,8 @@ class GenerationPool:
     def _take(self) -> tuple[int, bool]:
         """The next weights into the engine (between generate calls only); their held-out evaluation
         when the trainer asked for it."""
-        version, stop = self.receiver.take(self.engine)
+        with peer(f"trainer rank {self.layout.leader} (it broadcasts the weights)"):
+            version, stop = self.receiver.take(self.engine)
         if self.receiver.evaluate:
             if self.evaluate_shard is None:
                 raise RuntimeError("the trainer asked for a held-out evaluation this generation rank cannot run")
@@ -119,7 +138,8 @@ class GenerationPool:
             seconds = time.perf_counter() - t0
             self.eval_seconds += seconds
             share = HeldOutShare(version, sums, samples, seconds)
-            self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
+            with peer(self.trainers_named):
+                self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
         return version, stop
 
     def _serve(self) -> int:
@@ -141,17 +161,20 @@ class GenerationPool:
             rollout, seconds = self.make_rollout(version)
             interval, done = (g0, time.time()), time.perf_counter()
             while len(pending) >= capacity:  # the bounded queue: the oldest slot must be received first
-                for p in pending.popleft():
-                    p.wait()
+                with peer(self.trainers_named):
+                    for p in pending.popleft():
+                        p.wait()
             in_flight = sum(not all(p.done() for p in sends) for sends in pending)
             # weights, then queue space (a held-out evaluation meanwhile is work, not idle)
             idle = max(0.0, start - free_since - self.eval_seconds) + (time.perf_counter() - done)
-            pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
+            with peer(self.trainers_named):
+                pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
             slot, waits, free_since, self.eval_seconds = slot + 1, 0, time.perf_counter(), 0.0
-        ends = [send_object(None, dst) for dst in self.layout.trainers]
-        for sends in [*pending, self.eval_sends, ends]:
-            for p in sends:
-                p.wait()
+        with peer(self.trainers_named):
+            ends = [send_object(None, dst) for dst in self.layout.trainers]
+            for sends in [*pending, self.eval_sends, ends]:
+                for p in sends:
+                    p.wait()
         log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(), slot,
                  version)
         return slot
@@ -178,6 +201,7 @@ class TrainerPool:
         # messages taken from a generator's stream ahead of their turn (rollouts received while
         # waiting for a held-out share), per generation rank
         self.inbox: dict[int, deque] = {src: deque() for src in self.layout.generation}
+        self.generators_named = f"a generation rank (ranks {list(self.layout.generation)}, the generation pool)"
         self.k = cfg.rollout.max_staleness
         self.sender = WeightSender(actor, role.weight_group if dist.job_rank() == role.layout.leader else None,
                                    role.layout.leader, int(cfg.colocate.handoff_bucket_mb) << 20)
@@ -189,10 +213,18 @@ class TrainerPool:
 
     def start(self) -> dict[str, float]:
         """The starting weights (version 0) to the generators: their engines never read the disk's."""
-        return self.sender.send(0, stop=False, evaluate=self.evaluates(0))
+        return self._send_weights(0, stop=False, evaluate=self.evaluates(0))
+
+    def _send_weights(self, version: int, stop: bool, evaluate: bool = False) -> dict[str, float]:
+        with peer(self.generators_named):
+            return self.sender.send(version, stop, evaluate)
+
+    def _recv(self, src: int):
+        with peer(f"generation rank {src} (the generation pool)"):
+            return recv_object(src)
 
     def _next(self, src: int):
-        return self.inbox[src].popleft() if self.inbox[src] else recv_object(src)
+        return self.inbox[src].popleft() if self.inbox[src] else self._recv(src)
 
     def evaluation(self, version: int) -> tuple[list[float], list[dict]]:
         """The held-out evaluation of the weights of `version`: every generator's share, summed
@@ -200,7 +232,7 @@ class TrainerPool:
         in the inbox for `receive`."""
         shares = []
         for src in self.layout.generation:
-            while not isinstance(msg := recv_object(src), HeldOutShare):
+            while not isinstance(msg := self._recv(src), HeldOutShare):
                 if msg is None:
                     raise RuntimeError(f"generation rank {src} ended before sending its held-out evaluation")
                 self.inbox[src].append(msg)
@@ -245,7 +277,7 @@ class TrainerPool:
         out = {"split/update_start": update_interval[0], "split/update_end": update_interval[1], **self.stats.pop()}
         last, evaluate = step + 1 >= self.total_steps, self.evaluates(step + 1)
         if last or evaluate or (step + 1) % self.cfg.placement.sync_every == 0:
-            out.update(self.sender.send(step + 1, stop=last, evaluate=evaluate))
+            out.update(self._send_weights(step + 1, stop=last, evaluate=evaluate))
             self.stopped = last
         return out
 
@@ -253,11 +285,11 @@ class TrainerPool:
         """The run ends (done or stopped by a signal): stop the generators, take what they still had in
         flight (unused); returns those slots."""
         if not self.stopped:
-            self.sender.send(self.version, stop=True)
+            self._send_weights(self.version, stop=True)
             self.stopped = True
         for src in self.layout.generation:
             self.unused_slots += sum(isinstance(m, RolloutPart) for m in self.inbox[src])
             self.inbox[src].clear()
-            while (msg := recv_object(src)) is not None:
+            while (msg := self._recv(src)) is not None:
                 self.unused_slots += isinstance(msg, RolloutPart)
         return self.unused_slots
