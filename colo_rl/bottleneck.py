@@ -22,9 +22,14 @@ import json
 import math
 import statistics
 from pathlib import Path
-from typing import Iterable
+import logging
+from typing import Callable, Iterable, Optional
 
+from colo_rl.errors import ConfigError
 from colo_rl.metrics import read_jsonl
+from colo_rl.split.placement import split_layout as layout_of
+
+log = logging.getLogger("colo_rl")
 
 # time/reward_model: the reward model scores on the training GPUs, in the update phase.
 PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update", "time/reward_model"],
@@ -73,6 +78,81 @@ def bottleneck_report(rows: Iterable[dict], n_gpus: int, skip: int = 1) -> dict:
         report["best_split"] = best
         report["split_vs_colocated"] = best["step_seconds"] / t["step"] if t["step"] > 0 else float("nan")
     return report
+
+
+def balanced_generation_ranks(seconds: dict, measured_ranks: int, world: int,
+                              allowed: Callable[[int], bool] = lambda g: True) -> dict:
+    """placement.generation_ranks=auto: the split of `world` ranks a measured colocated run's phases
+    balance best. `seconds`: phase_means of a colocated run on `measured_ranks` ranks. Its work per
+    step is W_g = t_gen * N_measured and W_t = t_train * N_measured rank-seconds; on `world` ranks
+    each phase of the colocated step would take W / world, and a split with g generation ranks
+    takes max(W_g / g, W_t / (world - g)) + t_other (split_layout). Among the g in [1, world) that
+    `allowed` accepts (the layout's rules: TP groups, whole prompt groups per rank), the fastest;
+    on a tie the one nearest the balance point g* = world * W_g / (W_g + W_t). Returns
+    split_layout's dict for it with "balanced_generation_ranks" (g*)."""
+    scale = measured_ranks / world
+    t_gen, t_train, t_other = seconds["generation"] * scale, seconds["train"] * scale, seconds["other"]
+    if t_gen + t_train <= 0:
+        raise ValueError("the measured steps spent no time generating or training: nothing to balance")
+    g_star = world * t_gen / (t_gen + t_train)
+    candidates = [split_layout(t_gen, t_train, t_other, world, g) for g in range(1, world) if allowed(g)]
+    if not candidates:
+        raise ValueError(f"no split of {world} ranks is allowed (each pool needs a rank, whole TP groups and "
+                         f"whole prompt groups)")
+    best = min(candidates, key=lambda s: (round(s["step_seconds"], 9), abs(s["generation_gpus"] - g_star)))
+    return {**best, "balanced_generation_ranks": g_star}
+
+
+def measured_phases(source: Path) -> tuple[dict, int]:
+    """A previous colocated GRPO run's phase seconds per step and its rank count, from the bottleneck
+    report in its run directory's summary.json (`source`: the directory or the file); ValueError
+    saying what is missing."""
+    run_dir = source.parent if source.name == "summary.json" else source
+    summary, metrics = run_dir / "summary.json", run_dir / "metrics.jsonl"
+    if not metrics.is_file() and not summary.is_file():
+        raise ValueError(f"{run_dir} holds neither summary.json nor metrics.jsonl: not a GRPO run directory")
+    rows = read_jsonl(metrics) if metrics.is_file() else []
+    if any("split/policy_version" in r for r in rows):
+        raise ValueError(f"{run_dir} is a split run: its steps measure the pipeline, not each phase; give a "
+                         f"colocated run of the same work")
+    report = json.loads(summary.read_text()).get("bottleneck") if summary.is_file() else None
+    if report:
+        return report["seconds_per_step"], int(report["gpus"])
+    raise ValueError(f"{run_dir} has no bottleneck report (summary.json is written at the end of a colocated GRPO "
+                     f"run with at least one step); let a colocated run of the same work finish first")
+
+
+def resolve_generation_ranks(placement, world: int, tp_size: int, prompts_per_step: int,
+                             local_world: Optional[int] = None) -> int:
+    """placement.generation_ranks as a number of ranks: the number given, or with `auto` the split
+    balanced_generation_ranks finds for the colocated run named by placement.balance_from (every
+    rank reads the same file, so every rank gets the same answer). ConfigError when it cannot be known."""
+    if str(placement.generation_ranks) != "auto":
+        return int(placement.generation_ranks)
+    source = placement.balance_from
+    if not source:
+        raise ConfigError("placement.generation_ranks=auto takes the split from a measured colocated run of the "
+                          "same work: set placement.balance_from=<its run directory> (a colocated GRPO run writes its "
+                          "bottleneck report into summary.json at the end), or set placement.generation_ranks to a "
+                          "number of ranks")
+
+    def allowed(g: int) -> bool:
+        try:
+            layout_of(world, g, tp_size, prompts_per_step, local_world)
+        except ConfigError:
+            return False
+        return True
+
+    try:
+        seconds, measured = measured_phases(Path(source))
+        best = balanced_generation_ranks(seconds, measured, world, allowed)
+    except ValueError as e:
+        raise ConfigError(f"placement.generation_ranks=auto with placement.balance_from={source}: {e}") from e
+    log.info("placement.generation_ranks=auto: %d of %d ranks generate (balance point %.2f, from %s measured on %d "
+             "rank(s)); predicted %.2f s/step, idle: generation pool %.0f %%, trainer pool %.0f %%",
+             best["generation_gpus"], world, best["balanced_generation_ranks"], source, measured,
+             best["step_seconds"], 100 * best["generation_idle_share"], 100 * best["training_idle_share"])
+    return best["generation_gpus"]
 
 
 def format_report(report: dict) -> str:

@@ -24,6 +24,10 @@ class EnvError(RuntimeError):
     """An environment (env.name) failed on every episode of a batch: a bug in it, most likely."""
 
 
+class PoolError(RuntimeError):
+    """A split run's rank of the other pool died or stopped answering; the message names it."""
+
+
 class PhaseError(RuntimeError):
     """An operation was attempted in the wrong phase (it would run on paged-out memory)."""
 

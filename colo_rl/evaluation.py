@@ -19,6 +19,16 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     right), the share of answers stated in the required format, and mean response length.
     `multiturn` (a MultiTurnRollout): episodes with the environment, scored on the policy's text;
     `problems` (one per prompt) are what its sessions start from."""
+    sums, samples = evaluate_shard(engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
+    return eval_metrics(dist.all_reduce_sum(sums), samples)
+
+
+def evaluate_shard(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
+                   max_new_tokens: int, multiturn=None, problems: Optional[list] = None
+                   ) -> tuple[list[float], list[dict]]:
+    """This rank's share (dist.shard) greedily decoded and scored, not reduced over ranks: the sums
+    [problems, correct, lenient, formatted, response tokens] and up to 3 samples. A split run's
+    generation ranks send these to the trainer, which adds them up (colo_rl/split/pools.py)."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     completions = generate_completions(engine, local_ids, params, multiturn, dist.shard(problems) if problems else None)
@@ -26,14 +36,19 @@ def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str],
     completions = completions[:len(local_ids)]
     texts = policy_texts(tokenizer, completions) if completions else []
     res = scorer.verify(texts, local_answers)  # correctness only: no reward function is called
-    n, correct, lenient, formatted, length = dist.all_reduce_sum([
-        len(texts), sum(res.correct), sum(res.correct_lenient), sum(res.formatted),
-        sum(len(c.token_ids) for c in completions)])
+    sums = [float(len(texts)), float(sum(res.correct)), float(sum(res.correct_lenient)), float(sum(res.formatted)),
+            float(sum(len(c.token_ids) for c in completions))]
+    return sums, [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]
+
+
+def eval_metrics(sums: list[float], samples: list[dict]) -> dict[str, float]:
+    """The held-out metrics from the sums over every rank's share (evaluate_shard's order)."""
+    n, correct, lenient, formatted, length = sums
     if n == 0:  # no held-out problems at all: nothing to report (callers skip evaluation then)
         return {"eval/count": 0.0, "eval/samples": []}
     return {"eval/accuracy": correct / n, "eval/accuracy_lenient": lenient / n,
             "eval/format_rate": formatted / n, "eval/response_len": length / n, "eval/count": n,
-            "eval/samples": [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]}
+            "eval/samples": samples}
 
 
 def check_held_out_size(n: int, world: int) -> bool:
@@ -57,6 +72,11 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
         return {}
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
+    return reported(res, step, prefix)
+
+
+def reported(res: dict, step: int, prefix: str = "eval/") -> dict[str, float]:
+    """`evaluate`'s result logged (one line) and named `prefix` + name, its samples left out."""
     samples = res.pop("eval/samples")
     example = f"; e.g. {samples[0]['completion'][:120]!r} for answer {samples[0]['answer']}" if samples else ""
     log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems%s",

@@ -71,6 +71,12 @@ def logged_evals(metrics_path) -> tuple[dict, dict]:
     return (evals[0], evals[-1]) if evals else ({}, {})
 
 
+def eval_due(steps_done: int, total_steps: int, eval_every: int) -> bool:
+    """Is the held-out evaluation due after `steps_done` steps: every `eval_every` (0: only at the
+    end) and after the last step. Step 0's evaluation is the caller's (a fresh run's)."""
+    return steps_done == total_steps or (eval_every > 0 and steps_done % eval_every == 0)
+
+
 def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Optional[dict] = None) -> LoopResult:
     """Drive `recipe` through its steps (see the module docstring). `start_metrics` (set-up timings)
     join the step-0 row of a fresh run."""
@@ -87,13 +93,12 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
         else:
             first_eval, last_eval = logged_evals(metrics.path)
         progress = Progress(recipe.total_steps, recipe.name, start=start)
-        eval_every = cfg.trainer.eval_every or recipe.total_steps
         for step in range(start, recipe.total_steps):
             with timer("step"):
                 step_metrics = recipe.train_step(step)
             step_metrics.update(timer.pop())
             last = step + 1 == recipe.total_steps
-            if (step + 1) % eval_every == 0 or last:
+            if eval_due(step + 1, recipe.total_steps, cfg.trainer.eval_every):
                 with timer("eval"):
                     last_eval = recipe.evaluate(step + 1)
                 step_metrics.update({**last_eval, **timer.pop()})

@@ -28,7 +28,7 @@ from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
 from colo_rl.config.validation import check_context_length, check_generation_fits
 from colo_rl.data.files import DataError, resolve_data_path
-from colo_rl.errors import BuildLockError, EnvError
+from colo_rl.errors import BuildLockError, EnvError, PoolError
 from colo_rl.metrics import MetricsLogger
 from colo_rl.lora import check_target_modules, lora_enabled
 from colo_rl.models import known_context_length, model_skeleton, resolve_dtype
@@ -243,7 +243,7 @@ def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:
 
 # Failures with a message that says what to do: one line from rank 0, no traceback (debug=true adds it).
 CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, DataError, RewardError, EnvError,
-                                                BuildLockError, FileNotFoundError)
+                                                BuildLockError, PoolError, FileNotFoundError)
 
 
 # On a clean error the other ranks wait this long before exiting, so that rank 0 says it first:

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from colo_rl import algos, dist, loop, runtime
-from colo_rl.bottleneck import bottleneck_report, format_report
+from colo_rl.bottleneck import bottleneck_report, format_report, resolve_generation_ranks
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
 from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
@@ -30,7 +30,7 @@ from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
-from colo_rl.evaluation import check_held_out_size, held_out_accuracy
+from colo_rl.evaluation import check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported
 from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
@@ -56,7 +56,9 @@ class GRPORecipe:
     def __init__(self, ctx):
         self.cfg, self.run_dir, self.t_start = ctx.cfg, ctx.run_dir, time.perf_counter()
         # placement.mode=split: from here on this rank's world is its pool (generation or trainer ranks)
-        self.split = enter_split(ctx.cfg) if ctx.cfg.placement.mode == "split" else None
+        self.split = None if ctx.cfg.placement.mode != "split" else enter_split(ctx.cfg, resolve_generation_ranks(
+            ctx.cfg.placement, dist.world_size(), ctx.cfg.rollout.tp_size, ctx.cfg.rollout.prompts_per_step,
+            dist.local_world_size()))
         cfg, world = self.cfg, dist.world_size()
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -102,10 +104,13 @@ class GRPORecipe:
                                         grad_accum=1)
         elif self.split.generates:  # an engine only; its weights come from the trainer, version by version
             self.colo = build_split_generator(cfg, self.tokenizer, ctx.dtype)
-            self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps)
+            self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps,
+                                       self.evaluate_shard)
         else:  # ZeRO-3 over the trainer ranks only, no engine
             self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
-            self.pool = TrainerPool(self.split, cfg, self.colo.actor, self.total_steps)
+            self.pool = TrainerPool(self.split, cfg, self.colo.actor, self.total_steps, evaluates=lambda version: (
+                bool(self.eval_set) and (version == 0 or loop.eval_due(version, self.total_steps,
+                                                                       cfg.trainer.eval_every))))
             runtime.seed_everything(cfg.trainer.seed + dist.rank())  # the pool's rank, as a colocated run's
             self.start_metrics.update(self.pool.start())
         # a split run's metrics are the trainer ranks' ("rank 0" of the generation pool writes none)
@@ -124,8 +129,8 @@ class GRPORecipe:
         return step
 
     def evaluate(self, step: int) -> dict[str, float]:
-        if self.split is not None:  # the trainer ranks hold no engine (docs/placement.md)
-            return {}
+        if self.split is not None:  # the generation ranks evaluated these weights (evaluate_shard)
+            return reported(eval_metrics(*self.pool.evaluation(step)), step) if self.eval_set else {}
         out = held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
                                 [p.answer for p, _ in self.eval_set], self.scorer,
                                 self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn,
@@ -176,6 +181,13 @@ class GRPORecipe:
         """A generation rank's rollout with the weights of `version`, and its generation / reward seconds."""
         rollout = self.rollout(policy_version=version)
         return rollout, self.timer.pop()
+
+    def evaluate_shard(self, version: int) -> tuple[list[float], list[dict]]:
+        """A generation rank's share of the held-out evaluation of the weights of `version` (split
+        placement): the trainer adds up every generator's share, as a colocated run's ranks do."""
+        return evaluate_shard(self.colo.engine, self.tokenizer, [ids for _, ids in self.eval_set],
+                              [p.answer for p, _ in self.eval_set], self.scorer, self.cfg.rollout.eval_max_new_tokens,
+                              problems=[p for p, _ in self.eval_set])
 
     def serve(self) -> None:
         """A generation rank's whole run (split placement): rollouts until the trainer stops it."""

@@ -349,3 +349,44 @@ def test_bf16_update_share_on_and_off_the_grid():
     off = 1.25 + torch.rand(100000, generator=torch.Generator().manual_seed(0)) * 2**-7
     shares = bf16_update_share.update_shares([off], lr=1e-3, steps=2, on_grid=False)
     assert shares == pytest.approx([1.0, 1.0], abs=0.05)
+
+
+def test_split_pools_reads_idle_shares_staleness_and_the_prediction(tmp_path):
+    """benchmarks/split_pools.py: a split run's idle shares are its waits over its step time (the
+    pipeline-filling first step left out), a colocated run's switch share and its report's 1 + 1
+    prediction; the table puts prediction and measurement side by side."""
+    from benchmarks import split_pools
+    from colo_rl.bottleneck import bottleneck_report
+
+    runs = {}
+    for layout, seed in [("colocated", 7), ("split_k1", 7), ("colocated", 8), ("split_k1", 8)]:
+        _fake_demo_run(tmp_path, layout, seed, end=0.3 + seed / 100, reward=0.3)
+        path = tmp_path / f"{layout}-seed{seed}" / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in rows[1:]:
+            r["time/step"] = 10.0
+            if layout == "colocated":  # 6 s generating, 3 s training, 1 s switching
+                r.update({"time/generation": 6.0, "time/update": 3.0, "time/phase_switch": 1.0})
+            else:  # the trainer waits 2 s for each rollout, the generator 1 s for weights
+                r.update({"time/trainer_wait": 2.0, "time/generation_idle": 1.0, "split/staleness_mean": 0.5,
+                          "split/staleness_max": 1.0, "split/dropped_groups_total": 0.0, "time/weight_sync": 0.2})
+        rows[1]["time/trainer_wait"] = 9.0  # the first step fills the pipeline: not counted
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+        if layout == "colocated":
+            (path.parent / "summary.json").write_text(json.dumps({"bottleneck": bottleneck_report(rows, 2)}))
+        runs[f"{layout}-seed{seed}"] = {"layout": layout, "seed": seed, **split_pools.run_summary(path.parent)}
+    colo, split = runs["colocated-seed7"], runs["split_k1-seed7"]
+    assert colo["switch_share"] == pytest.approx(0.1) and colo["trainer_idle_share"] == 0
+    assert split["trainer_idle_share"] == pytest.approx(0.2) and split["generation_idle_share"] == pytest.approx(0.1)
+    assert split["staleness_max"] == 1 and split["staleness_mean"] == pytest.approx(0.5)
+    # 2 ranks measured 6 s + 3 s: 1 + 1 takes max(12, 6) = 12 s, the trainer idle half of it
+    assert colo["predicted_split"]["step_seconds"] == pytest.approx(12.0)
+    assert colo["predicted_split"]["training_idle_share"] == pytest.approx(0.5)
+    comparison = split_pools.compare(runs, ["colocated", "split_k1"])
+    assert comparison["split_k1_vs_colocated"] == pytest.approx(1.0)
+    assert comparison["measured_vs_predicted"] == pytest.approx(10.0 / 12.0)
+    md = split_pools.table({"layouts": ["colocated", "split_k1"], "seeds": [7, 8], "shared": split_pools.SHARED,
+                            "runs": runs, "comparison": comparison})
+    assert "| predicted (colocated runs' report) | 12.0 (0.0) | 0 (0) | 50 (0) |" in md
+    assert "| measured (split_k1) | 10.0 (0.0) | 10 (0) | 20 (0) |" in md
+    assert "| split_k1 | 7 | 10.0 | 20 % | 10 % | 0 % | 0.50 / 1 | 0 | 0.20 | 0.015 | 0.370 |" in md

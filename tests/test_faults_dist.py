@@ -3,6 +3,8 @@
 - SIGINT to rank 0 alone: every rank stops after the same step, a checkpoint is written, all exit.
 - SIGKILL to rank 1 (a dead rank): rank 0 and torchrun exit with an error within bounded time.
 - SIGKILL to torchrun alone: the ranks (each in its own session) do not outlive it.
+- SIGKILL to the generation rank of a split run (placement.mode=split): the trainer rank exits with
+  one error line naming the dead rank and its pool, the launcher names the signal, nothing hangs.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ OVERRIDES = ["model=tiny", "trainer.total_steps=200", "rollout.prompts_per_step=
 class Run:
     """recipes/grpo.py under torchrun in the background; its ranks found by their RANK variable."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, extra: tuple[str, ...] = (), launcher: str = "torch.distributed.run"):
         self.run_dir = run_dir
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "recipes" / "grpo.py"), *OVERRIDES, f"run_dir={run_dir}"]
+        cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node=2",
+               str(ROOT / "recipes" / "grpo.py"), *OVERRIDES, *extra, f"run_dir={run_dir}"]
         env = child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -77,8 +79,8 @@ class Run:
 def run(tmp_path):
     runs = []
 
-    def start(name="run"):
-        runs.append(Run(tmp_path / name))
+    def start(name="run", **kwargs):
+        runs.append(Run(tmp_path / name, **kwargs))
         return runs[-1]
 
     yield start
@@ -142,3 +144,29 @@ def test_a_killed_launcher_leaves_no_orphan_ranks(run):
     # parent-death signal -> SIGTERM -> the ranks stopped together after a step, with a checkpoint
     assert "got SIGTERM: stopping after the current step" in r.output()
     assert newest_checkpoint(r.run_dir / "checkpoints") is not None
+
+
+def test_a_killed_generation_rank_ends_a_split_run_with_an_error_naming_it(run):
+    """Split placement, rank 0 generates and rank 1 trains, one step off; the generation rank is
+    killed mid-run. The trainer's next message to or from it fails on the closed connection: it
+    says which rank of which pool stopped answering, in one line, and exits; colo_rl.launch names
+    the rank that died and its signal. Within a bound, not torchrun's 30-second grace."""
+    r = run(extra=("placement.mode=split", "rollout.max_staleness=1", "algo.rollout_correction=tis_token"),
+            launcher="colo_rl.launch")
+    r.wait_for_step(2)
+    procs = r.everything()
+    before = len(r.output())
+    t0 = time.monotonic()
+    r.rank(0).send_signal(signal.SIGKILL)
+    rc = r.proc.wait(timeout=90)
+    seconds = time.monotonic() - t0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    after = r.output()[before:]
+    print(f"generation rank SIGKILLed: launcher exited rc {rc} {seconds:.1f}s later\n{after[-2000:]}")
+    assert rc == 128 + signal.SIGKILL and alive == [], (rc, alive)
+    assert seconds < 30, seconds
+    assert ("error: placement.mode=split: generation rank 0 (the generation pool) stopped answering" in after
+            or "error: placement.mode=split: a generation rank (ranks [0], the generation pool) stopped answering"
+            in after), after[-3000:]
+    assert "error: rank 0 (pid" in after and "was killed by SIGKILL" in after  # the launcher's line
+    assert "Traceback" not in after  # one line per failure, no bare gloo trace

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from colo_rl import loop
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import pools
 from colo_rl.split.placement import split_layout
@@ -46,20 +47,22 @@ class Wire:
         return obj
 
 
-def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_every=1):
+def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_every=1, eval_every=0):
+    """The trainer's loop over both pools; with `eval_every`, the held-out evaluations as the loop
+    asks for them (version 0, every eval_every, the last), each generator's share a fake [n, correct]."""
     wire = Wire()
     monkeypatch.setattr(pools, "send_object", wire.send_object)
     monkeypatch.setattr(pools, "recv_object", wire.recv_object)
 
     class Receiver:
         def __init__(self, group, leader):
-            pass
+            self.evaluate = False
 
         def ready(self):
             return not wire.weights.empty()
 
         def take(self, engine):
-            version, stop = wire.weights.get(timeout=30)
+            version, stop, self.evaluate = wire.weights.get(timeout=30)
             engine.version = version
             return version, stop
 
@@ -67,8 +70,8 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
         def __init__(self, actor, group, leader, max_bucket_bytes):
             pass
 
-        def send(self, version, stop):
-            wire.weights.put((version, stop))
+        def send(self, version, stop, evaluate=False):
+            wire.weights.put((version, stop, evaluate))
             return {"time/weight_sync": 0.0, "split/weight_sync_bytes": 0.0}
 
     monkeypatch.setattr(pools, "WeightReceiver", Receiver)
@@ -86,20 +89,32 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
         groups = [Group(f"p{len(made)}.{j}", [], []) for j in range(2)]
         return Rollout(groups=groups, policy_version=version), {"time/generation": gen_s}
 
+    def evaluate_shard(version):
+        assert engine.version == version  # evaluated with the weights it names
+        time.sleep(gen_s)
+        return [10.0, float(version)], [{"completion": f"v{version}", "answer": "1"}]
+
+    def evaluates(version):
+        return bool(eval_every) and (version == 0 or loop.eval_due(version, steps, eval_every))
+
     monkeypatch.setattr(pools.dist, "job_rank", lambda: 0)
-    gen = pools.GenerationPool(role, cfg, engine, make_rollout, steps)
+    gen = pools.GenerationPool(role, cfg, engine, make_rollout, steps, evaluate_shard)
     monkeypatch.setattr(pools.dist, "job_rank", lambda: 1)
-    trainer = pools.TrainerPool(role, cfg, actor=None, total_steps=steps)
+    trainer = pools.TrainerPool(role, cfg, actor=None, total_steps=steps, evaluates=evaluates)
     out = {}
     thread = threading.Thread(target=lambda: out.setdefault("slots", gen.serve()))
     thread.start()
     trainer.start()
     rows = []
+    evals = {0: trainer.evaluation(0)} if eval_every else {}
     for step in range(steps):
         rollout, flow = trainer.receive(step)
         start = time.time()
         time.sleep(update_s)
         rows.append({**flow, **trainer.after_update(step, (start, time.time()))})
+        if evaluates(step + 1):
+            evals[step + 1] = trainer.evaluation(step + 1)
+    run_pools.evals = evals
     unused = trainer.close()
     thread.join(30)
     assert not thread.is_alive()
@@ -131,3 +146,18 @@ def test_sync_every_two_with_k1_never_needs_a_version_not_sent(monkeypatch):
     rows, slots, unused, _ = run_pools(monkeypatch, 1, "wait", sync_every=2)
     assert slots == 6 and all(r["split/staleness_max"] <= 1 for r in rows)
     assert sum("time/weight_sync" in r for r in rows) == 3  # after steps 2, 4, 6
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_generators_evaluate_exactly_the_versions_the_loop_asks_for(monkeypatch, k):
+    """Held-out evaluation in split placement: the generation rank evaluates the weights of the
+    step-0 and every eval step's version between rollouts; the trainer gets each in order while the
+    rollouts that arrived before it still reach their steps (none lost, none trained twice)."""
+    rows, slots, unused, made = run_pools(monkeypatch, k, "wait", eval_every=2)
+    evals = run_pools.evals
+    assert sorted(evals) == [0, 2, 4, 6]
+    for version, (sums, samples) in evals.items():
+        assert sums == [10.0, float(version)] and samples[0]["completion"] == f"v{version}"
+    assert slots == 6 and unused == 0 and len(made) == 6
+    assert [r["split/policy_version"] <= i for i, r in enumerate(rows)] == [True] * 6
+    assert all(r["split/staleness_max"] <= k for r in rows)

@@ -37,17 +37,26 @@ def run(tmp_path, name, extra, nproc=2):
     proc = run_torchrun(WORKERS / "grpo_resume_worker.py", [*COMMON, *extra, f"run_dir={d}"], nproc=nproc,
                         timeout=600)
     rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    run.step0 = rows[0]
     return [r for r in rows if r["step"] > 0], proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("colocated"), "run", [], nproc=1)[0]
+    rows = run(tmp_path_factory.mktemp("colocated"), "run", [], nproc=1)[0]
+    return [run.step0, *rows]
 
 
 def test_k0_split_trains_what_the_colocated_run_trains(tmp_path, colocated):
     split, _ = run(tmp_path, "k0", ["placement.mode=split", "rollout.max_staleness=0"])
+    step0, colocated_step0, colocated = run.step0, colocated[0], colocated[1:]
     assert len(split) == len(colocated) == STEPS
+    # held-out evaluation runs on the generation rank with the weights of step 0 and of the end, and
+    # gives what the colocated run's evaluation gives
+    for s, c in ((step0, colocated_step0), (split[-1], colocated[-1])):
+        assert s["eval/count"] == c["eval/count"] == 8
+        for key in ("eval/accuracy", "eval/response_len", "eval/format_rate"):
+            assert s[key] == pytest.approx(c[key]), (s["step"], key)
     for s, c in zip(split, colocated):
         assert s["split/staleness_max"] == 0 and s["split/policy_version"] == s["step"] - 1
         assert s["split/overlap_seconds"] == 0  # synchronous: generation waits for the last update's weights

@@ -116,3 +116,66 @@ def test_split_config_accepted_as_documented():
 def test_split_config_refusals_name_the_keys(changes, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("+", r"\+")):
         check_grpo_rules(split_cfg(**changes))
+
+
+def test_a_dead_peer_becomes_one_error_naming_the_rank_and_the_pool():
+    from colo_rl.errors import PoolError
+    from colo_rl.runtime import CLEAN_ERRORS
+    from colo_rl.split.pools import peer
+
+    with pytest.raises(PoolError, match=r"generation rank 0 \(the generation pool\) stopped answering "
+                                        r"\(\[pair.cc:598\] Connection closed by peer\)"):
+        with peer("generation rank 0 (the generation pool)"):
+            raise RuntimeError("[pair.cc:598] Connection closed by peer\n  a long gloo trace")
+    assert PoolError in CLEAN_ERRORS  # printed as one `error:` line, no traceback
+    with pytest.raises(KeyError):  # not a wire error: passes unchanged
+        with peer("x"):
+            raise KeyError("y")
+
+
+def test_auto_split_is_the_fastest_allowed_balance_of_the_measured_phases():
+    from colo_rl.bottleneck import balanced_generation_ranks
+
+    # 2 ranks measured 6 s generating and 2 s training per step: 12 and 4 rank-seconds of work.
+    # On 4 ranks: g=1 takes max(12/1, 4/3) = 12 s, g=2 max(6, 4/2) = 6 s, g=3 max(4, 4) = 4 s
+    seconds = {"generation": 6.0, "train": 2.0, "other": 0.5}
+    best = balanced_generation_ranks(seconds, measured_ranks=2, world=4)
+    assert best["generation_gpus"] == 3 and best["step_seconds"] == pytest.approx(4.5)
+    assert best["balanced_generation_ranks"] == pytest.approx(3.0)
+    assert best["generation_idle_share"] == pytest.approx(0) and best["training_idle_share"] == pytest.approx(0)
+    # a split the layout refuses (e.g. 3 does not divide the prompts) is never chosen
+    assert balanced_generation_ranks(seconds, 2, 4, allowed=lambda g: g != 3)["generation_gpus"] == 2
+    # train-bound: the fewest generation ranks
+    assert balanced_generation_ranks({"generation": 1.0, "train": 5.0, "other": 0.0}, 2, 4)["generation_gpus"] == 1
+    with pytest.raises(ValueError, match="no split of 4 ranks is allowed"):
+        balanced_generation_ranks(seconds, 2, 4, allowed=lambda g: False)
+
+
+def test_auto_split_reads_a_colocated_runs_report_and_refuses_when_it_cannot_know(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from colo_rl.bottleneck import bottleneck_report, resolve_generation_ranks
+    from colo_rl.errors import ConfigError
+
+    def placement(g="auto", source=None):
+        return SimpleNamespace(generation_ranks=g, balance_from=source)
+
+    assert resolve_generation_ranks(placement("2"), world=4, tp_size=1, prompts_per_step=8) == 2
+    with pytest.raises(ConfigError, match="placement.balance_from=<its run directory>"):
+        resolve_generation_ranks(placement(), 4, 1, 8)
+    with pytest.raises(ConfigError, match="neither summary.json nor metrics.jsonl"):
+        resolve_generation_ranks(placement(source=str(tmp_path)), 4, 1, 8)
+    rows = [{"step": s, "time/step": 8.5, "time/generation": 6.0, "time/logprobs": 0.5, "time/update": 1.5,
+             "time/reward": 0.5} for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match="no bottleneck report"):  # the run has not finished
+        resolve_generation_ranks(placement(source=str(tmp_path)), 4, 1, 8)
+    (tmp_path / "summary.json").write_text(json.dumps({"bottleneck": bottleneck_report(rows, 2)}))
+    assert resolve_generation_ranks(placement(source=str(tmp_path / "summary.json")), 4, 1, 8) == 2  # 3 cannot split 8 prompts
+    assert resolve_generation_ranks(placement(source=str(tmp_path)), 4, 1, 12) == 3
+    split = tmp_path / "split"
+    split.mkdir()
+    (split / "metrics.jsonl").write_text(json.dumps({**rows[0], "split/policy_version": 0}) + "\n")
+    with pytest.raises(ConfigError, match="is a split run"):
+        resolve_generation_ranks(placement(source=str(split)), 4, 1, 8)

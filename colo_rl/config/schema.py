@@ -236,8 +236,12 @@ class PlacementConfig:
     # [0, generation_ranks) only generate and the others only train, at the same time
     mode: str = opt("colocated", SPLIT, choices=("colocated", "split"),
                     resume=refuse("a split run's data position lives on its generation ranks"))
-    # split: how many ranks (the first ones) run rollout engines; the rest train with ZeRO-3
-    generation_ranks: int = opt(1, SPLIT, check=POSITIVE_INT)
+    # split: how many ranks (the first ones) run rollout engines, the rest train with ZeRO-3; auto =
+    # the split the bottleneck report of placement.balance_from's colocated run balances best
+    generation_ranks: str = opt("1", SPLIT, check=Check(lambda v: str(v) == "auto" or (str(v).isdigit() and int(v) > 0),
+                                                       "must be auto or a positive number of ranks"))
+    # split, generation_ranks=auto: a finished colocated GRPO run of the same work (its run directory)
+    balance_from: Optional[str] = opt(None, SPLIT)
     # split: the trainer sends its weights to the generation ranks every this many optimizer steps
     sync_every: int = opt(1, SPLIT, check=POSITIVE_INT)
 

@@ -188,6 +188,9 @@ def check_split_rules(cfg: "RunConfig") -> None:
         if value != wanted:
             raise ConfigError(f"placement.mode=split with {key}={value}: {why}. Use placement.mode=colocated "
                               f"or {key}={wanted}")
+    if cfg.placement.balance_from is not None and str(cfg.placement.generation_ranks) != "auto":
+        raise ConfigError(f"placement.balance_from={cfg.placement.balance_from} is read only with "
+                          f"placement.generation_ranks=auto (not {cfg.placement.generation_ranks})")
     k, every = cfg.rollout.max_staleness, cfg.placement.sync_every
     if every > k + 1:
         raise ConfigError(f"placement.sync_every={every} with rollout.max_staleness={k}: between two weight syncs "

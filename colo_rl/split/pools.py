@@ -9,6 +9,8 @@
       (isend; at most max(1, k) slots in flight)        drop it if step - version > k (counted)
                                                       update -> version step + 1
                      <------------------------------ send weights (every placement.sync_every steps;
+    evaluate flag in the weights: this rank's share   evaluate: the shares of every generator, summed
+      of the held-out set -> to each trainer            (the step-0 weights and every eval step's)
     stop flag in the weights -> END to each trainer    the last send carries stop)
                                                       drain until END from every generator
 """
@@ -18,16 +20,33 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from colo_rl import dist
+from colo_rl.errors import PoolError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
 from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object
 
 log = logging.getLogger("colo_rl")
+
+
+@contextmanager
+def peer(who: str):
+    """Talking to the other pool: the error a dead peer's closed connection raises (gloo: "Connection
+    closed by peer"; NCCL: a remote error) becomes one PoolError naming the rank(s) and the pool."""
+    try:
+        yield
+    except PoolError:
+        raise
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError included) are RuntimeErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise PoolError(f"placement.mode=split: {who} stopped answering ({first}). That rank died or failed "
+                        f"(its own output, or the launcher's line, says why); a split run needs every rank of both "
+                        f"pools, so this rank stops too") from e
 
 
 @dataclass
@@ -37,10 +56,10 @@ class SplitRole:
     weight_group: Any  # the weight broadcast's process group (leader + generation ranks)
 
 
-def enter_split(cfg) -> SplitRole:
+def enter_split(cfg, generation_ranks: int) -> SplitRole:
     """Make the pools' process groups (every rank calls it) and scope this rank's helpers to its pool:
     from here on dist.rank() / world_size() and the collectives are the pool's (dist.set_scope)."""
-    layout = split_layout(dist.world_size(), cfg.placement.generation_ranks, cfg.rollout.tp_size,
+    layout = split_layout(dist.world_size(), generation_ranks, cfg.rollout.tp_size,
                           cfg.rollout.prompts_per_step, dist.local_world_size())
     gen_group, train_group, weight_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)])
@@ -69,15 +88,34 @@ class RolloutPart:
     in_flight: int = 0  # slots already sent and not yet received when this one was queued
 
 
+@dataclass
+class HeldOutShare:
+    """One generator's share of a held-out evaluation of the weights of `version`
+    (colo_rl.evaluation.evaluate_shard's sums and samples)."""
+    version: int
+    sums: list[float]
+    samples: list[dict]
+    seconds: float = 0.0
+
+
+EvaluateShard = Callable[[int], tuple[list[float], list[dict]]]
+
+
 class GenerationPool:
-    """A generation rank's loop: weights in, rollouts out, until the trainer's last weights say stop."""
+    """A generation rank's loop: weights in, rollouts out, until the trainer's last weights say stop.
+    Weights the trainer marks for evaluation are evaluated here (`evaluate_shard`: this rank's share
+    of the held-out set) before the next rollout, and the share goes to every trainer."""
 
     def __init__(self, role: SplitRole, cfg, engine, make_rollout: Callable[[int], tuple[Rollout, dict]],
-                 total_steps: int):
+                 total_steps: int, evaluate_shard: EvaluateShard | None = None):
         self.layout, self.engine, self.make_rollout = role.layout, engine, make_rollout
         self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
+        self.evaluate_shard = evaluate_shard
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
         self.index = role.layout.generation.index(dist.job_rank())
+        self.eval_seconds = 0.0  # evaluating since the last slot: not idle time
+        self.eval_sends: list[Pending] = []
+        self.trainers_named = f"a trainer rank (ranks {list(self.layout.trainers)}, the trainer pool)"
 
     def serve(self) -> int:
         """Runs to the end of training; returns the slots generated."""
@@ -87,35 +125,56 @@ class GenerationPool:
         finally:
             stop_signal.restore()
 
+    def _take(self) -> tuple[int, bool]:
+        """The next weights into the engine (between generate calls only); their held-out evaluation
+        when the trainer asked for it."""
+        with peer(f"trainer rank {self.layout.leader} (it broadcasts the weights)"):
+            version, stop = self.receiver.take(self.engine)
+        if self.receiver.evaluate:
+            if self.evaluate_shard is None:
+                raise RuntimeError("the trainer asked for a held-out evaluation this generation rank cannot run")
+            t0 = time.perf_counter()
+            sums, samples = self.evaluate_shard(version)
+            seconds = time.perf_counter() - t0
+            self.eval_seconds += seconds
+            share = HeldOutShare(version, sums, samples, seconds)
+            with peer(self.trainers_named):
+                self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
+        return version, stop
+
     def _serve(self) -> int:
-        version, stop = self.receiver.take(self.engine)  # version 0: the trainer's starting weights
+        version, stop = self._take()  # version 0: the trainer's starting weights
         pending: deque[list[Pending]] = deque()
         capacity = max(1, self.k)
         slot, waits, free_since = 0, 0, time.perf_counter()
         while not stop:
             if self.policy == "wait" and slot >= self.total_steps:  # every slot is trained: wait for the stop
-                version, stop = self.receiver.take(self.engine)
+                version, stop = self._take()
                 continue
             while not stop and (self.receiver.ready() or
                                 (self.policy == "wait" and not st.may_generate(slot, version, self.k))):
                 waits += not self.receiver.ready()
-                version, stop = self.receiver.take(self.engine)  # between generate calls only
+                version, stop = self._take()  # between generate calls only
             if stop:
                 break
             g0, start = time.time(), time.perf_counter()
             rollout, seconds = self.make_rollout(version)
             interval, done = (g0, time.time()), time.perf_counter()
             while len(pending) >= capacity:  # the bounded queue: the oldest slot must be received first
-                for p in pending.popleft():
-                    p.wait()
+                with peer(self.trainers_named):
+                    for p in pending.popleft():
+                        p.wait()
             in_flight = sum(not all(p.done() for p in sends) for sends in pending)
-            idle = (start - free_since) + (time.perf_counter() - done)  # weights, then queue space
-            pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
-            slot, waits, free_since = slot + 1, 0, time.perf_counter()
-        ends = [send_object(None, dst) for dst in self.layout.trainers]
-        for sends in [*pending, ends]:
-            for p in sends:
-                p.wait()
+            # weights, then queue space (a held-out evaluation meanwhile is work, not idle)
+            idle = max(0.0, start - free_since - self.eval_seconds) + (time.perf_counter() - done)
+            with peer(self.trainers_named):
+                pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
+            slot, waits, free_since, self.eval_seconds = slot + 1, 0, time.perf_counter(), 0.0
+        with peer(self.trainers_named):
+            ends = [send_object(None, dst) for dst in self.layout.trainers]
+            for sends in [*pending, self.eval_sends, ends]:
+                for p in sends:
+                    p.wait()
         log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(), slot,
                  version)
         return slot
@@ -135,8 +194,14 @@ class GenerationPool:
 class TrainerPool:
     """The trainer ranks' side: rollouts in (the bound applied), weights out."""
 
-    def __init__(self, role: SplitRole, cfg, actor, total_steps: int):
+    def __init__(self, role: SplitRole, cfg, actor, total_steps: int,
+                 evaluates: Callable[[int], bool] = lambda version: False):
         self.layout, self.cfg, self.total_steps = role.layout, cfg, total_steps
+        self.evaluates = evaluates  # which versions the generation ranks evaluate (the loop's eval steps)
+        # messages taken from a generator's stream ahead of their turn (rollouts received while
+        # waiting for a held-out share), per generation rank
+        self.inbox: dict[int, deque] = {src: deque() for src in self.layout.generation}
+        self.generators_named = f"a generation rank (ranks {list(self.layout.generation)}, the generation pool)"
         self.k = cfg.rollout.max_staleness
         self.sender = WeightSender(actor, role.weight_group if dist.job_rank() == role.layout.leader else None,
                                    role.layout.leader, int(cfg.colocate.handoff_bucket_mb) << 20)
@@ -148,15 +213,46 @@ class TrainerPool:
 
     def start(self) -> dict[str, float]:
         """The starting weights (version 0) to the generators: their engines never read the disk's."""
-        return self.sender.send(0, stop=False)
+        return self._send_weights(0, stop=False, evaluate=self.evaluates(0))
+
+    def _send_weights(self, version: int, stop: bool, evaluate: bool = False) -> dict[str, float]:
+        with peer(self.generators_named):
+            return self.sender.send(version, stop, evaluate)
+
+    def _recv(self, src: int):
+        with peer(f"generation rank {src} (the generation pool)"):
+            return recv_object(src)
+
+    def _next(self, src: int):
+        return self.inbox[src].popleft() if self.inbox[src] else self._recv(src)
+
+    def evaluation(self, version: int) -> tuple[list[float], list[dict]]:
+        """The held-out evaluation of the weights of `version`: every generator's share, summed
+        (evaluate_shard's sums), and the first generator's samples. Rollouts that arrive first wait
+        in the inbox for `receive`."""
+        shares = []
+        for src in self.layout.generation:
+            while not isinstance(msg := self._recv(src), HeldOutShare):
+                if msg is None:
+                    raise RuntimeError(f"generation rank {src} ended before sending its held-out evaluation")
+                self.inbox[src].append(msg)
+            if msg.version != version:
+                raise RuntimeError(f"generation rank {src} evaluated version {msg.version}, the trainer expected "
+                                   f"{version}")
+            shares.append(msg)
+        sums = [sum(col) for col in zip(*(s.sums for s in shares))]
+        return sums, shares[0].samples
 
     def receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The rollout this trainer trains at `step`: the next slot within the bound (older ones dropped)."""
         t0 = time.perf_counter()
         while True:
-            parts = [recv_object(src) for src in self.layout.generation]
+            parts = [self._next(src) for src in self.layout.generation]
             if any(p is None for p in parts):
                 raise RuntimeError("a generation rank ended before the trainer stopped it")
+            if any(isinstance(p, HeldOutShare) for p in parts):
+                raise RuntimeError("a held-out evaluation arrived where a rollout was expected: the trainer "
+                                   "evaluates at other steps than it asked the generation ranks to")
             version = min(p.version for p in parts)
             if st.admitted(step, version, self.k):
                 break
@@ -179,9 +275,9 @@ class TrainerPool:
         step's send carries the stop."""
         self.last_update, self.version = update_interval, step + 1
         out = {"split/update_start": update_interval[0], "split/update_end": update_interval[1], **self.stats.pop()}
-        last = step + 1 >= self.total_steps
-        if last or (step + 1) % self.cfg.placement.sync_every == 0:
-            out.update(self.sender.send(step + 1, stop=last))
+        last, evaluate = step + 1 >= self.total_steps, self.evaluates(step + 1)
+        if last or evaluate or (step + 1) % self.cfg.placement.sync_every == 0:
+            out.update(self._send_weights(step + 1, stop=last, evaluate=evaluate))
             self.stopped = last
         return out
 
@@ -189,9 +285,11 @@ class TrainerPool:
         """The run ends (done or stopped by a signal): stop the generators, take what they still had in
         flight (unused); returns those slots."""
         if not self.stopped:
-            self.sender.send(self.version, stop=True)
+            self._send_weights(self.version, stop=True)
             self.stopped = True
         for src in self.layout.generation:
-            while recv_object(src) is not None:
-                self.unused_slots += 1
+            self.unused_slots += sum(isinstance(m, RolloutPart) for m in self.inbox[src])
+            self.inbox[src].clear()
+            while (msg := self._recv(src)) is not None:
+                self.unused_slots += isinstance(msg, RolloutPart)
         return self.unused_slots

@@ -4,7 +4,7 @@ Rollouts: pickled objects, generation rank -> trainer rank, point-to-point. A me
 (int64: payload bytes, kind) and the payload (uint8); the generator sends without blocking
 (`isend`), so up to the queue's capacity of rollouts are in flight while it generates the next.
 Weights: the leader trainer broadcasts in buckets to the weight group (leader + generation ranks):
-an int64 header (version, stop), then each bucket as one flat uint8 buffer. A generation rank
+an int64 header (version, stop, evaluate), then each bucket as one flat uint8 buffer. A generation rank
 posts its receives ahead (async) and looks between generate calls whether they completed, so
 its engine switches version only between generate calls.
 On NCCL every buffer lives on the rank's GPU (`on_wire`); that is the only GPU-specific line.
@@ -124,12 +124,13 @@ class WeightSender:
         if self.is_leader:  # the generators allocate their receive buffers from it
             tdist.broadcast_object_list([self.buckets], src=leader, group=group)
 
-    def send(self, version: int, stop: bool) -> dict[str, float]:
-        """Weights of `version` to every generation rank (`stop`: the last send, the run ends)."""
+    def send(self, version: int, stop: bool, evaluate: bool = False) -> dict[str, float]:
+        """Weights of `version` to every generation rank (`stop`: the last send, the run ends;
+        `evaluate`: the generation ranks evaluate these weights on the held-out set)."""
         t0, sent = time.perf_counter(), 0
         if self.is_leader:
-            tdist.broadcast(on_wire(torch.tensor([version, int(stop)], dtype=torch.int64)), src=self.leader,
-                            group=self.group)
+            tdist.broadcast(on_wire(torch.tensor([version, int(stop), int(evaluate)], dtype=torch.int64)),
+                            src=self.leader, group=self.group)
         for bucket in self.buckets:
             with self.actor.gathered([s.name for s in bucket]) as tensors:  # a collective of the trainers
                 if self.is_leader:
@@ -145,13 +146,14 @@ class WeightReceiver:
 
     def __init__(self, group, leader: int):
         self.group, self.leader = group, leader
+        self.evaluate = False  # the header of the weights taken last asked for a held-out evaluation
         box = [None]
         tdist.broadcast_object_list(box, src=leader, group=group)
         self.buckets: list[list[Slot]] = box[0]
         self._post()
 
     def _post(self) -> None:
-        self.header = on_wire(torch.empty(2, dtype=torch.int64))
+        self.header = on_wire(torch.empty(3, dtype=torch.int64))
         self.flats = [on_wire(torch.empty(bucket_bytes(b), dtype=torch.uint8)) for b in self.buckets]
         self.works = [tdist.broadcast(t, src=self.leader, group=self.group, async_op=True)
                       for t in (self.header, *self.flats)]
@@ -162,10 +164,12 @@ class WeightReceiver:
 
     def take(self, engine) -> tuple[int, bool]:
         """Wait for the next weights, load them into `engine`, post the receives of the ones after
-        (unless this was the last send); (version, stop)."""
+        (unless this was the last send); (version, stop). `self.evaluate` says whether the trainer
+        asked for these weights' held-out evaluation."""
         for w in self.works:
             w.wait()
-        version, stop = (int(x) for x in self.header.cpu())
+        version, stop, evaluate = (int(x) for x in self.header.cpu())
+        self.evaluate = bool(evaluate)
         for bucket, flat in zip(self.buckets, self.flats):
             engine.load_weights(unpack(bucket, flat))
         engine.finish_weight_update()
