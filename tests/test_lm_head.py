@@ -105,3 +105,14 @@ def test_heads_with_changed_logits_are_not_fused():
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
     assert fusable_head(model) is None
     assert model_config(TINY).tie_word_embeddings  # the tied head: the fused path also trains the embedding
+
+
+def test_the_head_is_a_plain_linear_again_after_the_forward_even_when_it_fails():
+    model = load_model(TINY, torch.float32, seed=3)
+    mb = build_batch([[5, 6, 7]], [[8, 9]], pad_id=0)
+    response_logprobs(model, mb, with_entropy=True)
+    assert "forward" not in model.lm_head.__dict__
+    assert model(input_ids=mb.input_ids).logits.shape[-1] == model.config.vocab_size
+    with pytest.raises(IndexError):  # a target outside the vocabulary fails inside the head
+        response_logprobs(model, build_batch([[5, 6, 7]], [[8, 10 ** 6]], pad_id=0))
+    assert "forward" not in model.lm_head.__dict__

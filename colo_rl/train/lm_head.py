@@ -135,11 +135,15 @@ def fusable_head(model) -> Optional[torch.nn.Linear]:
 def _head_computes(head: torch.nn.Linear, fn):
     """`head`'s forward replaced by `fn(head, hidden)` for the duration (its hooks stay: ZeRO-3 still
     gathers the weight around the call and for its backward)."""
+    own = head.__dict__.get("forward")  # an instance-level forward someone installed (hooks), kept
     head.forward = lambda hidden: fn(head, hidden)
     try:
         yield
     finally:
-        del head.forward  # back to the class's forward
+        if own is not None:
+            head.forward = own
+        else:
+            del head.forward  # back to the class's forward
 
 
 def fused_head_logprobs(model, head: torch.nn.Linear, inputs: dict, at: torch.Tensor, targets: torch.Tensor,
