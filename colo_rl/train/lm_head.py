@@ -27,14 +27,18 @@ import torch
 from colo_rl.algos import entropy_from_logits
 
 # Positions per chunk. CPU: 64 positions of a 49k vocabulary are 12 MiB of float32, resident in the
-# last-level cache while the chunk is reduced. Elsewhere ~1 GiB of float32 per chunk: few launches,
-# bounded memory (an 8k-token micro-batch of a 152k vocabulary would otherwise hold 5 GiB of logits).
+# last-level cache while the chunk is reduced; but every chunk reads the head's weight [V, h] again
+# (three products) and adds to its gradient, so a chunk covers at least h positions (its logits at
+# least as large as the weight). Elsewhere ~1 GiB of float32 per chunk: few launches, bounded memory
+# (an 8k-token micro-batch of a 152k vocabulary would otherwise hold 5 GiB of logits).
 CPU_CHUNK_POSITIONS = 64
 DEVICE_CHUNK_BYTES = 1 << 30
 
 
-def chunk_positions(device: torch.device, vocab: int) -> int:
-    return CPU_CHUNK_POSITIONS if device.type == "cpu" else max(64, DEVICE_CHUNK_BYTES // (4 * vocab))
+def chunk_positions(device: torch.device, vocab: int, hidden_size: int) -> int:
+    if device.type == "cpu":
+        return max(CPU_CHUNK_POSITIONS, hidden_size)
+    return max(64, DEVICE_CHUNK_BYTES // (4 * vocab))
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -64,7 +68,7 @@ class ChunkedLogZ(torch.autograd.Function):
             z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
             logz[s:s + chunk] = torch.logsumexp(z, dim=-1)
             if with_entropy:
-                entropy[s:s + chunk] = entropy_from_logits(z, logz[s:s + chunk], chunk=z.shape[0])
+                entropy[s:s + chunk] = entropy_from_logits(z, logz[s:s + chunk])
         ctx.save_for_backward(hidden, weight, logz, entropy)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
         if not ctx.entropy_grad:
@@ -84,7 +88,7 @@ class ChunkedLogZ(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s:s + chunk]
             z = _chunk_logits(h, weight, T)
-            p = torch.exp(z - logz[s:s + chunk, None])
+            p = (z - logz[s:s + chunk, None]).exp_()
             if use_entropy:  # E[z] = logZ - H
                 centred = z.sub_((logz[s:s + chunk] - entropy[s:s + chunk])[:, None])
                 grad = p * (g_logz[s:s + chunk, None] - g_entropy[s:s + chunk, None] * centred)
@@ -95,7 +99,11 @@ class ChunkedLogZ(torch.autograd.Function):
             grad = grad.to(weight.dtype)
             if g_hidden is not None:
                 g_hidden[s:s + chunk] = grad @ weight
-            if g_weight is not None:
+            if g_weight is None:
+                continue
+            if grad.dtype == torch.float32:
+                g_weight.addmm_(grad.t(), h)  # accumulated inside the product: no [V, h] temporary
+            else:  # bf16 / fp16 products, summed over chunks in float32
                 g_weight += (grad.t() @ h).float()
         return g_hidden, None if g_weight is None else g_weight.to(weight.dtype), None, None, None, None
 
@@ -108,7 +116,7 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, at: torch.Tensor, 
     hidden [N, h]: the positions' last hidden states; weight [V, h]: the LM head (no bias); at [...]:
     the position (row of `hidden`) predicting each token; targets [...]: the token ids. Returns
     (logp, entropy) shaped like `at` (entropy None without `with_entropy`)."""
-    chunk = chunk or chunk_positions(hidden.device, weight.shape[0])
+    chunk = chunk or chunk_positions(hidden.device, weight.shape[0], weight.shape[1])
     logz, entropy = ChunkedLogZ.apply(hidden, weight, temperature, with_entropy, entropy_grad, chunk)
     picked = (hidden[at] * weight[targets]).sum(-1).float()  # z[u(t), y_t], in the model's dtype as the head's
     if temperature != 1.0:
