@@ -9,10 +9,17 @@ from colo_rl.config import ModelConfig
 from colo_rl.models import load_model, model_config
 from colo_rl.train import batch as batch_module
 from colo_rl.train.batch import build_batch, response_logprobs
+from colo_rl.train import lm_head
 from colo_rl.train.lm_head import fusable_head, head_logprobs
 from colo_rl.train.packing import pack_groups
 
 TINY = ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32")
+
+
+@pytest.fixture(autouse=True)
+def fuse_on_cpu(monkeypatch):
+    """The chunked head runs off the CPU by default (slower here); these tests check it on the CPU."""
+    monkeypatch.setattr(lm_head, "FUSE_ON_CPU", True)
 
 
 def textbook(hidden, weight, at, targets, temperature):
@@ -105,6 +112,11 @@ def test_heads_with_changed_logits_are_not_fused():
     model.lm_head.bias = torch.nn.Parameter(torch.zeros(model.lm_head.out_features))
     assert fusable_head(model) is None
     assert model_config(TINY).tie_word_embeddings  # the tied head: the fused path also trains the embedding
+
+
+def test_the_cpu_keeps_the_whole_logits_path_by_default(monkeypatch):
+    monkeypatch.setattr(lm_head, "FUSE_ON_CPU", False)
+    assert fusable_head(load_model(TINY, torch.float32, seed=3)) is None
 
 
 def test_the_head_is_a_plain_linear_again_after_the_forward_even_when_it_fails():

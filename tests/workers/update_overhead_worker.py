@@ -161,9 +161,10 @@ def update_reads(packing: bool, micro_batch_size: int) -> dict:
 
 
 def head_run(fused: bool) -> tuple[list, dict, dict]:
-    from colo_rl.train import batch as batch_module
+    from colo_rl.train import batch as batch_module, lm_head
 
     real = batch_module.fusable_head
+    lm_head.FUSE_ON_CPU = True  # the chunked head is for GPUs by default; checked here on the CPU
     if not fused:
         batch_module.fusable_head = lambda model: None
     try:
@@ -181,6 +182,7 @@ def head_run(fused: bool) -> tuple[list, dict, dict]:
         return outputs, grads, actor.full_state_dict_on_rank0() or {}
     finally:
         batch_module.fusable_head = real
+        lm_head.FUSE_ON_CPU = False
 
 
 def fused_head_report() -> dict:
