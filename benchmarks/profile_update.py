@@ -5,6 +5,7 @@ DeepSpeed actor at a given ZeRO stage, in one process; optionally the top operat
     python benchmarks/profile_update.py --stage 3            # DeepSpeed ZeRO-3 (the default)
     python benchmarks/profile_update.py --stage 0 --plain    # ZeRO-0, and plain PyTorch + AdamW
     python benchmarks/profile_update.py --stage 3 --ops 25   # + the 25 most expensive operators
+    python benchmarks/profile_update.py --layers 30 --response-len 64 --ops 25  # the deep narrow model
 
 Random token ids with the race's shapes (a 55-token prompt, 8 responses of 40 tokens per group);
 the second of two updates is timed (the first builds DeepSpeed's buffers). Prints seconds per
@@ -38,12 +39,19 @@ def packed_micro_batches(n_groups: int, group_size: int, prompt_len: int, respon
             for k in range(0, n_groups, groups_per_micro_batch)]
 
 
-def deepspeed_update(stage: int, mbs: list):
-    from colo_rl.config import ModelConfig, RunConfig
+def model_settings(layers: int):
+    """The embedded model, or with `layers` the deep narrow one (`model=tiny model.num_layers=N`)."""
+    from colo_rl.config import ModelConfig
+
+    return ModelConfig(random_init=True, hidden_size=64, num_layers=layers) if layers else ModelConfig()
+
+
+def deepspeed_update(stage: int, mbs: list, layers: int = 0):
+    from colo_rl.config import RunConfig
     from colo_rl.train.actor import DeepSpeedActor
 
     cfg = RunConfig()
-    cfg.model = ModelConfig()
+    cfg.model = model_settings(layers)
     cfg.trainer.zero_stage = stage
     actor = DeepSpeedActor(cfg, torch.float32, total_steps=10, grad_accum=len(mbs))
     n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
@@ -56,12 +64,11 @@ def deepspeed_update(stage: int, mbs: list):
     return update
 
 
-def plain_update(mbs: list):
-    from colo_rl.config import ModelConfig
+def plain_update(mbs: list, layers: int = 0):
     from colo_rl.models import load_model
     from colo_rl.train.batch import response_logprobs
 
-    model = load_model(ModelConfig(), torch.float32, seed=0).train()
+    model = load_model(model_settings(layers), torch.float32, seed=0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
 
@@ -90,16 +97,20 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--per-micro-batch", type=int, default=4,
                    help="groups per micro-batch (trainer.micro_batch_size // group_size)")
+    p.add_argument("--layers", type=int, default=0,
+                   help="the deep narrow model (hidden 64) with this many layers; 0 = the embedded model")
+    p.add_argument("--prompt-len", type=int, default=55)
+    p.add_argument("--response-len", type=int, default=40)
     args = p.parse_args(argv)
     from colo_rl import dist
 
     dist.init()
     dist.setup_logging()
-    groups = packed_micro_batches(args.groups, 8, 55, 40, args.per_micro_batch)
+    groups = packed_micro_batches(args.groups, 8, args.prompt_len, args.response_len, args.per_micro_batch)
     if args.plain:
-        print(f"plain PyTorch + AdamW: {timed(plain_update(groups)):.2f} s per update "
+        print(f"plain PyTorch + AdamW: {timed(plain_update(groups, args.layers)):.2f} s per update "
               f"({torch.get_num_threads()} threads)")
-    update = deepspeed_update(args.stage, groups)
+    update = deepspeed_update(args.stage, groups, args.layers)
     print(f"DeepSpeed ZeRO-{args.stage}: {timed(update):.2f} s per update ({torch.get_num_threads()} threads)")
     if args.ops:
         from torch.profiler import ProfilerActivity, profile

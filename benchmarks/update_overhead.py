@@ -17,8 +17,8 @@ reference log-probs are time/logprobs, not included); the first `--skip` steps a
 the root logs it, else the sequence-count rule of c28839b: ceil(groups / max(1, micro_batch_size //
 group_size))); on a CPU all of it is host time.
 
-Runs per root: its defaults; the same with trainer.micro_batch_size=64 (the step as one micro-batch,
-as token micro-batches would make it); for roots that know them, trainer.zero_leaf_modules=false
+Runs per root: its defaults; the same with trainer.micro_batch_size=64 (and, for roots with token
+micro-batches, trainer.micro_batch_tokens=65536): the step as one micro-batch; for roots that know them, trainer.zero_leaf_modules=false
 and algo.log_entropy=false (what each part saves); ZeRO-0 on the last root (no partitioning
 hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded SmolLM2-135M, its
 defaults) per root. Ratios are within this run, on this machine.
@@ -55,8 +55,8 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
     runs = []
     for label, root in roots:
         runs.append({"root": label, "work": "deep_narrow", "variant": "default", "overrides": []})
-        runs.append({"root": label, "work": "deep_narrow", "variant": "one micro-batch",
-                     "overrides": ["trainer.micro_batch_size=64"]})
+        one = ["trainer.micro_batch_size=64"] + (["trainer.micro_batch_tokens=65536"] if knows_new[label] else [])
+        runs.append({"root": label, "work": "deep_narrow", "variant": "one micro-batch", "overrides": one})
         if knows_new[label]:
             runs.append({"root": label, "work": "deep_narrow", "variant": "leaf modules off",
                          "overrides": ["trainer.zero_leaf_modules=false"]})

@@ -46,6 +46,19 @@ def test_leaf_modules_train_the_same_weights_paged_or_not(reports):
 
 
 @pytest.mark.slow
+def test_chunked_lm_head_gives_the_whole_logits_results_under_zero3(reports):
+    """2 ranks, ZeRO-3 partitioning the tied LM head / embedding: the LM head's chunked log-softmax
+    (train/lm_head.py) and the whole-logits path give the same log-probs, entropies, gradients (a
+    log-prob loss and an entropy bonus) and weights after a step, to float32 rounding."""
+    for rep in reports:
+        head = rep["fused_head"]
+        assert head["logp_max_diff"] <= 1e-5 and head["entropy_max_diff"] <= 1e-5, head
+        assert head["embedding_grad_abs"] > 0 and head["grad_max_diff"] <= 1e-5 * head["grad_max_abs"], head
+    # lr 1e-2: a wrong gradient moves weights by ~1e-2; Adam turns rounding-level differences into far less
+    assert reports[0]["fused_head"]["weights_max_diff"] <= 2e-3, reports[0]["fused_head"]
+
+
+@pytest.mark.slow
 def test_update_reads_the_device_a_fixed_number_of_times_whatever_the_split(reports):
     """One optimizer step: the non-finite flag, the statistics and the log-prob check travel once
     each (the engine-vs-trainer mismatch sums travel with the statistics), for 2 or 4 micro-batches of
@@ -72,7 +85,8 @@ def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
 
     runs = variants([("old", tmp_path), ("new", tmp_path)], {"old": False, "new": True}, demo_steps=2)
     old = [r for r in runs if r["root"] == "old"]
-    assert not any("zero_leaf_modules" in o or "log_entropy" in o for r in old for o in r["overrides"])
+    assert not any(k in o for k in ("zero_leaf_modules", "log_entropy", "micro_batch_tokens")
+                   for r in old for o in r["overrides"])
     assert [r["variant"] for r in runs if r["root"] == "new" and r["work"] == "deep_narrow"] == [
         "default", "one micro-batch", "leaf modules off", "entropy not logged", "ZeRO-0 (reference)"]
     assert [r["root"] for r in runs if r["work"] == "demo"] == ["old", "new"]

@@ -14,6 +14,7 @@ import torch
 
 from colo_rl import dist
 from colo_rl.algos import entropy_from_logits
+from colo_rl.train.lm_head import fusable_head, fused_head_logprobs
 
 
 @dataclass
@@ -207,7 +208,9 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_e
     `with_entropy`, the entropy of each predicting distribution (differentiable only with
     `entropy_grad`, for an entropy bonus: its graph holds the softmax over the vocabulary). `model` is any HF
     causal LM callable (a DeepSpeed engine or the bare module); the vocabulary projection runs only
-    on the positions whose logits are needed, and logsumexp is computed once for both outputs.
+    on the positions whose logits are needed. Where the model's LM head allows it (`lm_head.fusable_head`)
+    it computes log-probs and entropy in chunks of positions (`lm_head.head_logprobs`): the
+    [positions, vocabulary] logits never exist whole; else from the logits, logsumexp once for both.
 
     Padded layout: logits of the last R+1 positions, position P-1+j predicts response token j.
     Group-packed layout (`pack_groups`): logits at `logit_positions`, picked per token by
@@ -220,22 +223,31 @@ def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_e
         core = getattr(model, "module", model)  # a DeepSpeed engine's `config` is its own, not the model's
         attention = group_attention(batch.segments, batch.prompt_end, core.dtype,
                                     flex=getattr(core.config, "_attn_implementation", None) == "flex_attention")
-    out = model(input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids,
-                use_cache=False, logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
-    logits = out.logits if packed else out.logits[:, :-1]
-    flat = logits.float().reshape(-1, logits.shape[-1])  # [positions, V]
-    if temperature != 1.0:
-        flat = flat / temperature
+    inputs = dict(input_ids=batch.input_ids, attention_mask=attention, position_ids=batch.position_ids, use_cache=False,
+                  logits_to_keep=batch.logit_positions if packed else batch.response_len + 1)
+    # `at`: each response token's predicting position among the kept ones, flattened ([B * U])
     if packed:
         valid, at = batch.logit_index >= 0, batch.logit_index.clamp(min=0)
+    else:  # the last R+1 columns of each row are kept; column j < R predicts response token j
+        valid = None
+        device = batch.input_ids.device
+        at = (torch.arange(len(batch), device=device)[:, None] * (batch.response_len + 1)
+              + torch.arange(batch.response_len, device=device))
+    head = fusable_head(model)
+    if head is not None:  # the LM head's log-softmax in chunks: no [positions, V] logits (train/lm_head.py)
+        logp, entropy = fused_head_logprobs(model, head, inputs, at, batch.response_ids, temperature,
+                                            with_entropy, entropy_grad)
     else:
-        valid, at = None, torch.arange(flat.shape[0], device=flat.device).view_as(batch.response_ids)
-    logz = torch.logsumexp(flat, dim=-1)
-    logp = flat[at, batch.response_ids] - logz[at]
-    entropy = None
-    if with_entropy:
-        with torch.enable_grad() if entropy_grad else torch.no_grad():
-            entropy = entropy_from_logits(flat, logz)[at]
+        logits = model(**inputs).logits
+        flat = logits.float().reshape(-1, logits.shape[-1])  # [positions, V]
+        if temperature != 1.0:
+            flat = flat / temperature
+        logz = torch.logsumexp(flat, dim=-1)
+        logp = flat[at, batch.response_ids] - logz[at]
+        entropy = None
+        if with_entropy:
+            with torch.enable_grad() if entropy_grad else torch.no_grad():
+                entropy = entropy_from_logits(flat, logz)[at]
     if valid is not None:
         logp = torch.where(valid, logp, 0.0)
         entropy = None if entropy is None else torch.where(valid, entropy, 0.0)

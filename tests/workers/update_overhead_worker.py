@@ -5,6 +5,9 @@ asserts about the update's host-side costs.
   configuration before the option) and on (decoder layers as DeepSpeed leaf modules), and on with
   the paging path (offload_states / reload_states around every step, as the GPU loop runs it):
   the trained weights of each, and how many modules DeepSpeed treats as leaves.
+- "fused_head": the first micro-batches' log-probs, entropies and full gradients, and the weights
+  after one step, with the LM head's chunked log-softmax (train/lm_head.py, the default) and with
+  the whole-logits path, ZeRO-3 partitioning the tied head / embedding over the ranks.
 - "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
   padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
@@ -157,10 +160,47 @@ def update_reads(packing: bool, micro_batch_size: int) -> dict:
             "logprob_diff": out["handoff/logprob_diff_mean"]}
 
 
+def head_run(fused: bool) -> tuple[list, dict, dict]:
+    from colo_rl.train import batch as batch_module, lm_head
+
+    real = batch_module.fusable_head
+    lm_head.FUSE_ON_CPU = True  # the chunked head is for GPUs by default; checked here on the CPU
+    if not fused:
+        batch_module.fusable_head = lambda model: None
+    try:
+        actor = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4, grad_accum=2)
+        outputs = []
+        for j in range(2):
+            b = scripted_batch(j)
+            lp, ent = actor.response_logprobs(b, 0.8, with_entropy=True, entropy_grad=True)
+            outputs.append((lp.detach().clone(), ent.detach().clone()))
+            n = 16.0 * dist.world_size()  # a loss on log-probs and an entropy bonus: both gradients
+            actor.backward(-(lp * b.response_mask).sum() / n - 0.1 * (ent * b.response_mask).sum() / n,
+                           last_micro_batch=j == 1)
+        grads = full_grads(actor)
+        actor.step()
+        return outputs, grads, actor.full_state_dict_on_rank0() or {}
+    finally:
+        batch_module.fusable_head = real
+        lm_head.FUSE_ON_CPU = False
+
+
+def fused_head_report() -> dict:
+    fused, fused_grads, fused_w = head_run(True)
+    whole, whole_grads, whole_w = head_run(False)
+    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
+    return {"logp_max_diff": max(float((f[0] - w[0]).abs().max()) for f, w in zip(fused, whole)),
+            "entropy_max_diff": max(float((f[1] - w[1]).abs().max()) for f, w in zip(fused, whole)),
+            "grad_max_diff": diff(fused_grads, whole_grads),
+            "grad_max_abs": max(float(g.abs().max()) for g in whole_grads.values()),
+            "embedding_grad_abs": float(whole_grads["model.embed_tokens.weight"].abs().max()),
+            "weights_max_diff": diff(fused_w, whole_w)}
+
+
 def main() -> int:
     dist.init()
     out_prefix = sys.argv[1]
-    report = {"leaf": leaf_report(),
+    report = {"leaf": leaf_report(), "fused_head": fused_head_report(),
               "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
               | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)}}
     Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
