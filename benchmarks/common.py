@@ -33,7 +33,7 @@ GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
 ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "step_breakdown_sglang_tools", "handoff",
          "phase_switch", "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "race_learning",
-         "algorithms", "engine_compare", "split_pools"]
+         "algorithms", "engine_compare", "engine_sampling", "split_pools"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",
@@ -43,6 +43,7 @@ TITLES = {
     "bf16_update_share": "bf16: how much of a small update reaches the forward, master on the bf16 grid or not",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
     "engine_compare": "Engines: the demo with the HF engine and with SGLang, same seeds",
+    "engine_sampling": "Engines' samplers: do they draw from the distribution the trainer computes?",
     "split_pools": "Placement: colocated vs split pools (1 generation + 1 trainer rank), the demo's work",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",
     "update_overhead_demo": "Update overhead: the demo's update seconds per step, before / after",

@@ -76,7 +76,7 @@ def activate(monkeypatch) -> None:
 
 
 @contextlib.contextmanager
-def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8):
+def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8, dtype=None):
     """The colocated set (ZeRO-3 actor, SGLang's CPU engine, switcher) for one test module:
     shims and CPU engine on, a world of one kept for the session (a process group cannot be
     re-created here), the engine shut down and the start method SGLang forced restored after.
@@ -92,7 +92,8 @@ def colocated(make_cfg, tokenizer, work: Path, total_steps: int = 8):
         dist.init()
         cfg = make_cfg()
         cfg.rollout.sglang_kwargs = dict(SGLANG_KWARGS)
-        built = build_colocated(cfg, tokenizer, torch.float32, run_dir=work, total_steps=total_steps, grad_accum=1)
+        built = build_colocated(cfg, tokenizer, dtype or torch.float32, run_dir=work, total_steps=total_steps,
+                                grad_accum=1)
         built.cfg, built.work, built.pad = cfg, work, tokenizer.pad_token_id
         try:
             yield built
