@@ -128,3 +128,17 @@ def test_the_head_is_a_plain_linear_again_after_the_forward_even_when_it_fails()
     with pytest.raises(IndexError):  # a target outside the vocabulary fails inside the head
         response_logprobs(model, build_batch([[5, 6, 7]], [[8, 10 ** 6]], pad_id=0))
     assert "forward" not in model.lm_head.__dict__
+
+
+def test_the_environment_switch_forces_the_chunked_head_on_or_off(monkeypatch):
+    """$COLO_RL_CHUNKED_LM_HEAD: the A/B switch for a GPU run; unset, the device decides."""
+    monkeypatch.setattr(lm_head, "FUSE_ON_CPU", False)
+    monkeypatch.delenv(lm_head.CHUNKED_HEAD_ENV, raising=False)
+    assert (lm_head.chunked_head_wanted("cpu"), lm_head.chunked_head_wanted("cuda")) == (False, True)
+    monkeypatch.setenv(lm_head.CHUNKED_HEAD_ENV, "1")
+    assert lm_head.chunked_head_wanted("cpu") and lm_head.chunked_head_wanted("cuda")
+    monkeypatch.setenv(lm_head.CHUNKED_HEAD_ENV, "0")
+    assert not lm_head.chunked_head_wanted("cpu") and not lm_head.chunked_head_wanted("cuda")
+    monkeypatch.setenv(lm_head.CHUNKED_HEAD_ENV, "yes")
+    with pytest.raises(ValueError, match="COLO_RL_CHUNKED_LM_HEAD='yes'"):
+        lm_head.chunked_head_wanted("cuda")

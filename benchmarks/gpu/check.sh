@@ -216,6 +216,8 @@ EOF
 mfu() { run_py benchmarks/gpu/update_mfu.py "${MFU[@]}" --no-readme --out "$RES" "$@"; }
 stage_mfu() { mfu --name update_mfu; }
 stage_mfuold() { mfu --name update_mfu_leaf_off --leaf false; }
+# the LM head's log-softmax over whole [tokens, vocabulary] logits, as before train/lm_head.py
+stage_mfuwhole() { COLO_RL_CHUNKED_LM_HEAD=0 mfu --name update_mfu_whole_logits; }
 stage_mfuflex() {
   if [ "$DRY" = 1 ]; then echo "FlexAttention trains on a GPU only: skipped in the dry run"; return 0; fi
   mfu --name update_mfu_flex --attn flex_attention

@@ -20,6 +20,7 @@ of logits for the duration of one forward.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Optional
 
 import torch
@@ -131,18 +132,32 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, at: torch.Tensor, 
 # product costs more than the memory traffic it saves there. So the chunked head runs off the CPU
 # (where the [tokens, V] logits' memory is what limits a micro-batch); tests switch it on here.
 FUSE_ON_CPU = False
+# $COLO_RL_CHUNKED_LM_HEAD: 1 / 0 forces the chunked head on / off on every device (an A/B switch for
+# a GPU run: its speed on a GPU is not measured yet); unset, it follows the device (off on the CPU).
+CHUNKED_HEAD_ENV = "COLO_RL_CHUNKED_LM_HEAD"
+
+
+def chunked_head_wanted(device_type: str) -> bool:
+    """Whether the chunked head runs on `device_type`: $COLO_RL_CHUNKED_LM_HEAD, else not on the CPU
+    (unless FUSE_ON_CPU) and on any other device."""
+    forced = os.environ.get(CHUNKED_HEAD_ENV, "").strip()
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{CHUNKED_HEAD_ENV}={forced!r}: use 1 (chunked LM head), 0 (whole logits) or leave it unset")
+    if forced:
+        return forced == "1"
+    return device_type != "cpu" or FUSE_ON_CPU
 
 
 def fusable_head(model) -> Optional[torch.nn.Linear]:
     """The model's LM head when its output is the forward's logits unchanged (a bias-free Linear, no
-    logit soft-capping or scaling after it) and it is not on the CPU (`FUSE_ON_CPU`): then
+    logit soft-capping or scaling after it) and the device wants it (`chunked_head_wanted`): then
     `fused_head_logprobs` may replace its logits."""
     core = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF model
     head = getattr(core, "lm_head", None)
     config = getattr(core, "config", None)
     if not isinstance(head, torch.nn.Linear) or head.bias is not None or config is None:
         return None
-    if head.weight.device.type == "cpu" and not FUSE_ON_CPU:
+    if not chunked_head_wanted(head.weight.device.type):
         return None
     if any(getattr(config, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale",
                                                                  "logits_scaling", "output_multiplier_scale")):
