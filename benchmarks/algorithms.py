@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,6 +59,35 @@ DEFAULT_SEED = 7  # conf/trainer/grpo_cpu.yaml
 SHARED = ["trainer.mini_batches_per_step=2", "model.dtype=fp32", "logger=[jsonl]", "plots=false"]
 SMOKE = ["model=tiny", "trainer.total_steps=2", "trainer.eval_every=1", "rollout.max_new_tokens=8",
          "rollout.eval_max_new_tokens=8", "data.eval_size=8"]
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser, name: str, smoke: str, seeds_help: Optional[str] = None) -> None:
+    """The options every seed-sweep benchmark takes (this one, engine_compare.py, split_pools.py)."""
+    p.add_argument("--seeds", default="7,8,9", help=seeds_help)
+    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "bench" / name)
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
+    p.add_argument("--smoke", action="store_true", help=f"tiny random model, {smoke} (plumbing check, not a result)")
+
+
+def chosen(p: argparse.ArgumentParser, value: str, known, kind: str) -> list[str]:
+    """A comma-separated subset of `known`; an unknown name is a usage error naming the choices."""
+    names = [n for n in value.split(",") if n]
+    bad = [n for n in names if n not in known]
+    if bad:
+        p.error(f"unknown {kind} {bad[0]!r}; choose from {list(known)}")
+    return names
+
+
+def seed_list(value: str) -> list[int]:
+    return [int(s) for s in value.split(",") if s]
+
+
+def sweep_log(name: str):
+    """A benchmark's progress line: `[name HH:MM:SS] message`."""
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    return log
 
 
 def run_one(name: str, seed: int, overrides: list[str], work: Path, nproc: int, fresh: bool, log) -> Path:
@@ -200,23 +230,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="comma-separated subset of " + ", ".join(VARIANTS))
-    p.add_argument("--seeds", default="7,8,9", help="seeds for grpo (the others run seed 7 only)")
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "bench" / "algorithms")
-    p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
-    p.add_argument("--smoke", action="store_true", help="tiny random model, 2 steps (plumbing check, not a result)")
+    add_sweep_arguments(p, "algorithms", "2 steps", seeds_help="seeds for grpo (the others run seed 7 only)")
     args = p.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS]
-    if bad:
-        p.error(f"unknown variant {bad[0]!r}; choose from {list(VARIANTS)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    variants = chosen(p, args.variants, VARIANTS, "variant")
+    seeds = seed_list(args.seeds)
     shared = SHARED + (SMOKE if args.smoke else [])
     steps = 2 if args.smoke else 14
-
-    def log(msg: str) -> None:
-        print(f"[algorithms {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    log = sweep_log("algorithms")
 
     plan = [(n, DEFAULT_SEED) for n in variants] + [("grpo", s) for s in seeds if s != DEFAULT_SEED]
     failed = []

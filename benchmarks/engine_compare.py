@@ -22,14 +22,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.algorithms import run_one, summarise  # noqa: E402
+from benchmarks.algorithms import (add_sweep_arguments, chosen, run_one, seed_list, summarise,  # noqa: E402
+                                   sweep_log)
 
 ENGINES = ("hf", "sglang")
 # The dtype is pinned (--dtype, fp32 by default as in benchmarks/algorithms.py): the table must not
@@ -179,27 +179,19 @@ def chart(result: dict, png: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", default=",".join(ENGINES))
-    p.add_argument("--seeds", default="7,8,9")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="model.dtype of every run (bf16: the demo's and a GPU's precision, ~3x faster here)")
-    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "bench" / "engine_compare")
-    p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
-    p.add_argument("--smoke", action="store_true", help="tiny random model, 1 step (plumbing check, not a result)")
+    add_sweep_arguments(p, "engine_compare", "1 step")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for every run")
     p.add_argument("--note", default="", help="a paragraph added under the tables (e.g. the conclusion)")
     args = p.parse_args(argv)
-    engines = [e for e in args.engines.split(",") if e]
-    bad = [e for e in engines if e not in ENGINES]
-    if bad:
-        p.error(f"unknown engine {bad[0]!r}; choose from {list(ENGINES)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    engines = chosen(p, args.engines, ENGINES, "engine")
+    seeds = seed_list(args.seeds)
     shared = [f"model.dtype={args.dtype}"] + SHARED + (SMOKE if args.smoke else demo_rollout()) + args.override  # --smoke sizes its own
     per_engine = {"hf": ["rollout=hf"], "sglang": sglang_overrides() if "sglang" in engines else []}
 
-    def log(msg: str) -> None:
-        print(f"[engine_compare {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    log = sweep_log("engine_compare")
 
     runs = {}
     for seed in seeds:  # seed-major: an interrupted run still has both engines for the first seeds

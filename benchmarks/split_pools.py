@@ -30,14 +30,14 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.algorithms import run_one, summarise  # noqa: E402
+from benchmarks.algorithms import (add_sweep_arguments, chosen, run_one, seed_list, summarise,  # noqa: E402
+                                   sweep_log)
 from benchmarks.engine_compare import spread  # noqa: E402
 
 SPLIT = ["placement.mode=split", "placement.generation_ranks=1"]
@@ -201,23 +201,14 @@ def chart(result: dict, png: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
-    p.add_argument("--seeds", default="7,8,9")
-    p.add_argument("--work", type=Path, default=ROOT / "outputs" / "bench" / "split_pools")
-    p.add_argument("--out", type=Path, default=common.RESULTS)
-    p.add_argument("--fresh", action="store_true", help="rerun finished runs too")
-    p.add_argument("--smoke", action="store_true", help="tiny random model, 2 steps (plumbing check, not a result)")
+    add_sweep_arguments(p, "split_pools", "2 steps")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for every run")
     p.add_argument("--note", default="", help="a paragraph added under the tables (e.g. the conclusion)")
     args = p.parse_args(argv)
-    layouts = [n for n in args.layouts.split(",") if n]
-    bad = [n for n in layouts if n not in LAYOUTS]
-    if bad:
-        p.error(f"unknown layout {bad[0]!r}; choose from {list(LAYOUTS)}")
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    layouts = chosen(p, args.layouts, LAYOUTS, "layout")
+    seeds = seed_list(args.seeds)
     shared = SHARED + (SMOKE if args.smoke else []) + args.override
-
-    def log(msg: str) -> None:
-        print(f"[split_pools {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+    log = sweep_log("split_pools")
 
     runs, failed = {}, []
     for seed in seeds:  # interleaved: the machine's load falls on every layout alike
