@@ -283,14 +283,15 @@ def test_gpu_check_keeps_its_budget_and_brings_back_small_results(tmp_path):
     out, results, runs = tmp_path / "out", tmp_path / "results", tmp_path / "runs"
     out.mkdir()
     env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "GPU_PY": str(fake / "python"), "OUT": str(out),
-           "GPU_CHECK_RESULTS": str(results), "COLO_RL_GPU_RUNS": str(runs), "CHECK_BUDGET_S": "80"}
+           "GPU_CHECK_RESULTS": str(results), "COLO_RL_GPU_RUNS": str(runs), "CHECK_BUDGET_S": "25",
+           "CHECK_RESERVE_S": "10", "CHECK_MIN_LEFT_S": "5"}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "check.sh"), "grpo", "hf"], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr  # hf failed (killed)
     (logs,) = results.glob("gpu_check-nvidia-test-gpu-*")
     stages = [json.loads(line) for line in (logs / "stages-grpo-hf.jsonl").read_text().splitlines()]
     assert [(s["stage"], s["rc"]) for s in stages] == [("grpo", 0), ("hf", 124)]
-    assert stages[1]["seconds"] <= 80, stages
+    assert stages[1]["seconds"] <= 25, stages
     assert "KILLED after" in (logs / "hf.log").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["gpu-results-grpo-hf.tgz"]
     with tarfile.open(out / "gpu-results-grpo-hf.tgz") as tgz:

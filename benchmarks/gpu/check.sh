@@ -38,6 +38,10 @@ export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions}  # Fu
 export COLO_RL_REQUIRE_GPU_STACK=1
 PY=${GPU_PY:-python3}
 BUDGET=${CHECK_BUDGET_S:-570}
+# Seconds kept at the end (kill grace + packing) and the least a command is started with; the CPU
+# test of the budget shrinks both so that its hung stage is killed in seconds, not a minute.
+RESERVE=${CHECK_RESERVE_S:-40}
+MIN_LEFT=${CHECK_MIN_LEFT_S:-30}
 RUNS=${COLO_RL_GPU_RUNS:-/tmp/colo_rl-gpu-runs}
 # The slim carry has no FA3 library: SGLang attends with its Triton backend and samples with PyTorch
 # (flashinfer's sampling kernels would be compiled with nvcc on first use).
@@ -78,10 +82,10 @@ pack() {
 }
 
 # A Python command with what is left of this call's budget (timeout kills its whole process group;
-# 40 s are kept: up to 15 s of kill grace, then copying the run's files and packing).
+# RESERVE (40 s) is kept: up to 15 s of kill grace, then copying the run's files and packing).
 run_py() {
-  local left=$((BUDGET - 40 - SECONDS))
-  if [ "$left" -lt 30 ]; then
+  local left=$((BUDGET - RESERVE - SECONDS))
+  if [ "$left" -lt "$MIN_LEFT" ]; then
     echo "SKIPPED, ${left} s left of CHECK_BUDGET_S=$BUDGET in this call: $*" >&2
     return 124
   fi
