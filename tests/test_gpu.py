@@ -145,14 +145,17 @@ def test_reference_model_is_paged_with_the_trainer(tmp_path):
 def test_auto_micro_batch_tokens_come_from_the_update_phases_free_memory(tmp_path):
     """trainer.micro_batch_tokens=auto on a GPU: sized from the memory free once the engine has
     released it (the update phase), within its bounds; the demo's 4 groups per rank (each at most
-    ~60 + 8 x 40 tokens) then take at most 2 micro-batches."""
-    from colo_rl.train.batch import AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, micro_batch_token_budget, micro_batches
+    ~60 + 8 x 40 tokens) then take at most 2 micro-batches. The estimate knows the GPU runs the
+    chunked LM head (no whole logits)."""
+    from colo_rl.train.activation_memory import AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, micro_batch_token_budget
+    from colo_rl.train.batch import micro_batches
 
     cfg, colo = build(tmp_path, "hf", HF_DIMS)
     with colo.switch.update():
         free = torch.cuda.mem_get_info()[0]
         tokens = colo.actor.micro_batch_tokens()
-    expect = micro_batch_token_budget("auto", colo.actor.config, colo.actor.dtype, free)
+    assert colo.actor.chunked_lm_head  # a GPU's default
+    expect = micro_batch_token_budget("auto", colo.actor.config, colo.actor.dtype, free, chunked_head=True)
     assert AUTO_MIN_TOKENS <= tokens <= AUTO_MAX_TOKENS and abs(tokens - expect) <= 0.05 * expect
     assert len(micro_batches([380] * 4, tokens)) <= 2
     release(colo)

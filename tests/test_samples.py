@@ -10,8 +10,9 @@ import torch
 from colo_rl.config import ModelConfig
 from colo_rl.models import load_model
 from colo_rl.samples import Completion, Rollout, groups_of
-from colo_rl.train.batch import (AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, CPU_MICRO_BATCH_TOKENS, activation_bytes_per_token,
-                                 micro_batch_token_budget, micro_batches, response_logprobs, spread)
+from colo_rl.train.activation_memory import (AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, CPU_MICRO_BATCH_TOKENS, activation_bytes,
+                                             micro_batch_token_budget)
+from colo_rl.train.batch import micro_batches, response_logprobs, spread
 from colo_rl.train.packing import pack_groups, pack_rollout
 
 
@@ -75,22 +76,53 @@ def test_spread_reaches_the_agreed_count_by_halving_the_costliest_micro_batch():
     assert spread([[0], [1]], 4, costs) == [[0], [1], [], []]  # one unit each: empty passes after
 
 
-def test_auto_budget_from_the_free_memory_it_is_given():
+# A small Llama by hand: per layer and token (8h + 4kv + 4f) x 2 bytes = (512 + 128 + 1024) x 2 = 3328
+SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000)
+# SmolLM2-135M's shape: (8 x 576 + 4 x 192 + 4 x 1536) x 2 = 23040 bytes per layer and token
+SMOL = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+            num_key_value_heads=3, vocab_size=49152)
+
+
+def test_activation_estimate_by_hand_whole_logits_chunked_head_and_checkpointing():
+    assert activation_bytes(SMALL, 1, 2) == 2 * 3328 + 1000 * (2 + 8)  # logits bf16 + fp32 log-softmax + grad
+    assert activation_bytes(SMALL, 10, 2) == 10 * (2 * 3328 + 10_000)
+    assert activation_bytes(SMALL, 1, 2, gradient_checkpointing=True) == 2 * 64 * 2 + 3328 + 10_000
+    # chunked head: the head's input row and two floats per token, then one chunk of 3 float32
+    # vocabulary rows per position (a GPU's chunk: max(64, 1 GiB / (4 V)) = 268435 positions here)
+    assert activation_bytes(SMALL, 10, 2, chunked_head=True) == 10 * (2 * 3328 + 64 * 2 + 8) + 10 * 3 * 4 * 1000
+    per_token, fixed = 30 * 23040 + 576 * 2 + 8, (2**30 // (4 * 49152)) * 3 * 4 * 49152
+    assert activation_bytes(SMOL, 8192, 2, chunked_head=True) == 8192 * per_token + fixed  # the chunk is full
+    # an HF config object gives the same figure as its config.json fields
     cfg = load_model(ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"), torch.float32).config
-    per_token = activation_bytes_per_token(cfg, torch.bfloat16)
-    assert per_token == 2 * 64 * 28 * 2 + 12 * cfg.vocab_size
-    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, None) == CPU_MICRO_BATCH_TOKENS
-    assert micro_batch_token_budget("4096", cfg, torch.bfloat16, 10) == 4096  # a number is taken as it is
-    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 2000 * per_token) == AUTO_MIN_TOKENS  # 1000 < min
-    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 10_000 * per_token) == 5000
-    assert micro_batch_token_budget("auto", cfg, torch.bfloat16, 1 << 50) == AUTO_MAX_TOKENS
-    # SmolLM2-135M on an H100 with ~70 GiB free in the update phase: the demo's 4 groups per rank
-    # (~4 x 400 tokens) fit in one micro-batch
-    smol = type("Cfg", (), {"num_hidden_layers": 30, "hidden_size": 576, "vocab_size": 49152})()
-    assert micro_batch_token_budget("auto", smol, torch.bfloat16, 70 << 30) > 4 * 400
-    # at any free memory, even at the floor, the demo's work takes at most 2 micro-batches per rank
+    assert activation_bytes(cfg, 7, 4) == activation_bytes(cfg.to_dict(), 7, 4) > 0
+
+
+def test_auto_budget_from_the_free_memory_it_is_given():
+    per_token = 2 * 3328 + 10_000
+    assert micro_batch_token_budget("auto", SMALL, torch.bfloat16, None) == CPU_MICRO_BATCH_TOKENS
+    assert micro_batch_token_budget("4096", SMALL, torch.bfloat16, 10) == 4096  # a number is taken as it is
+    assert micro_batch_token_budget("auto", SMALL, torch.bfloat16, 2000 * per_token) == AUTO_MIN_TOKENS  # 1000 < min
+    assert micro_batch_token_budget("auto", SMALL, torch.bfloat16, 10_000 * per_token) == 5000
+    assert micro_batch_token_budget("auto", SMALL, torch.bfloat16, 1 << 50) == AUTO_MAX_TOKENS
+    chunked = 2 * 3328 + 64 * 2 + 8 + 3 * 4 * 1000  # every token inside the chunk
+    assert micro_batch_token_budget("auto", SMALL, torch.bfloat16, 10_000 * chunked, chunked_head=True) == 5000
+    # SmolLM2 on an H100 with 70 GiB free: the full chunk (3 GiB) is a fixed cost, then 692360 B a token
+    per_token, fixed = 30 * 23040 + 576 * 2 + 8, (2**30 // (4 * 49152)) * 3 * 4 * 49152
+    whole = micro_batch_token_budget("auto", SMOL, torch.bfloat16, 70 << 30)
+    assert whole == int((70 << 29) / (30 * 23040 + 49152 * 10))
+    chunked_budget = micro_batch_token_budget("auto", SMOL, torch.bfloat16, 70 << 30, chunked_head=True)
+    assert chunked_budget == int(((70 << 29) - fixed) / per_token) > 1.5 * whole
+    # checkpointing keeps each layer's input: 30 x 576 x 2 + 23040 B a token, plus the logits
+    assert (micro_batch_token_budget("auto", SMOL, torch.bfloat16, 8 << 30, gradient_checkpointing=True)
+            == int((8 << 29) / (30 * 576 * 2 + 23040 + 49152 * 10)))
+    # the demo's 4 groups per rank (~4 x 400 tokens) fit in one micro-batch; at any free memory, even
+    # at the floor, the demo's work takes at most 2 micro-batches per rank
+    assert whole > 4 * 400
     for free in (0, 1 << 30, 70 << 30):
-        assert len(micro_batches([60 + 8 * 40] * 4, micro_batch_token_budget("auto", smol, torch.bfloat16, free))) <= 2
+        for head in (False, True):
+            budget = micro_batch_token_budget("auto", SMOL, torch.bfloat16, free, chunked_head=head)
+            assert len(micro_batches([60 + 8 * 40] * 4, budget)) <= 2
 
 
 def test_each_micro_batch_is_built_once_and_carries_its_columns():

@@ -23,7 +23,7 @@ from typing import Mapping, Optional
 import torch
 
 from colo_rl.rollout.sglang.compat import kv_bytes_per_token
-from colo_rl.train.batch import AUTO_MIN_TOKENS
+from colo_rl.train.activation_memory import AUTO_MIN_TOKENS, activation_bytes
 from colo_rl.train.ds_config import DEEPSPEED_REDUCE_BUCKET, state_bytes_by_kind
 
 GIB = 1 << 30
@@ -159,26 +159,6 @@ def kv_cache_needed(sequences: int, tokens_per_sequence: int, kv_bytes_per_token
     return int(sequences * tokens_per_sequence * kv_bytes_per_token * KV_MARGIN)
 
 
-def activation_bytes(config: Mapping, tokens: int, dtype_bytes: int, gradient_checkpointing: bool) -> int:
-    """Peak activations of one micro-batch of `tokens` tokens for a Llama-style decoder (an estimate).
-
-    Kept for the backward pass, per layer and token (elements): the two norms' inputs and outputs (4h),
-    q, k, v and the rotated q, k (2h + 4kv), the attention output and o_proj's input (2h), gate, up,
-    their product and the activation (4f): 8h + 4kv + 4f, in the model's dtype. With gradient
-    checkpointing only each layer's input (h) is kept, plus one layer recomputed in full. The logits:
-    vocab x (model dtype + fp32 log-softmax + its gradient) per token.
-    """
-    h = int(config.get("hidden_size") or 0)
-    layers = int(config.get("num_hidden_layers") or 0)
-    f = int(config.get("intermediate_size") or 4 * h)
-    heads = int(config.get("num_attention_heads") or 1)
-    kv = int(config.get("num_key_value_heads") or heads) * (h // max(1, heads))
-    vocab = int(config.get("vocab_size") or 0)
-    per_layer = (8 * h + 4 * kv + 4 * f) * dtype_bytes
-    kept = (layers * h * dtype_bytes + per_layer) if gradient_checkpointing else layers * per_layer
-    return int(tokens * (kept + vocab * (dtype_bytes + 8)))
-
-
 def micro_batch_tokens(trainer_cfg, tokens_per_sequence: int) -> int:
     """The update's tokens per micro-batch: trainer.micro_batch_tokens where the config has it (a
     token budget; auto: its floor, as auto fits the budget to what the update phase has free), else
@@ -204,18 +184,20 @@ def device_budget(override_gib: Optional[float], free_bytes: Optional[int], held
 
 def full_finetune_needs(params: int, world: int, config: Mapping, sequences: int, tokens_per_sequence: int,
                         micro_batch_tokens: int, device_bytes: Optional[int], dtype: torch.dtype = torch.bfloat16,
-                        gradient_checkpointing: bool = False, tp_size: int = 1, cuda_graphs: bool = True,
+                        gradient_checkpointing: bool = False, chunked_head: bool = True, tp_size: int = 1,
+                        cuda_graphs: bool = True,
                         max_bucket_bytes: int = 2 * GIB, margin: int = 2 * GIB) -> MemoryNeeds:
     """One device's needs for a full fine-tune of a `params`-parameter Llama-style model (`config`:
     its config.json fields) under ZeRO-3 over `world` GPUs with AdamW: what colo_rl measures at
     start-up, from the shapes alone (what-if planning; the benchmark's sample cases). `sequences`
-    per engine; the KV cache in the model's dtype."""
+    per engine; the KV cache in the model's dtype; `chunked_head`: the LM head a GPU runs by default
+    (train/lm_head.py, no whole logits)."""
     size = torch.empty((), dtype=dtype).element_size()
     states = state_bytes_by_kind(-(-params // world), dtype, dtype,
                                  bucket_bytes=size * min(DEEPSPEED_REDUCE_BUCKET, params))
     weights = size * params
     return MemoryNeeds(device_bytes=device_bytes, trainer_states=states,
-                       activations=activation_bytes(config, micro_batch_tokens, size, gradient_checkpointing),
+                       activations=activation_bytes(config, micro_batch_tokens, size, gradient_checkpointing, chunked_head),
                        engine_weights=-(-weights // tp_size),
                        kv_cache=kv_cache_needed(sequences, tokens_per_sequence,
                                                 kv_bytes_per_token(config, size, tp_size) or 0),

@@ -13,8 +13,8 @@ import torch
 from colo_rl import dist
 from colo_rl.colocate.handoff import WeightHandoff, choose_lora_handoff
 from colo_rl.colocate.memory import Ledger, MemoryManager, freeze_collector
-from colo_rl.colocate.paging_plan import (CUDA_GRAPH_BYTES, GIB, MemoryNeeds, PagingPlan, activation_bytes,
-                                          device_budget, kv_cache_needed, micro_batch_tokens, plan_paging)
+from colo_rl.colocate.paging_plan import (CUDA_GRAPH_BYTES, GIB, MemoryNeeds, PagingPlan, device_budget,
+                                          kv_cache_needed, micro_batch_tokens, plan_paging)
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.envs import turns_end_at_strings
 from colo_rl.phase import PhaseGuard
@@ -23,6 +23,7 @@ from colo_rl.rollout.base import ALL_TAGS, RolloutEngine
 from colo_rl.rollout.sglang.compat import kv_bytes_per_token, kv_cache_bytes
 from colo_rl.rollout.tp_group import TPGroupEngine, current_layout
 from colo_rl.train.actor import DeepSpeedActor
+from colo_rl.train.activation_memory import activation_bytes
 from colo_rl.train.adapters import BaseReference
 from colo_rl.train.ds_config import paging_needed
 from colo_rl.train.host_paging import FrozenModelPaging
@@ -171,7 +172,7 @@ def plan_trainer_paging(cfg, actor: DeepSpeedActor, frozen: tuple, tp_size: int,
     needs = MemoryNeeds(
         device_bytes=budget, trainer_states=states,
         activations=activation_bytes(model, micro_batch_tokens(cfg.trainer, tokens), dtype_bytes,
-                                     bool(cfg.model.gradient_checkpointing)),
+                                     bool(cfg.model.gradient_checkpointing), actor.chunked_lm_head),
         engine_weights=-(-weights // tp_size), kv_cache=kv_cache_needed(sequences, tokens, kv_token),
         cuda_graphs=CUDA_GRAPH_BYTES if graphs else 0,
         handoff_buckets=2 * min(weights, int(cfg.colocate.handoff_bucket_mb) << 20),

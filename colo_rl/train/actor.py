@@ -17,13 +17,15 @@ from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, f
 from colo_rl.models import load_model
 from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.batch import TokenBatch, micro_batch_token_budget, response_logprobs
+from colo_rl.train.activation_memory import micro_batch_token_budget
+from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
                                      drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
                                      offload_buffers_set_aside, paged_state_bytes, paging_needed,
                                      set_zero3_leaf_modules, state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
+from colo_rl.train.lm_head import fusable_head
 from colo_rl.train.optimizer_state import (master_weights_from_checkpoint, materialise_adam_states,
                                            replay_cpu_adam_steps)
 from colo_rl.train.prebuilt_ops import load_prebuilt_ops
@@ -131,6 +133,12 @@ class DeepSpeedActor:
                                       if with_optimizer and self.zero_stage == 3 else [], self.pin_memory)
 
     # ------------------------------------------------------------------ forward
+    @property
+    def chunked_lm_head(self) -> bool:
+        """Whether the log-probs come from the chunked LM head (train/lm_head.py): no whole logits,
+        which the activation estimate counts (train/activation_memory.py)."""
+        return fusable_head(self.engine) is not None
+
     def micro_batch_tokens(self) -> int:
         """trainer.micro_batch_tokens in tokens, the same on every rank (the smallest; a collective).
         auto is sized once, the first time it is asked (in the update phase: the engine's memory is
@@ -138,12 +146,15 @@ class DeepSpeedActor:
         if self._micro_batch_tokens is None:
             on_gpu = self.engine.device.type == "cuda"
             free = torch.cuda.mem_get_info(self.engine.device)[0] if on_gpu else None
-            own = micro_batch_token_budget(self.cfg.trainer.micro_batch_tokens, self.config, self.dtype, free)
+            own = micro_batch_token_budget(self.cfg.trainer.micro_batch_tokens, self.config, self.dtype, free,
+                                           gradient_checkpointing=bool(self.cfg.model.gradient_checkpointing),
+                                           chunked_head=self.chunked_lm_head)
             self._micro_batch_tokens = int(-dist.all_reduce_max([-float(own)])[0])
             if dist.is_rank0():
                 log.info("micro-batches of up to %d tokens (trainer.micro_batch_tokens=%s%s)", self._micro_batch_tokens,
                          self.cfg.trainer.micro_batch_tokens,
-                         f"; {free / 2**30:.1f} GiB free in the update phase" if free is not None else "")
+                         f"; {free / 2**30:.1f} GiB free in the update phase, LM head "
+                         f"{'chunked' if self.chunked_lm_head else 'whole logits'}" if free is not None else "")
         return self._micro_batch_tokens
 
     def response_logprobs(self, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,

@@ -167,41 +167,6 @@ def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0, orde
     return spread(bins, n, costs)
 
 
-# trainer.micro_batch_tokens=auto on CPU: one group of the demo (~250 tokens) per micro-batch, the
-# split the README's CPU figures were measured with (docs/micro_batches.md).
-CPU_MICRO_BATCH_TOKENS = 256
-AUTO_MIN_TOKENS, AUTO_MAX_TOKENS = 1024, 65536
-
-
-def activation_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """A training forward + backward's memory per token, estimated: ~28 values of the hidden size
-    per decoder layer kept for the backward, plus three fp32 vocabulary-wide rows for the token's
-    logits (the logits, their log-softmax, their gradient).
-
-    The 28, counted on HF's Llama layer (FFN = 4 h): the two RMSNorms' inputs and outputs with
-    their fp32 upcasts (~8 h), q / k / v / RoPE'd q, k / attention output / o_proj input (~5 h with
-    GQA's narrower k, v), the MLP's gate, up, act(gate) and product (4 x 4 h = 16 h)."""
-    elem = torch.finfo(dtype).bits // 8
-    return model_config.num_hidden_layers * model_config.hidden_size * 28 * elem + 3 * 4 * model_config.vocab_size
-
-
-def micro_batch_token_budget(setting, model_config, dtype: torch.dtype, free_bytes: Optional[int],
-                             share: float = 0.5) -> int:
-    """trainer.micro_batch_tokens as a number of tokens. An integer is taken as it is. `auto`: on a
-    GPU (`free_bytes`: the device memory free in the update phase) `share` of it over
-    `activation_bytes_per_token`, within [AUTO_MIN_TOKENS, AUTO_MAX_TOKENS] (the rest is room for
-    the allocator, the attention masks and what the estimate leaves out); on CPU (`free_bytes`
-    None) CPU_MICRO_BATCH_TOKENS.
-
-        budget = clamp(share * free_bytes / bytes_per_token, 1024, 65536)"""
-    if str(setting) != "auto":
-        return int(setting)
-    if free_bytes is None:
-        return CPU_MICRO_BATCH_TOKENS
-    fit = int(share * free_bytes / activation_bytes_per_token(model_config, dtype))
-    return max(AUTO_MIN_TOKENS, min(AUTO_MAX_TOKENS, fit))
-
-
 def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,
                       entropy_grad: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(response tokens | prefix) [B_resp, R] in float32 (0 on padding) and, with
