@@ -127,3 +127,30 @@ def test_tensor_parallel_engine_serves_both_ranks_with_the_weights_of_both(tmp_p
     assert all(r["train/grad_norm"] > 0 for r in rows)  # the weights handed off differ every step
     assert all(r["handoff/logprob_diff_max"] < 1e-4 for r in rows), [r["handoff/logprob_diff_max"] for r in rows]
     print("SGLang tp=2 on CPU: gap max per step", [r["handoff/logprob_diff_max"] for r in rows])
+
+
+def test_split_placement_feeds_a_sglang_generation_pool_every_version(tmp_path):
+    """placement.mode=split with SGLang's real runtime (1 generation rank + 1 trainer rank, gloo):
+    the trainer's weights reach the engine bucket by bucket (`WeightReceiver.take` ->
+    `SGLangEngine.load_weights`) between generate calls. With k = 0 every step trains the rollout
+    of the version just sent, and the engine's log-probs equal the trainer's on it (to float32
+    rounding: an engine left on an older version would be off by what a step at lr 1e-3 changed)."""
+    sglang_cpu.require_sglang()
+    run_torchrun(WORKERS / "grpo_resume_worker.py",
+                 ["model=tiny", "rollout=sglang", "placement.mode=split", "rollout.max_staleness=0",
+                  f"trainer.total_steps={STEPS}", "data.eval_size=8", "rollout.prompts_per_step=4",
+                  "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
+                  "trainer.lr=1e-3", "reward.functions=[letter_share]", "reward.format_weight=0", "logger=[jsonl]",
+                  "plots=false", "colocate.handoff_check_max_mean_abs=0.001",
+                  f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={tmp_path}"],
+                 timeout=900, env=sglang_cpu.env())
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert "engine: sglang" in (tmp_path / "config.yaml").read_text()
+    assert rows[0]["eval/count"] == rows[-1]["eval/count"] == 8  # evaluated on the generation rank
+    steps = rows[1:]
+    assert [r["split/policy_version"] for r in steps] == list(range(STEPS))
+    assert all(r["split/staleness_max"] == 0 and r["train/grad_norm"] > 0 for r in steps)
+    assert all(r["handoff/logprob_diff_max"] < 1e-5 for r in steps), [r["handoff/logprob_diff_max"] for r in steps]
+    assert all(r["split/weight_sync_bytes"] > 0 for r in steps)
+    print("SGLang generation pool: gap max per step", [r["handoff/logprob_diff_max"] for r in steps])
+

@@ -106,7 +106,7 @@ def test_split_config_accepted_as_documented():
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"rollout__engine": "sglang"}, "rollout.engine=sglang"),
+    ({"rollout__tp_size": 2}, "rollout.tp_size=2"),
     ({"env__name": "calculator"}, "env.name=calculator"),
     ({"algo__dynamic_sampling": True}, "algo.dynamic_sampling=True"),
     ({"resume": "auto"}, "resume=auto"),

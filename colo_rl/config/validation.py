@@ -171,7 +171,6 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
 
 # What placement.mode=split does not run yet, with the reason (docs/placement.md): refused at start-up.
 SPLIT_NOT_YET = {
-    "rollout.engine": ("hf", "the split weight sync loads the HF engine; SGLang's path is not wired yet"),
     "rollout.tp_size": (1, "tensor-parallel engines inside the generation pool are not wired yet"),
     "model.lora.rank": (0, "LoRA adapters on the wire are not wired yet"),
     "env.name": ("none", "multi-turn episodes are not run by the generation pool yet"),
