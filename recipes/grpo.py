@@ -130,7 +130,8 @@ class GRPORecipe:
 
     def evaluate(self, step: int) -> dict[str, float]:
         if self.split is not None:  # the generation ranks evaluated these weights (evaluate_shard)
-            return reported(eval_metrics(*self.pool.evaluation(step)), step) if self.eval_set else {}
+            shares = self.pool.evaluation(step) if self.eval_set else {}
+            return {k: v for prefix, res in shares.items() for k, v in reported(eval_metrics(*res), step, prefix).items()}
         out = held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_set],
                                 [p.answer for p, _ in self.eval_set], self.scorer,
                                 self.cfg.rollout.eval_max_new_tokens, step, multiturn=self.multiturn,
@@ -182,12 +183,16 @@ class GRPORecipe:
         rollout = self.rollout(policy_version=version)
         return rollout, self.timer.pop()
 
-    def evaluate_shard(self, version: int) -> tuple[list[float], list[dict]]:
-        """A generation rank's share of the held-out evaluation of the weights of `version` (split
-        placement): the trainer adds up every generator's share, as a colocated run's ranks do."""
-        return evaluate_shard(self.colo.engine, self.tokenizer, [ids for _, ids in self.eval_set],
-                              [p.answer for p, _ in self.eval_set], self.scorer, self.cfg.rollout.eval_max_new_tokens,
-                              problems=[p for p, _ in self.eval_set])
+    def evaluate_shard(self, version: int) -> dict[str, tuple[list[float], list[dict]]]:
+        """A generation rank's share of the held-out evaluations of the weights of `version` (split
+        placement), per metric prefix as `evaluate` names them: the trainer adds up every
+        generator's share, as a colocated run's ranks do."""
+        sets = {"eval/": (self.eval_set, self.multiturn), "eval_no_tools/": (self.eval_no_tools, None)}
+        return {prefix: evaluate_shard(self.colo.engine, self.tokenizer, [ids for _, ids in held_out],
+                                       [p.answer for p, _ in held_out], self.scorer,
+                                       self.cfg.rollout.eval_max_new_tokens, multiturn,
+                                       problems=[p for p, _ in held_out])
+                for prefix, (held_out, multiturn) in sets.items() if held_out}
 
     def serve(self) -> None:
         """A generation rank's whole run (split placement): rollouts until the trainer stops it."""

@@ -78,3 +78,36 @@ def test_zero3_two_ranks_with_different_episode_lengths(tmp_path):
         assert len(sessions) == per_rank
         assert {s["turns"] for s in sessions} == {turns}  # state per episode, never shared
         assert all(s["answer"] for s in sessions)  # each made from its problem
+
+
+def test_split_placement_runs_the_episodes_on_the_generation_rank(tmp_path):
+    """placement.mode=split (1 generation rank + 1 trainer rank): the episodes, their tools and
+    their reward() run where the engine is; the trainer trains on their policy tokens (the log-prob
+    check over them holds) and reports their metrics; the held-out set is evaluated with and without
+    the environment, as in a colocated run."""
+    (tmp_path / "my_env.py").write_text(ENV_FILE)
+    d = tmp_path / "run"
+    steps, prompts, group, held_out = 2, 4, 2, 4
+    run_torchrun(ROOT / "recipes" / "grpo.py",
+                 ["model=tiny", f"env.name={tmp_path}/my_env.py:RankTurns", "env.max_turns=3",
+                  "env.max_total_tokens=120", f"trainer.total_steps={steps}", f"data.eval_size={held_out}",
+                  f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}", "rollout.max_new_tokens=6",
+                  "rollout.eval_max_new_tokens=6", "trainer.lr=1e-3", "placement.mode=split",
+                  "rollout.max_staleness=0", f"reward.functions=[{tmp_path}/my_env.py:policy_letters]",
+                  "reward.format_weight=0", "colocate.handoff_check_max_mean_abs=0.001", "env.reward_weight=0.5",
+                  "plots=false", "logger=[jsonl]", f"run_dir={d}"],
+                 timeout=600)
+    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows[1:]:  # every episode ran on rank 0, the generation rank: its episodes end at once
+        assert r["env/turns"] == 1.0 and r["reward_source/env"] == 1.0 and r["split/staleness_max"] == 0
+        assert r["reward/mean"] == pytest.approx(r["reward_source/my_env:policy_letters"] + 0.5, rel=1e-6)
+        assert r["handoff/logprob_diff_mean"] < 1e-3 and r["train/grad_norm"] > 0
+    for r in (rows[0], rows[-1]):
+        assert r["eval/count"] == r["eval_no_tools/count"] == held_out
+    # one object per episode, all on the generation rank: training episodes and one per held-out
+    # problem at each evaluation with the environment
+    sessions = (tmp_path / "sessions.rank0.jsonl").read_text().splitlines()
+    assert len(sessions) == steps * prompts * group + 2 * held_out
+    assert not (tmp_path / "sessions.rank1.jsonl").exists()
+

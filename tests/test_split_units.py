@@ -107,7 +107,7 @@ def test_split_config_accepted_as_documented():
 
 @pytest.mark.parametrize("changes,words", [
     ({"rollout__tp_size": 2}, "rollout.tp_size=2"),
-    ({"env__name": "calculator"}, "env.name=calculator"),
+    ({"model__lora__rank": 8}, "model.lora.rank=8"),
     ({"algo__dynamic_sampling": True}, "algo.dynamic_sampling=True"),
     ({"resume": "auto"}, "resume=auto"),
     ({"placement__sync_every": 3, "rollout__max_staleness": 1}, "placement.sync_every <= rollout.max_staleness + 1"),

@@ -90,15 +90,15 @@ class RolloutPart:
 
 @dataclass
 class HeldOutShare:
-    """One generator's share of a held-out evaluation of the weights of `version`
-    (colo_rl.evaluation.evaluate_shard's sums and samples)."""
+    """One generator's share of the held-out evaluations of the weights of `version`: per metric
+    prefix ("eval/", and "eval_no_tools/" where an environment's tools are also left out),
+    colo_rl.evaluation.evaluate_shard's sums and samples."""
     version: int
-    sums: list[float]
-    samples: list[dict]
+    results: dict[str, tuple[list[float], list[dict]]]
     seconds: float = 0.0
 
 
-EvaluateShard = Callable[[int], tuple[list[float], list[dict]]]
+EvaluateShard = Callable[[int], dict[str, tuple[list[float], list[dict]]]]
 
 
 class GenerationPool:
@@ -134,10 +134,10 @@ class GenerationPool:
             if self.evaluate_shard is None:
                 raise RuntimeError("the trainer asked for a held-out evaluation this generation rank cannot run")
             t0 = time.perf_counter()
-            sums, samples = self.evaluate_shard(version)
+            results = self.evaluate_shard(version)
             seconds = time.perf_counter() - t0
             self.eval_seconds += seconds
-            share = HeldOutShare(version, sums, samples, seconds)
+            share = HeldOutShare(version, results, seconds)
             with peer(self.trainers_named):
                 self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
         return version, stop
@@ -226,10 +226,10 @@ class TrainerPool:
     def _next(self, src: int):
         return self.inbox[src].popleft() if self.inbox[src] else self._recv(src)
 
-    def evaluation(self, version: int) -> tuple[list[float], list[dict]]:
-        """The held-out evaluation of the weights of `version`: every generator's share, summed
-        (evaluate_shard's sums), and the first generator's samples. Rollouts that arrive first wait
-        in the inbox for `receive`."""
+    def evaluation(self, version: int) -> dict[str, tuple[list[float], list[dict]]]:
+        """The held-out evaluations of the weights of `version`, per metric prefix: every generator's
+        share, summed (evaluate_shard's sums), and the first generator's samples. Rollouts that
+        arrive first wait in the inbox for `receive`."""
         shares = []
         for src in self.layout.generation:
             while not isinstance(msg := self._recv(src), HeldOutShare):
@@ -240,8 +240,8 @@ class TrainerPool:
                 raise RuntimeError(f"generation rank {src} evaluated version {msg.version}, the trainer expected "
                                    f"{version}")
             shares.append(msg)
-        sums = [sum(col) for col in zip(*(s.sums for s in shares))]
-        return sums, shares[0].samples
+        return {prefix: ([sum(col) for col in zip(*(s.results[prefix][0] for s in shares))], samples)
+                for prefix, (_, samples) in shares[0].results.items()}
 
     def receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The rollout this trainer trains at `step`: the next slot within the bound (older ones dropped)."""
