@@ -167,6 +167,9 @@ class GRPORecipe:
         rollout, flow = self.pool.receive(step)
         self.timer.seconds.update({k.removeprefix("time/"): v for k, v in flow.items()
                                    if k in ("time/generation", "time/reward")})
+        if self.colo.reward_model is not None:  # on the trainer ranks, as a colocated run's update phase
+            with self.timer("reward_model"):
+                self.add_reward_model_scores(rollout)
         if self.cfg.algo.overlong_buffer_len:
             self.add_overlong_shaping(rollout)
         start = time.time()

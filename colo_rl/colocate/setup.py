@@ -127,12 +127,15 @@ class NoPhases:
 
 
 def build_split_trainer(cfg, dtype: torch.dtype, run_dir: Optional[Path], total_steps: int) -> Colocated:
-    """A split run's trainer rank: the DeepSpeed actor (+ reference) over the trainer pool only
-    (dist's scope is the pool: DeepSpeed is given its group), no engine, nothing paged."""
+    """A split run's trainer rank: the DeepSpeed actor (+ reference, + reward model) over the
+    trainer pool only (dist's scope is the pool: DeepSpeed is given its group), no engine, nothing
+    paged."""
     actor = DeepSpeedActor(cfg, dtype, total_steps=total_steps, grad_accum=1)
     ref = reference_model(cfg, actor, dtype, total_steps, None) if cfg.algo.kl_coef > 0 else None
+    reward_model = RewardModel(cfg, dtype) if cfg.reward.model.path else None
     ledger = Ledger(run_dir / "ledger.jsonl" if run_dir is not None else None, plan={"mode": "split"})
-    return Colocated(actor=actor, ref=ref, engine=None, switch=NoPhases(), guard=PhaseGuard(), ledger=ledger)
+    return Colocated(actor=actor, ref=ref, engine=None, switch=NoPhases(), guard=PhaseGuard(), ledger=ledger,
+                     reward_model=reward_model)
 
 
 def build_split_generator(cfg, tokenizer, dtype: torch.dtype) -> Colocated:

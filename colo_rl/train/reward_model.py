@@ -17,9 +17,11 @@ from typing import Optional
 
 import torch
 
+from colo_rl import dist
 from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
+from colo_rl.train.activation_memory import micro_batch_token_budget
 from colo_rl.train.ds_config import build_ds_config
 
 log = logging.getLogger("colo_rl")
@@ -48,7 +50,11 @@ class RewardModel:
         check_reward_model_config(cfg.reward.model.path, AutoConfig.from_pretrained(path))
         self.tokenizer = load_tokenizer(str(path))
         self.guard = guard
-        self.micro_batch_size = cfg.trainer.micro_batch_size
+        # rows per forward: trainer.micro_batch_size where set, else as many as the trainer's token
+        # budget holds at the step's longest text (`rows_per_forward`)
+        self.micro_batch_size, self.tokens_setting, self.dtype = cfg.trainer.micro_batch_size, \
+            cfg.trainer.micro_batch_tokens, dtype
+        self._token_budget: Optional[int] = None
         self.use_chat_template = cfg.data.use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
         model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=dtype, attn_implementation=cfg.model.attn_implementation)
@@ -63,7 +69,9 @@ class RewardModel:
         model.requires_grad_(False)
         self._head_out: list[torch.Tensor] = []
         head.register_forward_hook(lambda _m, _i, out: self._head_out.append(out))
-        self.engine, *_ = deepspeed.initialize(model=model, config=build_ds_config(cfg.trainer, dtype, False))
+        # mpu: a split run's trainer pool is DeepSpeed's whole world (None: the job's), as the actor's
+        self.engine, *_ = deepspeed.initialize(model=model, config=build_ds_config(cfg.trainer, dtype, False),
+                                               mpu=dist.deepspeed_mpu())
         self.engine.eval()
         self.module = self.engine.module
 
@@ -86,8 +94,9 @@ class RewardModel:
             ids = [x[-self.max_len:] for x in ids]  # keep the end: the completion is what is judged
         out = torch.zeros(len(ids), dtype=torch.float32)
         pad = self.tokenizer.pad_token_id
-        for start in range(0, len(ids), self.micro_batch_size):
-            rows = ids[start:start + self.micro_batch_size]
+        per_forward = self.rows_per_forward(ids)
+        for start in range(0, len(ids), per_forward):
+            rows = ids[start:start + per_forward]
             width = max(len(r) for r in rows)
             input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.engine.device)
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.engine.device)
@@ -97,3 +106,18 @@ class RewardModel:
             last = mask.sum(-1) - 1
             out[start:start + len(rows)] = logits[torch.arange(len(rows), device=logits.device), last, 0].float().cpu()
         return out
+
+    def rows_per_forward(self, ids: list[list[int]]) -> int:
+        """trainer.micro_batch_size, or (0: no cap) the trainer's token budget (trainer.micro_batch_tokens;
+        auto: sized once from the memory free, as the actor's) over the longest text of any rank: the
+        same on every rank, so the forwards' ZeRO-3 gathers line up. A no-grad forward needs less
+        than the training pass the budget is sized for."""
+        if self.micro_batch_size:
+            return self.micro_batch_size
+        if self._token_budget is None:
+            on_gpu = self.engine.device.type == "cuda"
+            free = torch.cuda.mem_get_info(self.engine.device)[0] if on_gpu else None
+            own = micro_batch_token_budget(self.tokens_setting, self.module.config, self.dtype, free)
+            self._token_budget = int(-dist.all_reduce_max([-float(own)])[0])
+        (longest,) = dist.all_reduce_max([float(max((len(x) for x in ids), default=1))])
+        return max(1, self._token_budget // int(longest))
