@@ -38,6 +38,7 @@ from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
 from colo_rl.split.pools import GenerationPool, TrainerPool, enter_split
+from colo_rl.train.adapters import EngineWeights
 from colo_rl.train.batch import agreed_micro_batches
 from colo_rl.train.packing import PackedRollout, pack_rollout
 
@@ -108,9 +109,9 @@ class GRPORecipe:
                                        self.evaluate_shard)
         else:  # ZeRO-3 over the trainer ranks only, no engine
             self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
-            self.pool = TrainerPool(self.split, cfg, self.colo.actor, self.total_steps, evaluates=lambda version: (
-                bool(self.eval_set) and (version == 0 or loop.eval_due(version, self.total_steps,
-                                                                       cfg.trainer.eval_every))))
+            self.pool = TrainerPool(self.split, cfg, EngineWeights(self.colo.actor), self.total_steps,
+                                    evaluates=lambda version: bool(self.eval_set) and (
+                                        version == 0 or loop.eval_due(version, self.total_steps, cfg.trainer.eval_every)))
             runtime.seed_everything(cfg.trainer.seed + dist.rank())  # the pool's rank, as a colocated run's
             self.start_metrics.update(self.pool.start())
         # a split run's metrics are the trainer ranks' ("rank 0" of the generation pool writes none)

@@ -67,7 +67,7 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
             return version, stop
 
     class Sender:
-        def __init__(self, actor, group, leader, max_bucket_bytes):
+        def __init__(self, weights, group, leader, max_bucket_bytes):
             pass
 
         def send(self, version, stop, evaluate=False):
@@ -101,7 +101,7 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
     monkeypatch.setattr(pools.dist, "job_rank", lambda: 0)
     gen = pools.GenerationPool(role, cfg, engine, make_rollout, steps, evaluate_shard)
     monkeypatch.setattr(pools.dist, "job_rank", lambda: 1)
-    trainer = pools.TrainerPool(role, cfg, actor=None, total_steps=steps, evaluates=evaluates)
+    trainer = pools.TrainerPool(role, cfg, weights=None, total_steps=steps, evaluates=evaluates)
     out = {}
     thread = threading.Thread(target=lambda: out.setdefault("slots", gen.serve()))
     thread.start()

@@ -92,6 +92,20 @@ def test_drop_policy_counts_every_dropped_group(tmp_path):
     assert generated == STEPS + dropped / 4 + unused  # 4 groups per slot: trained, dropped or unused
 
 
+def test_lora_split_sends_the_merged_policy_every_version(tmp_path):
+    """model.lora.rank > 0 in split placement: the trainers gather whole merge units (base weight +
+    both adapter matrices) and broadcast W + scaling B A under the HF names, so the generation
+    rank's engine serves the adapted policy: its log-probs equal the trainer's while the policy
+    moves away from the base (the KL to the base, what the adapters change, far above the gap)."""
+    rows, _ = run(tmp_path, "lora", ["placement.mode=split", "rollout.max_staleness=0", "model.lora.rank=8",
+                                     "algo.kl_coef=0.05"])
+    assert [r["split/policy_version"] for r in rows] == list(range(STEPS))
+    assert all(r["handoff/logprob_diff_max"] < 1e-4 for r in rows), [r["handoff/logprob_diff_max"] for r in rows]
+    assert rows[-1]["train/kl"] > 1e-5 and rows[-1]["train/kl"] > 100 * rows[-1]["handoff/logprob_diff_mean"]
+    # the merged model's bytes each sync (an adapter-only sync would be ~1/50 of it)
+    assert all(r["split/weight_sync_bytes"] == rows[0]["split/weight_sync_bytes"] > 0 for r in rows)
+
+
 def check_wire(out):
     gen, trainer = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert trainer["buckets"] > 1  # 64-byte buckets: the weights travel in several

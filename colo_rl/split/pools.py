@@ -194,8 +194,9 @@ class GenerationPool:
 class TrainerPool:
     """The trainer ranks' side: rollouts in (the bound applied), weights out."""
 
-    def __init__(self, role: SplitRole, cfg, actor, total_steps: int,
+    def __init__(self, role: SplitRole, cfg, weights, total_steps: int,
                  evaluates: Callable[[int], bool] = lambda version: False):
+        """`weights`: the trainer's weights as the engines take them (wire.WeightSender's)."""
         self.layout, self.cfg, self.total_steps = role.layout, cfg, total_steps
         self.evaluates = evaluates  # which versions the generation ranks evaluate (the loop's eval steps)
         # messages taken from a generator's stream ahead of their turn (rollouts received while
@@ -203,7 +204,7 @@ class TrainerPool:
         self.inbox: dict[int, deque] = {src: deque() for src in self.layout.generation}
         self.generators_named = f"a generation rank (ranks {list(self.layout.generation)}, the generation pool)"
         self.k = cfg.rollout.max_staleness
-        self.sender = WeightSender(actor, role.weight_group if dist.job_rank() == role.layout.leader else None,
+        self.sender = WeightSender(weights, role.weight_group if dist.job_rank() == role.layout.leader else None,
                                    role.layout.leader, int(cfg.colocate.handoff_bucket_mb) << 20)
         self.stats = st.StalenessStats()
         self.last_update: tuple[float, float] | None = None

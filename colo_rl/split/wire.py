@@ -114,13 +114,19 @@ def pack(bucket: list[Slot], tensors: list[tuple[str, torch.Tensor]], flat: torc
 
 
 class WeightSender:
-    """The trainer's side: every trainer joins the ZeRO-3 gathers, the leader broadcasts."""
+    """The trainer's side: every trainer joins the ZeRO-3 gathers, the leader broadcasts.
 
-    def __init__(self, actor, group, leader: int, max_bucket_bytes: int):
-        self.actor, self.group, self.leader = actor, group, leader
+    `weights` is the trainer's weights as an engine takes them (`train.adapters.EngineWeights`):
+    `plan(bucket_bytes)` gives, per gather, the names gathered and the (name, shape, dtype) of the
+    tensors it yields (HF names; a LoRA model's merged weights), `gathered(names)` yields them."""
+
+    def __init__(self, weights, group, leader: int, max_bucket_bytes: int):
+        self.weights, self.group, self.leader = weights, group, leader
         self.is_leader = dist.job_rank() == leader
-        params = [(n, tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in actor.module.named_parameters()]
-        self.buckets = bucket_layout(params, max_bucket_bytes)
+        plan = weights.plan(max_bucket_bytes)
+        self.gathers = [names for names, _ in plan]
+        # one wire bucket per gather: its tensors are packed as they come out
+        self.buckets = [bucket_layout(specs, bucket_bytes=1 << 62)[0] for _, specs in plan]
         if self.is_leader:  # the generators allocate their receive buffers from it
             tdist.broadcast_object_list([self.buckets], src=leader, group=group)
 
@@ -131,8 +137,8 @@ class WeightSender:
         if self.is_leader:
             tdist.broadcast(on_wire(torch.tensor([version, int(stop), int(evaluate)], dtype=torch.int64)),
                             src=self.leader, group=self.group)
-        for bucket in self.buckets:
-            with self.actor.gathered([s.name for s in bucket]) as tensors:  # a collective of the trainers
+        for names, bucket in zip(self.gathers, self.buckets):
+            with self.weights.gathered(names) as tensors:  # a collective of the trainers
                 if self.is_leader:
                     flat = on_wire(torch.empty(bucket_bytes(bucket), dtype=torch.uint8))
                     pack(bucket, tensors, flat)

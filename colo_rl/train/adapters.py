@@ -89,3 +89,26 @@ def adapter_state_dict_on_rank0(actor: DeepSpeedActor, bucket_bytes: int = 256 <
             if dist.is_rank0():
                 out.update((n, t.detach().to("cpu", copy=True)) for n, t in tensors)
     return out if dist.is_rank0() else None
+
+
+class EngineWeights:
+    """The actor's weights as a rollout engine takes them: HF-named full tensors, a LoRA model's
+    merged (W + scaling B A) so an engine without adapter support serves the policy. What a split
+    run's trainers broadcast (colo_rl/split/wire.WeightSender); every call is a collective."""
+
+    def __init__(self, actor: DeepSpeedActor):
+        self.actor = actor
+
+    def plan(self, bucket_bytes: int) -> list[tuple[list[str], list[tuple[str, tuple, torch.dtype]]]]:
+        """Per gather of at most ~`bucket_bytes`: the parameter names gathered, and the name, shape
+        and dtype of each tensor `gathered` yields for them, in its order."""
+        specs = {n: (tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in self.actor.module.named_parameters()}
+        if not self.actor.lora:
+            return [(names, [(n, *specs[n]) for n in names])
+                    for names in plan_buckets(self.actor.named_parameter_sizes(), bucket_bytes)]
+        return [(names, [(external_name(n), *specs[n]) for n in names if not is_adapter(n)])
+                for names in merge_buckets(self.actor, bucket_bytes)]  # whole merge units: base + A + B
+
+    def gathered(self, names: list[str]):
+        return gathered_merged(self.actor, names) if self.actor.lora else self.actor.gathered(names)
+

@@ -24,9 +24,12 @@ def model(version: int) -> torch.nn.Module:
     return m.to(dist.device())
 
 
-class Actor:  # what WeightSender reads of a DeepSpeedActor: module and gathered()
+class Actor:  # what WeightSender reads (train.adapters.EngineWeights): plan() and gathered()
     def __init__(self, module):
         self.module = module
+
+    def plan(self, bucket_bytes):  # one parameter per gather
+        return [([n], [(n, tuple(p.shape), p.dtype)]) for n, p in self.module.named_parameters()]
 
     @contextlib.contextmanager
     def gathered(self, names):
