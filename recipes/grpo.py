@@ -250,7 +250,8 @@ class GRPORecipe:
         they are set aside and every rank samples another batch of prompts, up to
         algo.max_sampling_rounds extra rounds, until each rank has its groups; groups still
         missing are filled with set-aside ones (counted). Every rank keeps the same number of
-        groups, so the update's collective passes line up."""
+        groups, so the update's collective passes line up. A split run's generation ranks each
+        decide their rounds alone (they run no collective among themselves)."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
         out = Rollout(policy_version=policy_version)
         while True:
@@ -280,7 +281,9 @@ class GRPORecipe:
                 out.keep(groups)
                 break
             out.keep(groups, algos.informative_groups(torch.tensor(scored.rewards), G).tolist())
-            (missing,) = dist.all_reduce_max([float(self.prompts_per_rank - len(out.groups))])  # the same answer everywhere
+            missing = float(self.prompts_per_rank - len(out.groups))
+            if not self.serves:  # the same answer on every rank; a split run's generators decide alone (no
+                (missing,) = dist.all_reduce_max([missing])  # collective between them: colo_rl/split/NOTES.md)
             if missing <= 0 or out.rounds > cfg.algo.max_sampling_rounds:
                 break
         out.fill(self.prompts_per_rank)

@@ -60,6 +60,7 @@ def recipe(problems: int, prompts_per_step: int, scorer: ScriptedScorer, env=Non
     r.colo = type("Colocated", (), {"engine": EchoEngine()})()
     r.sampling = SamplingParams(n=G)
     r.prompts_per_rank = prompts_per_step
+    r.split = None  # colocated: rollout() agrees its dynamic-sampling rounds with the other ranks
     return r
 
 
@@ -85,6 +86,26 @@ def test_dynamic_sampling_keeps_informative_groups_and_counts_every_rounds_failu
     assert out.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert out.sources() == {"verifier": [2.0, 0.0, 0.0, 2.0]}
     assert (out.failures, out.rounds, out.filled) == (3, 2, 0)
+
+
+def test_a_split_generator_decides_its_dynamic_sampling_rounds_alone(monkeypatch):
+    """In split placement a generation rank asks no other rank how many rounds to sample: a
+    collective between generators could wait on one that is blocked on queue space while the
+    trainer waits on the first (colo_rl/split/NOTES.md)."""
+    from colo_rl import dist
+
+    def no_collective(values):
+        raise AssertionError("a generation rank called a collective")
+
+    scorer = ScriptedScorer([{0: [1, 0], 1: [1, 1]}, {2: [0, 0], 3: [0, 1]}], failures=[0, 0])
+    r = recipe(4, 2, scorer, dynamic_sampling=True, max_sampling_rounds=3)
+    r.split = type("SplitRole", (), {"generates": True})()
+    monkeypatch.setattr(dist, "all_reduce_max", no_collective)
+    out = r.rollout()
+    assert [p.id for p in out.problems] == ["0", "0", "3", "3"] and (out.rounds, out.filled) == (2, 0)
+    r.split = None  # colocated: the rounds are agreed over the ranks
+    with pytest.raises(AssertionError, match="called a collective"):
+        recipe(4, 2, ScriptedScorer([{0: [1, 0], 1: [1, 1]}], failures=[0]), dynamic_sampling=True).rollout()
 
 
 def test_dynamic_sampling_fills_with_set_aside_groups_when_rounds_run_out():
