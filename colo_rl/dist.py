@@ -150,6 +150,11 @@ def job_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
+def job_world_size() -> int:
+    """The whole job's ranks (torchrun's WORLD_SIZE), whatever the scope."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
 def rank() -> int:
     if _SCOPE:
         return _SCOPE[1].index(job_rank())

@@ -13,6 +13,7 @@ The loop around it (resume, evaluation, checkpoints, clean stop) is colo_rl/loop
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import time
@@ -106,14 +107,14 @@ class GRPORecipe:
         elif self.split.generates:  # an engine only; its weights come from the trainer, version by version
             self.colo = build_split_generator(cfg, self.tokenizer, ctx.dtype)
             self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps,
-                                       self.evaluate_shard)
+                                       self.evaluate_shard, position=self.data_position,
+                                       restore=self.restore_data_position)
         else:  # ZeRO-3 over the trainer ranks only, no engine
             self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
             self.pool = TrainerPool(self.split, cfg, EngineWeights(self.colo.actor), self.total_steps,
                                     evaluates=lambda version: bool(self.eval_set) and (
                                         version == 0 or loop.eval_due(version, self.total_steps, cfg.trainer.eval_every)))
             runtime.seed_everything(cfg.trainer.seed + dist.rank())  # the pool's rank, as a colocated run's
-            self.start_metrics.update(self.pool.start())
         # a split run's metrics are the trainer ranks' ("rank 0" of the generation pool writes none)
         self.metrics = MetricsLogger(ctx.run_dir, (), CONSOLE) if self.serves else runtime.metrics_logger(ctx, CONSOLE)
         self.sampling = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens,
@@ -124,8 +125,12 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ the loop's calls
     def resume(self, ckpt) -> int:
-        with self.colo.switch.update():  # DeepSpeed state, data position, RNGs (the engine's sampling RNG too)
-            step = ckpt.maybe_resume(self.colo.actor, self.sampler, self.colo.engine)
+        if self.split is not None:  # the trainer: DeepSpeed state and RNGs; the generators' positions go to them
+            step = ckpt.maybe_resume(self.colo.actor)
+            self.start_metrics.update(self.pool.start(step, ckpt.extra.get("split_positions")))
+        else:
+            with self.colo.switch.update():  # DeepSpeed state, data position, RNGs (the engine's sampling RNG too)
+                step = ckpt.maybe_resume(self.colo.actor, self.sampler, self.colo.engine)
         self.kl_ctl.coef = float(ckpt.extra.get("kl_in_reward_coef", self.kl_ctl.coef))
         return step
 
@@ -198,6 +203,20 @@ class GRPORecipe:
                                        problems=[p for p, _ in held_out])
                 for prefix, (held_out, multiturn) in sets.items() if held_out}
 
+    def data_position(self) -> dict:
+        """A generation rank's data position and engine sampling RNG now (JSON: a checkpoint's state.json
+        holds them): sent with every slot, saved by the trainer for the last slot it used."""
+        rng = getattr(self.colo.engine, "rng_state", None)
+        return {"sampler": self.sampler.state_dict(),
+                "engine_rng": base64.b64encode(rng().numpy().tobytes()).decode() if callable(rng) else None}
+
+    def restore_data_position(self, position: dict) -> None:
+        self.sampler.load_state_dict(position["sampler"])
+        if position.get("engine_rng") is not None and callable(getattr(self.colo.engine, "set_rng_state", None)):
+            raw = bytearray(base64.b64decode(position["engine_rng"]))
+            self.colo.engine.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8))
+        log.info("generation rank %d: resumed at data position %s", dist.job_rank(), position["sampler"])
+
     def serve(self) -> None:
         """A generation rank's whole run (split placement): rollouts until the trainer stops it."""
         self.pool.serve()
@@ -214,9 +233,12 @@ class GRPORecipe:
                      unused)
 
     def save(self, ckpt, step: int) -> None:
+        extra = {"kl_in_reward_coef": self.kl_ctl.coef}
+        if self.split is not None:  # the data lives on the generation ranks: their positions after the last slot used
+            ckpt.save(step, self.colo.actor, extra={**extra, "split_positions": self.pool.positions})
+            return
         with self.colo.switch.update():
-            ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine,
-                      extra={"kl_in_reward_coef": self.kl_ctl.coef})
+            ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine, extra=extra)
 
     def finish(self, result: loop.LoopResult) -> None:
         with self.colo.switch.update():

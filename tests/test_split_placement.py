@@ -106,6 +106,45 @@ def test_lora_split_sends_the_merged_policy_every_version(tmp_path):
     assert all(r["split/weight_sync_bytes"] == rows[0]["split/weight_sync_bytes"] > 0 for r in rows)
 
 
+def test_a_killed_split_run_resumes_where_its_checkpoint_left_the_data(tmp_path):
+    """resume=auto in split placement (k = 0, the HF engine): run B checkpoints every step and is
+    killed (SIGKILL, every process) once checkpoint 2 is complete; resumed, its steps 3 and 4 equal
+    those of run A, which ran 4 steps uninterrupted. The trainer restored DeepSpeed's state, each
+    generator the data position and sampling RNG of the last slot the trainer used (what it had
+    generated beyond is generated again): no prompt skipped or repeated."""
+    import subprocess
+    import time
+
+    from test_checkpoint_resume import kill_all, torchrun_cmd
+
+    from colo_rl.checkpoint import is_complete
+    from conftest import ROOT, child_env, python_path
+
+    split = ["placement.mode=split", "rollout.max_staleness=0", "trainer.total_steps=4"]
+    a, _ = run(tmp_path, "a", split)
+    b = tmp_path / "b"
+    with open(tmp_path / "killed.log", "w") as out:
+        proc = subprocess.Popen(torchrun_cmd([*COMMON, *split, "trainer.save_every=1", f"run_dir={b}"]), cwd=ROOT,
+                                env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"), stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 600
+            while not is_complete(b / "checkpoints" / "step-000002"):
+                assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "run B never wrote its checkpoint"
+                time.sleep(0.05)
+            kill_all(proc)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+    resumed, log = run(tmp_path, "b", [*split, "trainer.save_every=1", "resume=auto"])
+    assert "resumed at data position" in log
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # the killed run's first two rows, then the resumed ones
+    for ra, rb in zip(a[2:], resumed[2:]):
+        for key in SAME + ["eval/accuracy"] * (ra["step"] == 4):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), (ra["step"], key, ra[key], rb[key])
+
+
 def check_wire(out):
     gen, trainer = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert trainer["buckets"] > 1  # 64-byte buckets: the weights travel in several

@@ -107,8 +107,6 @@ def test_split_config_accepted_as_documented():
 
 @pytest.mark.parametrize("changes,words", [
     ({"rollout__tp_size": 2}, "rollout.tp_size=2"),
-    ({"resume": "auto", "model__lora__rank": 8}, "resume=auto"),
-    ({"resume": "auto"}, "resume=auto"),
     ({"placement__sync_every": 3, "rollout__max_staleness": 1}, "placement.sync_every <= rollout.max_staleness + 1"),
     ({"algo__rollout_correction": None}, "algo.rollout_correction"),
 ])

@@ -171,11 +171,13 @@ class CheckpointManager:
 
     def check_compatible(self, path: Path) -> None:
         state = json.loads((path / "state.json").read_text())
-        if state["world_size"] != dist.world_size():
+        # the job's ranks (a split run's trainer pool writes the shards: world_size is the pool's)
+        written = state.get("job_world_size", state["world_size"])
+        if written != dist.job_world_size():
             raise CheckpointError(
-                f"cannot resume from {path}: it was written by {state['world_size']} rank(s), this run has "
-                f"{dist.world_size()}. DeepSpeed's ZeRO shards and the per-rank RNG states are per rank: "
-                f"run with --nproc_per_node={state['world_size']}, or export it "
+                f"cannot resume from {path}: it was written by {written} rank(s), this run has "
+                f"{dist.job_world_size()}. DeepSpeed's ZeRO shards and the per-rank RNG states are per rank: "
+                f"run with --nproc_per_node={written}, or export it "
                 f"(python -m colo_rl.checkpoint {path} <out_dir>) and start a new run from model.path=<out_dir>")
         saved = OmegaConf.to_container(OmegaConf.load(path / "config.yaml"), resolve=True)
         refusals, warnings = compare_configs(saved, config_container(self.cfg))
@@ -252,7 +254,8 @@ class CheckpointManager:
             actor.save_checkpoint(str(tmp), DS_TAG)
             torch.save(capture_rng(engine), tmp / f"rank{dist.rank():05d}.pt")
             if dist.is_rank0():
-                state = {"step": step, "world_size": dist.world_size(), "time": time.time(),
+                state = {"step": step, "world_size": dist.world_size(), "job_world_size": dist.job_world_size(),
+                         "time": time.time(),
                          "dtype": str(actor.dtype).replace("torch.", ""),
                          "sampler": sampler.state_dict() if sampler is not None else None,
                          "actor": actor.counters() if hasattr(actor, "counters") else {}, "extra": extra or {}}

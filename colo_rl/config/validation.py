@@ -172,7 +172,6 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
 # What placement.mode=split does not run yet, with the reason (docs/placement.md): refused at start-up.
 SPLIT_NOT_YET = {
     "rollout.tp_size": (1, "tensor-parallel engines inside the generation pool are not wired yet"),
-    "resume": (None, "a split run's data position lives on the generation ranks and is not saved yet"),
 }
 
 

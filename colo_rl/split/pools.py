@@ -22,7 +22,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from colo_rl import dist
 from colo_rl.errors import PoolError
@@ -87,6 +87,16 @@ class RolloutPart:
     idle_seconds: float = 0.0  # waiting for weights or queue space since the previous slot
     waits: int = 0  # times it waited for newer weights (wait policy) since the previous slot
     in_flight: int = 0  # slots already sent and not yet received when this one was queued
+    position: Any = None  # the generator's data position (and sampling RNG) after this slot: what a resume restores
+
+
+@dataclass
+class Start:
+    """The leader's first message to a generation rank: the slot to generate first (the step a run
+    starts or resumes at) and, on a resume, this generator's position after the last slot the
+    trainers consumed (None: a fresh run)."""
+    slot: int
+    position: Any = None
 
 
 @dataclass
@@ -108,8 +118,12 @@ class GenerationPool:
     of the held-out set) before the next rollout, and the share goes to every trainer."""
 
     def __init__(self, role: SplitRole, cfg, engine, make_rollout: Callable[[int], tuple[Rollout, dict]],
-                 total_steps: int, evaluate_shard: EvaluateShard | None = None):
+                 total_steps: int, evaluate_shard: EvaluateShard | None = None,
+                 position: Callable[[], Any] = lambda: None, restore: Callable[[Any], None] = lambda position: None):
+        """`position()`: this rank's data position (and sampling RNG) now, sent with every slot;
+        `restore(position)`: go back to one (a resumed run's Start)."""
         self.layout, self.engine, self.make_rollout = role.layout, engine, make_rollout
+        self.position, self.restore = position, restore
         self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
         self.evaluate_shard = evaluate_shard
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
@@ -144,10 +158,14 @@ class GenerationPool:
         return version, stop
 
     def _serve(self) -> int:
-        version, stop = self._take()  # version 0: the trainer's starting weights
+        with peer(f"trainer rank {self.layout.leader} (it starts the generators)"):
+            begin: Start = recv_object(self.layout.leader)
+        if begin.position is not None:
+            self.restore(begin.position)
+        version, stop = self._take()  # the trainer's starting (or resumed) weights
         pending: deque[list[Pending]] = deque()
         capacity = max(1, self.k)
-        slot, waits, free_since = 0, 0, time.perf_counter()
+        slot, waits, free_since = begin.slot, 0, time.perf_counter()
         while not stop:
             if self.policy == "wait" and slot >= self.total_steps:  # every slot is trained: wait for the stop
                 version, stop = self._take()
@@ -176,19 +194,19 @@ class GenerationPool:
             for sends in [*pending, self.eval_sends, ends]:
                 for p in sends:
                     p.wait()
-        log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(), slot,
-                 version)
-        return slot
+        log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(),
+                 slot - begin.slot, version)
+        return slot - begin.slot
 
     def _send(self, slot, version, rollout: Rollout, interval, seconds, idle, waits, in_flight) -> list[Pending]:
-        n, sends = len(rollout.groups), []
+        n, sends, position = len(rollout.groups), [], self.position()
         for i, dst in enumerate(self.layout.trainers):
             share = self.layout.groups_for(self.index, i, n)
             part = RolloutPart(slot, version, rollout.groups[share.start:share.stop], n,
                                failures=rollout.failures if i == 0 else 0, filled=rollout.filled if i == 0 else 0,
                                rounds=rollout.rounds,
                                gen_interval=interval, seconds=seconds, idle_seconds=idle, waits=waits,
-                               in_flight=in_flight)
+                               in_flight=in_flight, position=position)
             sends.append(send_object(part, dst))
         return sends
 
@@ -213,10 +231,19 @@ class TrainerPool:
         self.version = 0
         self.stopped = False
         self.unused_slots = 0
+        # each generator's position after the last slot received (trained or dropped), by job rank:
+        # what a checkpoint saves, so a resume neither skips nor repeats a prompt
+        self.positions: dict[int, Any] = {}
 
-    def start(self) -> dict[str, float]:
-        """The starting weights (version 0) to the generators: their engines never read the disk's."""
-        return self._send_weights(0, stop=False, evaluate=self.evaluates(0))
+    def start(self, step: int = 0, positions: Optional[dict] = None) -> dict[str, float]:
+        """Start the generators at `step` (0, or the step a run resumes at: `positions` as saved),
+        and send them the weights of that version: their engines never read the disk's."""
+        self.version, self.positions = step, {int(k): v for k, v in (positions or {}).items()}
+        if dist.job_rank() == self.layout.leader:
+            with peer(self.generators_named):
+                for p in [send_object(Start(step, self.positions.get(g)), g) for g in self.layout.generation]:
+                    p.wait()
+        return self._send_weights(step, stop=False, evaluate=step == 0 and self.evaluates(0))
 
     def _send_weights(self, version: int, stop: bool, evaluate: bool = False) -> dict[str, float]:
         with peer(self.generators_named):
@@ -257,6 +284,7 @@ class TrainerPool:
                 raise RuntimeError("a held-out evaluation arrived where a rollout was expected: the trainer "
                                    "evaluates at other steps than it asked the generation ranks to")
             version = min(p.version for p in parts)
+            self.positions.update({src: p.position for src, p in zip(self.layout.generation, parts)})
             if st.admitted(step, version, self.k):
                 break
             self.stats.record_dropped(sum(p.slot_groups for p in parts))
