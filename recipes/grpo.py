@@ -13,7 +13,6 @@ The loop around it (resume, evaluation, checkpoints, clean stop) is colo_rl/loop
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import time
@@ -39,6 +38,7 @@ from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
 from colo_rl.split.pools import GenerationPool, TrainerPool, enter_split
+from colo_rl.split.position import generator_position, restore_generator_position
 from colo_rl.train.adapters import EngineWeights
 from colo_rl.train.batch import agreed_micro_batches
 from colo_rl.train.packing import PackedRollout, pack_rollout
@@ -107,8 +107,10 @@ class GRPORecipe:
         elif self.split.generates:  # an engine only; its weights come from the trainer, version by version
             self.colo = build_split_generator(cfg, self.tokenizer, ctx.dtype)
             self.pool = GenerationPool(self.split, cfg, self.colo.engine, self.generate_slot, self.total_steps,
-                                       self.evaluate_shard, position=self.data_position,
-                                       restore=self.restore_data_position)
+                                       self.evaluate_shard,
+                                       position=lambda: generator_position(self.sampler, self.colo.engine),
+                                       restore=lambda pos: restore_generator_position(pos, self.sampler,
+                                                                                      self.colo.engine))
         else:  # ZeRO-3 over the trainer ranks only, no engine
             self.colo = build_split_trainer(cfg, ctx.dtype, self.run_dir, optimizer_steps)
             self.pool = TrainerPool(self.split, cfg, EngineWeights(self.colo.actor), self.total_steps,
@@ -202,20 +204,6 @@ class GRPORecipe:
                                        self.cfg.rollout.eval_max_new_tokens, multiturn,
                                        problems=[p for p, _ in held_out])
                 for prefix, (held_out, multiturn) in sets.items() if held_out}
-
-    def data_position(self) -> dict:
-        """A generation rank's data position and engine sampling RNG now (JSON: a checkpoint's state.json
-        holds them): sent with every slot, saved by the trainer for the last slot it used."""
-        rng = getattr(self.colo.engine, "rng_state", None)
-        return {"sampler": self.sampler.state_dict(),
-                "engine_rng": base64.b64encode(rng().numpy().tobytes()).decode() if callable(rng) else None}
-
-    def restore_data_position(self, position: dict) -> None:
-        self.sampler.load_state_dict(position["sampler"])
-        if position.get("engine_rng") is not None and callable(getattr(self.colo.engine, "set_rng_state", None)):
-            raw = bytearray(base64.b64decode(position["engine_rng"]))
-            self.colo.engine.set_rng_state(torch.frombuffer(raw, dtype=torch.uint8))
-        log.info("generation rank %d: resumed at data position %s", dist.job_rank(), position["sampler"])
 
     def serve(self) -> None:
         """A generation rank's whole run (split placement): rollouts until the trainer stops it."""

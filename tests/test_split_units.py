@@ -176,3 +176,32 @@ def test_auto_split_reads_a_colocated_runs_report_and_refuses_when_it_cannot_kno
     (split / "metrics.jsonl").write_text(json.dumps({**rows[0], "split/policy_version": 0}) + "\n")
     with pytest.raises(ConfigError, match="is a split run"):
         resolve_generation_ranks(placement(source=str(split)), 4, 1, 8)
+
+
+def test_a_generators_position_round_trips_through_json():
+    """What a checkpoint's state.json keeps of a generation rank: the data position and the
+    engine's sampling RNG, so the draws after a restore are the draws after the save."""
+    import json
+
+    from colo_rl.data.sampler import EpochSampler
+    from colo_rl.split.position import generator_position, restore_generator_position
+
+    class Engine:  # the HF engine's RNG methods
+        def __init__(self):
+            self.generator = torch.Generator().manual_seed(3)
+
+        def rng_state(self):
+            return self.generator.get_state()
+
+        def set_rng_state(self, state):
+            self.generator.set_state(state)
+
+    sampler, engine = EpochSampler(10, seed=7), Engine()
+    sampler.next_global(4)
+    torch.rand(5, generator=engine.generator)
+    saved = json.loads(json.dumps(generator_position(sampler, engine)))
+    after = sampler.next_global(4), torch.rand(3, generator=engine.generator)
+    other_sampler, other_engine = EpochSampler(10, seed=7), Engine()
+    restore_generator_position(saved, other_sampler, other_engine)
+    assert other_sampler.next_global(4) == after[0]
+    assert torch.equal(torch.rand(3, generator=other_engine.generator), after[1])
