@@ -159,7 +159,7 @@ def test_compare_configs_refuses_model_data_seeds_and_optimizer_values():
 
 def test_world_size_change_is_refused(tmp_path, monkeypatch):
     save_steps(tmp_path, [2])
-    monkeypatch.setattr("colo_rl.checkpoint.manager.dist.world_size", lambda: 4)
+    monkeypatch.setattr("colo_rl.checkpoint.manager.dist.job_world_size", lambda: 4)  # the job's ranks
     cfg = make_cfg(tmp_path)
     cfg.resume = "auto"
     with pytest.raises(CheckpointError, match=r"written by 1 rank\(s\), this run has 4.*--nproc_per_node=1"):
