@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 
 import torch
 
+from colo_rl import dist
 from colo_rl.train.lm_head import chunk_positions
 
 # trainer.micro_batch_tokens=auto on CPU: one group of the demo (~250 tokens) per micro-batch, the
@@ -84,3 +85,14 @@ def micro_batch_token_budget(setting, model_config, dtype: torch.dtype, free_byt
     if fit > positions:  # the chunk is full: its working set is a fixed cost
         fit = int((room - positions * per_position) / per_token)
     return max(AUTO_MIN_TOKENS, min(AUTO_MAX_TOKENS, fit))
+
+
+def agreed_token_budget(setting, model_config, dtype: torch.dtype, device: torch.device,
+                        **estimate) -> tuple[int, Optional[int]]:
+    """`micro_batch_token_budget` sized from the memory free on `device` now (None off a GPU), the
+    smallest over ranks (a collective: every rank calls it); and the free bytes it was sized from.
+    `estimate`: `activation_terms`' gradient_checkpointing / chunked_head."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    own = micro_batch_token_budget(setting, model_config, dtype, free, **estimate)
+    return int(-dist.all_reduce_max([-float(own)])[0]), free
+

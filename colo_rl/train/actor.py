@@ -17,7 +17,7 @@ from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, f
 from colo_rl.models import load_model
 from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.activation_memory import micro_batch_token_budget
+from colo_rl.train.activation_memory import agreed_token_budget
 from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
                                      drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
@@ -144,12 +144,9 @@ class DeepSpeedActor:
         auto is sized once, the first time it is asked (in the update phase: the engine's memory is
         released), from the device memory free then; logged."""
         if self._micro_batch_tokens is None:
-            on_gpu = self.engine.device.type == "cuda"
-            free = torch.cuda.mem_get_info(self.engine.device)[0] if on_gpu else None
-            own = micro_batch_token_budget(self.cfg.trainer.micro_batch_tokens, self.config, self.dtype, free,
-                                           gradient_checkpointing=bool(self.cfg.model.gradient_checkpointing),
-                                           chunked_head=self.chunked_lm_head)
-            self._micro_batch_tokens = int(-dist.all_reduce_max([-float(own)])[0])
+            self._micro_batch_tokens, free = agreed_token_budget(
+                self.cfg.trainer.micro_batch_tokens, self.config, self.dtype, self.engine.device,
+                gradient_checkpointing=bool(self.cfg.model.gradient_checkpointing), chunked_head=self.chunked_lm_head)
             if dist.is_rank0():
                 log.info("micro-batches of up to %d tokens (trainer.micro_batch_tokens=%s%s)", self._micro_batch_tokens,
                          self.cfg.trainer.micro_batch_tokens,

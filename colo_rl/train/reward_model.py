@@ -21,7 +21,7 @@ from colo_rl import dist
 from colo_rl.errors import ConfigError
 from colo_rl.models import load_tokenizer, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
-from colo_rl.train.activation_memory import micro_batch_token_budget
+from colo_rl.train.activation_memory import agreed_token_budget
 from colo_rl.train.ds_config import build_ds_config
 
 log = logging.getLogger("colo_rl")
@@ -115,9 +115,7 @@ class RewardModel:
         if self.micro_batch_size:
             return self.micro_batch_size
         if self._token_budget is None:
-            on_gpu = self.engine.device.type == "cuda"
-            free = torch.cuda.mem_get_info(self.engine.device)[0] if on_gpu else None
-            own = micro_batch_token_budget(self.tokens_setting, self.module.config, self.dtype, free)
-            self._token_budget = int(-dist.all_reduce_max([-float(own)])[0])
+            self._token_budget, _ = agreed_token_budget(self.tokens_setting, self.module.config, self.dtype,
+                                                        self.engine.device)
         (longest,) = dist.all_reduce_max([float(max((len(x) for x in ids), default=1))])
         return max(1, self._token_budget // int(longest))
