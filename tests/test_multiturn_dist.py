@@ -42,20 +42,27 @@ def policy_letters(completion, truth):
 '''
 
 
-def test_zero3_two_ranks_with_different_episode_lengths(tmp_path):
+steps, prompts, group, held_out = 2, 4, 2, 4
+
+
+def run_env(tmp_path, extra: list[str]) -> list[dict]:
+    """recipes/grpo.py on 2 gloo ranks with ENV_FILE's RankTurns environment; its metrics rows."""
     (tmp_path / "my_env.py").write_text(ENV_FILE)
     d = tmp_path / "run"
-    steps, prompts, group, held_out = 2, 4, 2, 4
     run_torchrun(ROOT / "recipes" / "grpo.py",
                  ["model=tiny", f"env.name={tmp_path}/my_env.py:RankTurns", "env.max_turns=3",
                   "env.max_total_tokens=120", f"trainer.total_steps={steps}", f"data.eval_size={held_out}",
                   f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}", "rollout.max_new_tokens=6",
-                  "rollout.eval_max_new_tokens=6", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
+                  "rollout.eval_max_new_tokens=6", "trainer.lr=1e-3",
                   f"reward.functions=[{tmp_path}/my_env.py:policy_letters]", "reward.format_weight=0",
                   "colocate.handoff_check_max_mean_abs=0.001", "env.reward_weight=0.5", "plots=false", "logger=[jsonl]",
-                  f"run_dir={d}"],
+                  *extra, f"run_dir={d}"],
                  timeout=600)
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_zero3_two_ranks_with_different_episode_lengths(tmp_path):
+    rows = run_env(tmp_path, ["trainer.micro_batch_size=4"])
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         # rank 0: 1 turn per episode; rank 1: 3 turns, the third one answered too, so at env.max_turns
@@ -85,19 +92,7 @@ def test_split_placement_runs_the_episodes_on_the_generation_rank(tmp_path):
     their reward() run where the engine is; the trainer trains on their policy tokens (the log-prob
     check over them holds) and reports their metrics; the held-out set is evaluated with and without
     the environment, as in a colocated run."""
-    (tmp_path / "my_env.py").write_text(ENV_FILE)
-    d = tmp_path / "run"
-    steps, prompts, group, held_out = 2, 4, 2, 4
-    run_torchrun(ROOT / "recipes" / "grpo.py",
-                 ["model=tiny", f"env.name={tmp_path}/my_env.py:RankTurns", "env.max_turns=3",
-                  "env.max_total_tokens=120", f"trainer.total_steps={steps}", f"data.eval_size={held_out}",
-                  f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}", "rollout.max_new_tokens=6",
-                  "rollout.eval_max_new_tokens=6", "trainer.lr=1e-3", "placement.mode=split",
-                  "rollout.max_staleness=0", f"reward.functions=[{tmp_path}/my_env.py:policy_letters]",
-                  "reward.format_weight=0", "colocate.handoff_check_max_mean_abs=0.001", "env.reward_weight=0.5",
-                  "plots=false", "logger=[jsonl]", f"run_dir={d}"],
-                 timeout=600)
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    rows = run_env(tmp_path, ["placement.mode=split", "rollout.max_staleness=0"])
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:  # every episode ran on rank 0, the generation rank: its episodes end at once
         assert r["env/turns"] == 1.0 and r["reward_source/env"] == 1.0 and r["split/staleness_max"] == 0
