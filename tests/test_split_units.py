@@ -130,6 +130,45 @@ def test_a_dead_peer_becomes_one_error_naming_the_rank_and_the_pool():
             raise KeyError("y")
 
 
+def test_a_wait_on_the_other_pool_ends_when_a_peer_on_this_node_is_gone(monkeypatch):
+    """gloo left a leader's bucket broadcast to a SIGKILLed generation rank waiting for the process
+    group's timeout (30 min); wire.wait polls and looks at the peers' processes. The transfer that
+    never completes stands in for that gloo state (the run under torchrun: test_faults_dist)."""
+    import subprocess
+    import sys
+    import time
+
+    from colo_rl.split import wire
+
+    class NeverDone:
+        def is_completed(self):
+            return False
+
+        def wait(self):
+            raise AssertionError("a blocking wait: the dead peer would hold it for the group's timeout")
+
+    class Failed:  # a transfer the backend failed: its own error comes out
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            raise RuntimeError("Connection closed by peer")
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = wire.PeerWatch({3: child.pid})
+    monkeypatch.setattr(wire, "_WATCH", watch)
+    assert watch.gone() is None
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wire.wait([Failed()])
+    child.kill()  # not reaped yet: a zombie, as a rank is until its launcher polls it
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"^rank 3 \(pid {child.pid}\) exited$"):
+        wire.wait([NeverDone()])
+    assert time.monotonic() - t0 < 1.0
+    child.wait()  # reaped: no such process
+    assert watch.gone() == f"rank 3 (pid {child.pid}) exited"
+
+
 def test_auto_split_is_the_fastest_allowed_balance_of_the_measured_phases():
     from colo_rl.bottleneck import balanced_generation_ranks
 

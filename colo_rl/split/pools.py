@@ -29,7 +29,7 @@ from colo_rl.errors import PoolError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
-from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object
+from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object, watch_peers
 
 log = logging.getLogger("colo_rl")
 
@@ -63,6 +63,7 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
                           cfg.rollout.prompts_per_step, dist.local_world_size())
     gen_group, train_group, weight_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)])
+    watch_peers()  # a wait on the other pool ends when a rank on this node is gone (wire.wait)
     generates = layout.generates(dist.job_rank())
     log.info("split placement: ranks %s generate, ranks %s train (ZeRO-3 among them); rollout.max_staleness=%d, "
              "staleness_policy=%s", list(layout.generation), list(layout.trainers), cfg.rollout.max_staleness,

@@ -8,15 +8,22 @@ an int64 header (version, stop, evaluate), then each bucket as one flat uint8 bu
 posts its receives ahead (async) and looks between generate calls whether they completed, so
 its engine switches version only between generate calls.
 On NCCL every buffer lives on the rank's GPU (`on_wire`); that is the only GPU-specific line.
+
+A wait on a weight broadcast polls (`wait`) and ends with an error as soon as a rank of the job on
+this node is gone (`watch_peers`): gloo does not always fail a broadcast whose peer died (a
+leader's bucket broadcast to a SIGKILLed generation rank waited in `Work::wait` for the process
+group's timeout, 30 min, until torchrun's SIGKILL 30 s later).
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import psutil
 import torch
 import torch.distributed as tdist
 
@@ -29,6 +36,59 @@ ALIGN = 16  # bytes: each tensor of a bucket starts aligned, so a uint8 slice vi
 def on_wire(t: torch.Tensor) -> torch.Tensor:
     """Where the backend wants the tensor: the GPU for NCCL, the host for gloo."""
     return t.to(dist.device()) if tdist.get_backend() == "nccl" else t
+
+
+@dataclass
+class PeerWatch:
+    """The job's other ranks on this node, job rank -> pid: a wait on the other pool ends when one
+    of them is gone (exited, or a zombie its launcher has not reaped yet). Ranks on other nodes are
+    left to the backend's error and torchrun's agent, which stops every rank of a failed node."""
+    pids: dict[int, int]
+
+    def gone(self) -> Optional[str]:
+        for r, pid in self.pids.items():
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            return f"rank {r} (pid {pid}) exited"
+        return None
+
+
+_WATCH: Optional[PeerWatch] = None
+CHECK_EVERY_S = 0.25  # how often a wait looks at the peers' processes
+MAX_POLL_S = 0.02  # a wait's longest sleep between completion checks (its added latency)
+
+
+def watch_peers() -> PeerWatch:
+    """Every rank of the job calls it once (a collective of the default group), before the pools
+    talk: from then on `wait` watches the other ranks on this node."""
+    global _WATCH
+    everyone = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, (dist.node_rank(), os.getpid()))
+    me = dist.job_rank()
+    _WATCH = PeerWatch({r: pid for r, (node, pid) in enumerate(everyone) if node == dist.node_rank() and r != me})
+    return _WATCH
+
+
+def wait(works: list) -> None:
+    """Wait for `works` (async collectives: the weight broadcasts) by polling them, with back-off
+    up to MAX_POLL_S, and look at the peers' processes every CHECK_EVERY_S: a peer gone raises
+    RuntimeError naming it (the caller's `peer()` turns it into a PoolError). A work that failed
+    raises the backend's error from its `wait()`, which also orders a GPU stream (NCCL).
+    Not for gloo's point-to-point works: their `is_completed()` stays False until `wait()` (the
+    rollouts' sends and receives block in `wait()`; gloo fails them when the peer dies)."""
+    delay, check_at = 0.0005, time.monotonic() + CHECK_EVERY_S
+    for w in works:
+        while _WATCH is not None and not w.is_completed():
+            if time.monotonic() >= check_at:
+                if why := _WATCH.gone():
+                    raise RuntimeError(why)
+                check_at = time.monotonic() + CHECK_EVERY_S
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_POLL_S)
+        w.wait()
 
 
 class Pending:
@@ -135,14 +195,14 @@ class WeightSender:
         `evaluate`: the generation ranks evaluate these weights on the held-out set)."""
         t0, sent = time.perf_counter(), 0
         if self.is_leader:
-            tdist.broadcast(on_wire(torch.tensor([version, int(stop), int(evaluate)], dtype=torch.int64)),
-                            src=self.leader, group=self.group)
+            wait([tdist.broadcast(on_wire(torch.tensor([version, int(stop), int(evaluate)], dtype=torch.int64)),
+                                  src=self.leader, group=self.group, async_op=True)])
         for names, bucket in zip(self.gathers, self.buckets):
             with self.weights.gathered(names) as tensors:  # a collective of the trainers
                 if self.is_leader:
                     flat = on_wire(torch.empty(bucket_bytes(bucket), dtype=torch.uint8))
                     pack(bucket, tensors, flat)
-                    tdist.broadcast(flat, src=self.leader, group=self.group)
+                    wait([tdist.broadcast(flat, src=self.leader, group=self.group, async_op=True)])
                     sent += flat.numel()
         return {"time/weight_sync": time.perf_counter() - t0, "split/weight_sync_bytes": float(sent)}
 
@@ -172,8 +232,7 @@ class WeightReceiver:
         """Wait for the next weights, load them into `engine`, post the receives of the ones after
         (unless this was the last send); (version, stop). `self.evaluate` says whether the trainer
         asked for these weights' held-out evaluation."""
-        for w in self.works:
-            w.wait()
+        wait(self.works)
         version, stop, evaluate = (int(x) for x in self.header.cpu())
         self.evaluate = bool(evaluate)
         for bucket, flat in zip(self.buckets, self.flats):
