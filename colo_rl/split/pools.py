@@ -87,7 +87,7 @@ class RolloutPart:
     seconds: dict[str, float] = field(default_factory=dict)  # time/generation, time/reward
     idle_seconds: float = 0.0  # waiting for weights or queue space since the previous slot
     waits: int = 0  # times it waited for newer weights (wait policy) since the previous slot
-    in_flight: int = 0  # slots already sent and not yet received when this one was queued
+    in_flight: int = 0  # slots sent and not known received when this one was queued (gloo: not yet waited on)
     position: Any = None  # the generator's data position (and sampling RNG) after this slot: what a resume restores
 
 
