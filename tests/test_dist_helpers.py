@@ -26,3 +26,26 @@ def test_a_dict_of_sums_goes_by_key_whatever_the_insertion_order(monkeypatch):
     assert sent[0] == sent[1]
     assert a == b == {"kl": 0.5, "loss": 3.0, "tokens": 6.0}
     assert dist.all_reduce_sum([1.0, 2]) == [2.0, 4.0]
+
+
+def test_a_world_of_one_ignores_an_inherited_master_port_held_by_another_store():
+    """A single-process run whose environment carries MASTER_PORT (a test process that started its
+    own group, a shell that exported one) must not bind that port: another process's store holds it."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from conftest import ROOT, child_env, python_path
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = "from colo_rl import dist; import os; dist.init(); print('port', os.environ['MASTER_PORT'])"
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env=child_env(PYTHONPATH=python_path(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                            WORLD_SIZE="1", RANK="0"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"port {port}" not in proc.stdout and "port " in proc.stdout
+    assert "MASTER_PORT" not in os.environ or os.environ["MASTER_PORT"] != str(port)
