@@ -65,8 +65,7 @@ def watch_peers() -> PeerWatch:
     """Every rank of the job calls it once (a collective of the default group), before the pools
     talk: from then on `wait` watches the other ranks on this node."""
     global _WATCH
-    everyone = [None] * tdist.get_world_size()
-    tdist.all_gather_object(everyone, (dist.node_rank(), os.getpid()))
+    everyone = dist.all_gather_objects((dist.node_rank(), os.getpid()))  # before set_scope: the whole job
     me = dist.job_rank()
     _WATCH = PeerWatch({r: pid for r, (node, pid) in enumerate(everyone) if node == dist.node_rank() and r != me})
     return _WATCH
