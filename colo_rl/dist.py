@@ -225,8 +225,10 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ or os.environ["WORLD_SIZE"] == "1":
-        # a world of one needs no agreed port; an inherited MASTER_PORT may be another process's live store
+    launched = "TORCHELASTIC_RUN_ID" in os.environ
+    if "MASTER_PORT" not in os.environ or (os.environ["WORLD_SIZE"] == "1" and not launched):
+        # A world of one started by hand needs no agreed port, and an inherited MASTER_PORT may be another
+        # process's live store. Under torchrun the port is the agent's store, which the rank joins as a client.
         os.environ["MASTER_PORT"] = str(free_port())
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())

@@ -12,7 +12,7 @@ RUNS = 3  # with Python's own exit the worker aborted in 9 of 12 runs here; 3 pa
 
 
 def torchrun_exit_worker(out, mode: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    return run_torchrun(WORKERS / "exit_worker.py", [str(out), mode], nproc=nproc, timeout=300, check=False)
+    return run_torchrun(WORKERS / "exit_worker.py", [str(out), mode], nproc=nproc, timeout=180, check=False)
 
 
 def test_ranks_exit_cleanly_with_gloo_work_in_flight(tmp_path):
@@ -28,6 +28,8 @@ def test_ranks_exit_cleanly_with_gloo_work_in_flight(tmp_path):
 
 def test_exit_status_is_kept(tmp_path):
     # One rank: with two, torchrun would SIGTERM the slower rank once the first one exits with 3.
+    # It also pins that a torchrun world of one joins the agent's store at MASTER_PORT (a port of its
+    # own had nobody listening: the rank waited out the store's timeout).
     proc = torchrun_exit_worker(tmp_path, "exit3", nproc=1)
     assert proc.returncode != 0
     assert "exitcode  : 3" in proc.stderr
