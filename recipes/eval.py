@@ -50,7 +50,7 @@ def run_eval(ctx) -> dict:
     env = build_environment(cfg.env, tokenizer, cfg.data.use_chat_template)
     multiturn = None if env is None else MultiTurnRollout(env, tokenizer, cfg.env.max_turns, cfg.env.max_total_tokens)
     builder = PromptBuilder(tokenizer, cfg.data, env=env)
-    kept = [(p, ids) for p in problems if (ids := builder.encode(p)) is not None]
+    kept = builder.encode_all(problems)
     if not kept:
         raise ConfigError("no problems to evaluate: raise data.eval_size (the embedded task), or pass data.path "
                           "with records (over-length prompts are dropped: data.max_prompt_tokens)")
@@ -66,7 +66,7 @@ def run_eval(ctx) -> dict:
         figures = {k: v for k, v in greedy.items() if k != "eval/samples"}
         if env is not None:  # the same problems answered once, without the environment
             plain = PromptBuilder(tokenizer, cfg.data)
-            alone = [(p, ids) for p, _ in kept if (ids := plain.encode(p)) is not None]
+            alone = plain.encode_all(kept_problems)
             once = evaluate(colo.engine, tokenizer, [ids for _, ids in alone], [p.answer for p, _ in alone], scorer,
                             cfg.rollout.eval_max_new_tokens)
             figures.update({"eval_no_tools/" + k.removeprefix("eval/"): v for k, v in once.items()

@@ -74,11 +74,9 @@ class GRPORecipe:
         self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,
                                                                         cfg.env.max_total_tokens)
         self.builder = builder = PromptBuilder(self.tokenizer, cfg.data, env=self.env)
-        self.train = [(p, ids) for p in train_problems if (ids := builder.encode(p)) is not None]
-        self.eval_set = [(p, ids) for p in eval_problems if (ids := builder.encode(p)) is not None]
+        self.train, self.eval_set = builder.encode_all(train_problems), builder.encode_all(eval_problems)
         plain = PromptBuilder(self.tokenizer, cfg.data)  # the same held-out set without tools, for comparison
-        self.eval_no_tools = [] if self.env is None else [(p, ids) for p in eval_problems
-                                                          if (ids := plain.encode(p)) is not None]
+        self.eval_no_tools = [] if self.env is None else plain.encode_all(eval_problems)
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
                  len(self.train), len(self.eval_set), builder.stats.dropped, builder.stats.truncated)
         check_held_out_size(len(self.eval_set), world)

@@ -74,6 +74,18 @@ def test_overlong_prompts_are_dropped_or_truncated_and_counted(tokenizer):
         PromptBuilder(tokenizer, DataConfig(max_prompt_tokens=64, overlong_policy="error")).encode(long)
 
 
+def test_encoding_in_chunks_keeps_what_one_at_a_time_keeps(tokenizer):
+    train, _ = load_problems(DataConfig(train_size=20, eval_size=5))
+    long = train[0].__class__(id="long", question="What is " + "1 + " * 200 + "1?", answer="201")
+    problems = train[:7] + [long] + train[7:] + [long]
+    for policy in ("drop", "truncate"):
+        one, chunked = (PromptBuilder(tokenizer, DataConfig(max_prompt_tokens=64, overlong_policy=policy))
+                        for _ in range(2))
+        expected = [(p, ids) for p in problems if (ids := one.encode(p)) is not None]
+        assert chunked.encode_all(problems, chunk=3) == expected  # chunk borders inside, long prompts at 7 and 21
+        assert chunked.stats == one.stats and one.stats.kept == len(expected)
+
+
 def test_chat_prompt_without_template_is_refused(tokenizer):
     import copy
 
