@@ -122,33 +122,15 @@ def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     assert max(row["sampling/rounds"] for row in r) > 1  # extra rounds were sampled
 
 
-def test_dynamic_sampling_on_a_split_generation_rank(tmp_path):
-    """The same in split placement (1 generation rank + 1 trainer rank, one step off): the generation
-    rank samples its extra rounds and fills alone; the trainer reports them."""
+def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
+    """Four optimizer steps per rollout batch (two mini-batches, two PPO epochs over them; one run
+    for both loops) with dual-clip on: all but the first see weights the samples did not come from,
+    so their importance ratios leave 1; every statistic the policy loss returns (clip fraction,
+    dual-clip fraction, mean ratio, KL to pi_old) and the engine-vs-trainer check reach metrics.jsonl."""
     d = tmp_path / "run"
     run_torchrun(WORKERS / "grpo_resume_worker.py",
-                 [*tiny_run(3), "trainer.lr=1e-3", "reward.functions=[odd_length]", "reward.format_weight=0",
-                  "algo.dynamic_sampling=true", "algo.max_sampling_rounds=2", "placement.mode=split",
-                  "rollout.max_staleness=1", "algo.rollout_correction=tis_token", "logger=[jsonl]", "plots=false",
-                  f"run_dir={d}"], timeout=600)
-    r = rows(d)[1:]
-    assert len(r) == 3 and all(row["split/staleness_max"] <= 1 for row in r)
-    for row in r:
-        assert 1 <= row["sampling/rounds"] <= 3 and 0 <= row["sampling/filled_groups"] <= 4
-        if row["sampling/filled_groups"] == 0:
-            assert row["reward/mean"] == pytest.approx(0.5)
-    assert max(row["sampling/rounds"] for row in r) > 1
-
-
-@pytest.mark.parametrize("passes", ["trainer.mini_batches_per_step=2", "trainer.ppo_epochs=2"])
-def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path, passes):
-    """Two optimizer steps per rollout batch (two mini-batches, or two PPO epochs over one) with
-    dual-clip on: the second sees weights the samples did not come from, so its importance ratios
-    leave 1; every statistic the policy loss returns (clip fraction, dual-clip fraction, mean ratio,
-    KL to pi_old) and the engine-vs-trainer check reach metrics.jsonl."""
-    d = tmp_path / "run"
-    run_torchrun(WORKERS / "grpo_resume_worker.py",
-                 [*tiny_run(1), "trainer.micro_batch_size=2", "trainer.lr=1e-2", passes,
+                 [*tiny_run(1), "trainer.micro_batch_size=2", "trainer.lr=1e-2", "trainer.mini_batches_per_step=2",
+                  "trainer.ppo_epochs=2",
                   "algo.clip_ratio_c=1.5", "reward.functions=[letter_share]", "reward.format_weight=0",
                   "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
     row = rows(d)[1]

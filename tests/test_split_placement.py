@@ -6,7 +6,7 @@ rank + 1 trainer rank, the tiny model, against a colocated run of the same work 
   trainer's version 0 is broadcast before the first rollout), one ZeRO-3 rank, so the same losses,
   gradient norms and rewards step by step.
 - k = 1 (one-step-off): every sample is at most one version old, and the rollout of step t+1 is
-  generated while step t trains (wall-clock overlap > 0).
+  generated while step t trains (wall-clock overlap > 0); dynamic sampling fills on the generation rank.
 - drop: with k = 0 and generators that never wait, stale rollouts are dropped and counted; every
   generated slot is either trained, dropped or left unused at the end.
 """
@@ -33,6 +33,7 @@ SAME = ["train/loss", "train/grad_norm", "reward/mean", "response/len_mean", "th
 
 
 def run(tmp_path, name, extra, nproc=2):
+    """The run's metrics rows after step 0 and its console; `run.step0` keeps its step-0 row."""
     d = tmp_path / name
     proc = run_torchrun(WORKERS / "grpo_resume_worker.py", [*COMMON, *extra, f"run_dir={d}"], nproc=nproc,
                         timeout=600)
@@ -41,16 +42,25 @@ def run(tmp_path, name, extra, nproc=2):
     return [r for r in rows if r["step"] > 0], proc.stdout + proc.stderr
 
 
+# k = 0 for 4 steps: compared with the colocated run, and the uninterrupted run of the resume test
+SPLIT_K0 = ["placement.mode=split", "rollout.max_staleness=0", "trainer.total_steps=4"]
+
+
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    rows = run(tmp_path_factory.mktemp("colocated"), "run", [], nproc=1)[0]
+    rows = run(tmp_path_factory.mktemp("colocated"), "run", ["trainer.total_steps=4"], nproc=1)[0]
     return [run.step0, *rows]
 
 
-def test_k0_split_trains_what_the_colocated_run_trains(tmp_path, colocated):
-    split, _ = run(tmp_path, "k0", ["placement.mode=split", "rollout.max_staleness=0"])
-    step0, colocated_step0, colocated = run.step0, colocated[0], colocated[1:]
-    assert len(split) == len(colocated) == STEPS
+@pytest.fixture(scope="module")
+def split_k0(tmp_path_factory):
+    rows = run(tmp_path_factory.mktemp("split_k0"), "run", SPLIT_K0)[0]
+    return [run.step0, *rows]
+
+
+def test_k0_split_trains_what_the_colocated_run_trains(split_k0, colocated):
+    (step0, *split), (colocated_step0, *colocated) = split_k0, colocated
+    assert len(split) == len(colocated) == 4
     # held-out evaluation runs on the generation rank with the weights of step 0 and of the end, and
     # gives what the colocated run's evaluation gives
     for s, c in ((step0, colocated_step0), (split[-1], colocated[-1])):
@@ -68,11 +78,20 @@ def test_k0_split_trains_what_the_colocated_run_trains(tmp_path, colocated):
 
 
 def test_k1_overlaps_generation_with_the_update_and_stays_within_one_version(tmp_path):
+    """k = 1 with DAPO's dynamic sampling on (one run for both): the generation rank samples its
+    extra rounds and fills alone, the trainer reports them."""
     rows, _ = run(tmp_path, "k1", ["placement.mode=split", "rollout.max_staleness=1",
-                                   "algo.rollout_correction=tis_token"])
+                                   "algo.rollout_correction=tis_token", "rollout.group_size=2",
+                                   "reward.functions=[odd_length]", "algo.dynamic_sampling=true",
+                                   "algo.max_sampling_rounds=2"])
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["split/staleness_max"] <= 1 for r in rows)
     assert all(r["split/dropped_groups"] == 0 for r in rows)  # wait policy: nothing wasted
+    for row in rows:  # groups of 2 whose answers differ in parity: reward 0.5 when none had to be filled
+        assert 1 <= row["sampling/rounds"] <= 3 and 0 <= row["sampling/filled_groups"] <= 4
+        if row["sampling/filled_groups"] == 0:
+            assert row["reward/mean"] == pytest.approx(0.5)
+    assert max(row["sampling/rounds"] for row in rows) > 1  # extra rounds were sampled
     # step 2's rollout was generated while step 1 trained (the generator held version 0 then)
     assert rows[1]["split/policy_version"] == 0 and rows[1]["split/staleness_max"] == 1
     assert rows[1]["split/generation_start"] < rows[0]["split/update_end"]
@@ -92,24 +111,35 @@ def test_drop_policy_counts_every_dropped_group(tmp_path):
     assert generated == STEPS + dropped / 4 + unused  # 4 groups per slot: trained, dropped or unused
 
 
-def test_lora_split_sends_the_merged_policy_every_version(tmp_path):
-    """model.lora.rank > 0 in split placement: the trainers gather whole merge units (base weight +
-    both adapter matrices) and broadcast W + scaling B A under the HF names, so the generation
-    rank's engine serves the adapted policy: its log-probs equal the trainer's while the policy
-    moves away from the base (the KL to the base, what the adapters change, far above the gap)."""
+def test_lora_and_a_reward_model_in_split_placement(tmp_path):
+    """model.lora.rank > 0 and a reward model in split placement (one run for both):
+    - the trainers gather whole merge units (base weight + both adapter matrices) and broadcast
+      W + scaling B A under the HF names, so the generation rank's engine serves the adapted policy:
+      its log-probs equal the trainer's while the policy moves away from the base (the KL to the
+      base, what the adapters change, far above the gap);
+    - the verifiers score where the episodes run, the reward model on the trainer rank before the
+      advantages; the step's reward is their weighted sum, as in a colocated run."""
+    from test_reward_model import make_tiny_reward_model
+
+    rm = make_tiny_reward_model(tmp_path / "rm", seed=1)
     rows, _ = run(tmp_path, "lora", ["placement.mode=split", "rollout.max_staleness=0", "model.lora.rank=8",
-                                     "algo.kl_coef=0.05"])
+                                     "algo.kl_coef=0.05", "reward.functions=[math_verify]", "reward.weights=[1.0,2.0]",
+                                     f"reward.model.path={rm}"])
     assert [r["split/policy_version"] for r in rows] == list(range(STEPS))
     assert all(r["handoff/logprob_diff_max"] < 1e-4 for r in rows), [r["handoff/logprob_diff_max"] for r in rows]
     assert rows[-1]["train/kl"] > 1e-5 and rows[-1]["train/kl"] > 100 * rows[-1]["handoff/logprob_diff_mean"]
     # the merged model's bytes each sync (an adapter-only sync would be ~1/50 of it)
     assert all(r["split/weight_sync_bytes"] == rows[0]["split/weight_sync_bytes"] > 0 for r in rows)
+    for row in rows:
+        assert row["reward_source/model"] != 0 and row["time/reward_model"] > 0 and row["train/grad_norm"] > 0
+        expected = 1.0 * row["reward_source/math_verify"] + 2.0 * row["reward_source/model"]
+        assert row["reward/mean"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
-def test_a_killed_split_run_resumes_where_its_checkpoint_left_the_data(tmp_path):
+def test_a_killed_split_run_resumes_where_its_checkpoint_left_the_data(tmp_path, split_k0):
     """resume=auto in split placement (k = 0, the HF engine): run B checkpoints every step and is
     killed (SIGKILL, every process) once checkpoint 2 is complete; resumed, its steps 3 and 4 equal
-    those of run A, which ran 4 steps uninterrupted. The trainer restored DeepSpeed's state, each
+    those of run A (`split_k0`), which ran 4 steps uninterrupted. The trainer restored DeepSpeed's state, each
     generator the data position and sampling RNG of the last slot the trainer used (what it had
     generated beyond is generated again): no prompt skipped or repeated."""
     import subprocess
@@ -120,8 +150,7 @@ def test_a_killed_split_run_resumes_where_its_checkpoint_left_the_data(tmp_path)
     from colo_rl.checkpoint import is_complete
     from conftest import ROOT, child_env, python_path
 
-    split = ["placement.mode=split", "rollout.max_staleness=0", "trainer.total_steps=4"]
-    a, _ = run(tmp_path, "a", split)
+    split, a = SPLIT_K0, split_k0[1:]
     b = tmp_path / "b"
     with open(tmp_path / "killed.log", "w") as out:
         proc = subprocess.Popen(torchrun_cmd([*COMMON, *split, "trainer.save_every=1", f"run_dir={b}"]), cwd=ROOT,
