@@ -83,8 +83,14 @@ sglang-cpu: $(SGLANG_CPU_STAMP)
 
 TEST_DEPS := $(STAMP) $(if $(HAS_CUDA),,$(SGLANG_CPU_STAMP))
 
+# Two workers, whole files each (a file's runs share their module fixtures): most tests are
+# subprocesses that wait on each other, so 2 workers fit a 2-core machine (TEST_WORKERS=0: one process;
+# the default with a GPU, whose memory the GPU tests would share).
+TEST_WORKERS ?= $(if $(HAS_CUDA),0,2)
+TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
 test: $(TEST_DEPS) install-sandbox
-	$(PY) -m pytest -q --durations=20 tests
+	$(PY) -m pytest -q $(TEST_PARALLEL) --durations=20 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

@@ -108,6 +108,9 @@ def _exit_before_teardown() -> None:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The multi-process files first: `make test` hands whole files to 2 workers in this order
+    # (pytest-xdist --dist loadfile --no-loadscope-reorder), and a long file last would run alone.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
