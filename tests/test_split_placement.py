@@ -32,14 +32,18 @@ COMMON = ["model=tiny", f"trainer.total_steps={STEPS}", "data.eval_size=8", "rol
 SAME = ["train/loss", "train/grad_norm", "reward/mean", "response/len_mean", "throughput/train_tokens"]
 
 
-def run(tmp_path, name, extra, nproc=2):
-    """The run's metrics rows after step 0 and its console; `run.step0` keeps its step-0 row."""
+def launch(tmp_path, name, extra, nproc=2):
+    """Every metrics row of the run (step 0 included) and its console."""
     d = tmp_path / name
     proc = run_torchrun(WORKERS / "grpo_resume_worker.py", [*COMMON, *extra, f"run_dir={d}"], nproc=nproc,
                         timeout=600)
-    rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
-    run.step0 = rows[0]
-    return [r for r in rows if r["step"] > 0], proc.stdout + proc.stderr
+    return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()], proc.stdout + proc.stderr
+
+
+def run(tmp_path, name, extra, nproc=2):
+    """The run's rows after step 0 and its console."""
+    rows, out = launch(tmp_path, name, extra, nproc)
+    return [r for r in rows if r["step"] > 0], out
 
 
 # k = 0 for 4 steps: compared with the colocated run, and the uninterrupted run of the resume test
@@ -48,14 +52,12 @@ SPLIT_K0 = ["placement.mode=split", "rollout.max_staleness=0", "trainer.total_st
 
 @pytest.fixture(scope="module")
 def colocated(tmp_path_factory):
-    rows = run(tmp_path_factory.mktemp("colocated"), "run", ["trainer.total_steps=4"], nproc=1)[0]
-    return [run.step0, *rows]
+    return launch(tmp_path_factory.mktemp("colocated"), "run", ["trainer.total_steps=4"], nproc=1)[0]
 
 
 @pytest.fixture(scope="module")
 def split_k0(tmp_path_factory):
-    rows = run(tmp_path_factory.mktemp("split_k0"), "run", SPLIT_K0)[0]
-    return [run.step0, *rows]
+    return launch(tmp_path_factory.mktemp("split_k0"), "run", SPLIT_K0)[0]
 
 
 def test_k0_split_trains_what_the_colocated_run_trains(split_k0, colocated):
