@@ -461,6 +461,15 @@ def _exit_status(code: Any) -> int:
     return 1
 
 
+_STOP_SIGNAL_RECEIVED: Optional[int] = None  # the first SIGINT / SIGTERM a StopSignal caught in this process
+
+
+def stop_signal_received() -> Optional[str]:
+    """The name of the stop signal this process has caught ("SIGTERM"), or None: an error raised
+    after it (a child process that got the same signal) can say that the stop, not a fault, ended it."""
+    return signal.Signals(_STOP_SIGNAL_RECEIVED).name if _STOP_SIGNAL_RECEIVED else None
+
+
 class StopSignal:
     """Graceful stop on SIGINT / SIGTERM, for every rank.
 
@@ -488,7 +497,9 @@ class StopSignal:
     def _handle(self, signum, frame) -> None:
         now = time.monotonic()
         if self.signum is None:
+            global _STOP_SIGNAL_RECEIVED
             self.signum, self.first_at = signum, now
+            _STOP_SIGNAL_RECEIVED = _STOP_SIGNAL_RECEIVED or signum
             log.warning("rank %d got %s: stopping after the current step (send it again to stop now)",
                         rank(), signal.Signals(signum).name)
             return

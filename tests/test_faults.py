@@ -86,14 +86,16 @@ def test_colocated_gpu_actor_checks_paging_before_loading_anything(monkeypatch):
         DeepSpeedActor(cfg, torch.float32, total_steps=1, guard=PhaseGuard())
 
 
-def test_stop_signal_sets_a_flag_instead_of_killing_and_restores_handlers():
+def test_stop_signal_sets_a_flag_instead_of_killing_and_restores_handlers(monkeypatch):
+    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", None)  # the process-wide record, restored after
     before = signal.getsignal(signal.SIGTERM)
     stop = dist.StopSignal()
     try:
-        assert stop.requested() is None
+        assert stop.requested() is None and dist.stop_signal_received() is None
         os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
         os.kill(os.getpid(), signal.SIGTERM)  # a forwarded copy right after: still only the flag
         assert stop.requested() == "SIGTERM" and stop.exit_code("SIGTERM") == 143
+        assert dist.stop_signal_received() == "SIGTERM"  # what a child's failure after it reports
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is before

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import torch
 
+from colo_rl import dist
 from colo_rl.config import ConfigError
 from colo_rl.rollout import sglang as sg
 
@@ -112,3 +114,16 @@ def test_a_child_failure_inside_the_engines_loop_stops_the_loop():
         assert failure.failed
     finally:
         loop.close()
+
+
+def test_a_child_failure_after_a_stop_signal_says_the_stop_ended_it(monkeypatch):
+    """A time limit or Ctrl-C signals the whole process group: SGLang's children end with the trainer's
+    SIGTERM and SIGQUIT it. The error must not send the user hunting for an out-of-memory."""
+    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", None)
+    with pytest.raises(sg.SGLangEngineError, match="common causes: CUDA out of memory") as plain:
+        sg.ChildFailure()()  # outside the engine's loop it raises at once
+    assert "got SIGTERM" not in str(plain.value)
+    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", signal.SIGTERM)
+    with pytest.raises(sg.SGLangEngineError, match="ended after this rank got SIGTERM") as stopped:
+        sg.ChildFailure()()
+    assert "resume=auto" in str(stopped.value)

@@ -43,9 +43,9 @@ from colo_rl.rollout.sglang.compat import (
 )
 from colo_rl.rollout.sglang.env import engine_environment, trainer_logging_kept
 from colo_rl.rollout.sglang.failure import (
-    CHILD_FAILED,
     ChildFailure,
     _sigquit_from_child,
+    child_failed_message,
     flush_until_idle,
     take_over_signals,
     watch_child_failures,
@@ -228,7 +228,7 @@ class SGLangEngine(Engine):
             raise
         except Exception as e:
             if self.child_failure is not None and self.child_failure.failed:
-                raise SGLangEngineError(CHILD_FAILED) from e
+                raise SGLangEngineError(child_failed_message()) from e
             raise
 
     # ---------------------------------------------------------------- memory protocol

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
+from colo_rl import dist
 from colo_rl.errors import SGLangEngineError
 
 
@@ -21,6 +22,21 @@ CHILD_FAILED = (
     "installed sgl_kernel (e.g. FA3's flash_ops: rollout.sglang_kwargs={attention_backend:triton}), a failed "
     "JIT build (nvcc / ninja), or 'libcudart.so.13: cannot open shared object file' (exit code 127: the "
     "CUDA runtime is not on LD_LIBRARY_PATH)")
+
+
+def child_failed_message() -> str:
+    """CHILD_FAILED, or, once this process has caught a stop signal, what most likely happened: the
+    signal went to the whole process group (Ctrl-C, a job's time limit, `timeout`), SGLang's children
+    got it too and ended, and nothing is wrong with the engine."""
+    stop = dist.stop_signal_received()
+    if stop is None:
+        return CHILD_FAILED
+    return (f"the SGLang scheduler process ended after this rank got {stop}: the signal reached the whole "
+            "process group (Ctrl-C, a job's time limit, `timeout`) and SGLang's processes stopped with it, so "
+            "the step in progress could not finish and the run stopped without its checkpoint for it; nothing "
+            "points to a fault in SGLang. To stop after the current step with a checkpoint, signal the rank "
+            "processes (or torchrun) only, not their process group; resume with resume=auto. Had no stop been "
+            f"sent, the usual causes: {CHILD_FAILED}")
 
 
 class ChildFailure:
@@ -41,7 +57,7 @@ class ChildFailure:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # the trainer's own code: stop it here
-            raise SGLangEngineError(CHILD_FAILED) from None
+            raise SGLangEngineError(child_failed_message()) from None
         # Inside the engine's running loop (a call waiting for an answer the dead scheduler never sends):
         # raised here, the error would land in whichever task runs, and SGLang's tasks kill the process
         # tree on any exception (print_exception_wrapper). Stopping the loop ends the pending call,
@@ -51,7 +67,7 @@ class ChildFailure:
     def check(self) -> None:
         """Refuse to talk to an engine whose child already failed (a dead scheduler never answers)."""
         if self.failed:
-            raise SGLangEngineError(CHILD_FAILED + " (earlier; the engine cannot be used any more)")
+            raise SGLangEngineError(child_failed_message() + " (earlier; the engine cannot be used any more)")
 
     def install(self) -> bool:
         """Make ours the SIGQUIT handler; the first install remembers the handler to restore.
@@ -78,7 +94,7 @@ def _sigquit_from_child(signum, frame):
     # as custom_sigquit_handler) into its spawned children, and a function pickles by name.
     handler = _CHILD_FAILURE
     if handler is None:
-        raise SGLangEngineError(CHILD_FAILED)
+        raise SGLangEngineError(child_failed_message())
     handler(signum, frame)
 
 
