@@ -73,3 +73,14 @@ def test_the_command_reports_a_run_directory_and_names_what_is_missing(tmp_path,
     with pytest.raises(SystemExit, match="2"):
         main([str(tmp_path / "nowhere")])
     assert "metrics.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_other_is_the_rest_of_the_step_so_the_shares_sum_to_one():
+    """Host work between the timed phases (untimed) counts as other, beside the verifiers' time."""
+    r = rows(gen=2.5, logprobs=0.0, update=2.9, handoff=0.03, switch=0.12, reward=0.2)
+    for row in r[1:]:
+        row["time/step"] += 1.1  # bookkeeping outside every timer
+    report = bottleneck_report(r, n_gpus=8)
+    assert report["seconds_per_step"]["other"] == pytest.approx(0.2 + 1.1)
+    assert sum(report["shares"].values()) == pytest.approx(1.0)
+    assert report["best_split"]["step_seconds"] >= 1.3  # a split layout pays it too
