@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,6 +42,7 @@ from benchmarks import common  # noqa: E402
 # The recipe's per-step time keys, in the order a step runs them, with table labels.
 PHASES = [("generation", "time/generation", "generation"),
           ("reward", "time/reward", "reward (verifier, advantages, collation)"),
+          ("pack", "time/pack", "micro-batch packing (host)"),
           ("logprobs", "time/logprobs", "log-probs (old / ref)"),
           ("update", "time/update", "update (forward, backward, optimizer)"),
           ("handoff", "time/handoff", "weight handoff"),
@@ -143,6 +145,9 @@ class PhaseMemory:
         self.step = -1  # -1: before the first step (the step-0 evaluation)
         self.peak: dict[tuple[int, str], int] = {}
         self.entry: dict[tuple[int, str], int] = {}
+        # seconds the phase-boundary samples took in the recipe's thread, per step: the harness's own
+        # cost inside the step it measures (its thread's samples run beside the step instead)
+        self.boundary_seconds: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phase-memory", daemon=True)
 
@@ -178,16 +183,28 @@ class PhaseMemory:
         with self.lock:
             if label == "step":
                 self.step += 1
+            t0 = time.perf_counter()
             value = int(self._probe())
+            self._count_boundary(time.perf_counter() - t0)
             self.entry.setdefault((self.step, label), value)
             self.stack.append(label)
             self._record(value)
         try:
             yield
         finally:
+            t0 = time.perf_counter()
             self.sample()
             with self.lock:
+                self._count_boundary(time.perf_counter() - t0)
                 self.stack.remove(label)
+
+    def _count_boundary(self, seconds: float) -> None:
+        self.boundary_seconds[self.step] = self.boundary_seconds.get(self.step, 0.0) + seconds
+
+    def boundary_seconds_per_step(self, steps: list[int]) -> Optional[float]:
+        """Mean seconds per step the boundary samples took in the recipe's thread (the given loop steps)."""
+        vals = [self.boundary_seconds.get(s, 0.0) for s in steps]
+        return statistics.fmean(vals) if vals else None
 
     def summary(self, steps: list[int]) -> dict[str, dict]:
         """Per phase: peak over the given loop steps (0-based) and the value at its first entry."""
@@ -297,6 +314,9 @@ def markdown(result: dict) -> str:
               "- training: n/a",
               f"- reward/mean over the kept steps: {b['reward_mean']:.3f}",
               f"- wall clock of the run (start-up, evaluations, export included): {result['wall_seconds']:.0f} s"]
+    if result.get("harness_seconds_per_step") is not None:
+        lines.append(f"- this harness's memory samples at phase boundaries: {1000 * result['harness_seconds_per_step']:.1f} ms "
+                     "per step, inside the step's phases and other")
     c = result.get("checks") or {}
     if c.get("handoff_checked_steps"):
         lines.append(f"- engine-vs-trainer log-prob gap over {c['handoff_checked_steps']} checked steps (all steps): "
@@ -387,6 +407,7 @@ def main(argv=None) -> int:
                    "micro_batch_tokens": cfg.trainer.micro_batch_tokens,
                    "total_steps": cfg.trainer.total_steps, "overrides": overrides},
         "breakdown": b, "checks": run_checks(rows), "memory_kind": mem.kind, "memory": mem.summary(loop_steps),
+        "harness_seconds_per_step": mem.boundary_seconds_per_step(loop_steps),
         "memory_method": "sampler thread every 10 ms + a sample at each phase boundary; CPU: process RSS "
                          "(psutil), GPU: device used (cudaMemGetInfo)",
         "transitions": summarise(ledger) if ledger else {}, "wall_seconds": wall,

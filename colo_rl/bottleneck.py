@@ -1,10 +1,10 @@
 """Is a GRPO run rollout-bound or train-bound, and what would a split of the node's GPUs give?
 
-From the measured per-step phase times (metrics.jsonl: time/generation, time/logprobs,
+From the measured per-step phase times (metrics.jsonl: time/generation, time/pack, time/logprobs,
 time/update, time/handoff, time/phase_switch, time/reward), on N GPUs that every phase uses in turn:
 
     generation work   W_g = t_gen * N            GPU-seconds per step
-    training work     W_t = (t_logprobs + t_update) * N
+    training work     W_t = (t_pack + t_logprobs + t_update) * N
     colocated step    T_c = t_gen + t_train + t_switch + t_other      (t_switch = handoff + phase switch;
                       t_other = the rest of time/step: the verifiers' time/reward and the untimed host
                       work between phases, so the shares sum to 1)
@@ -34,7 +34,8 @@ from colo_rl.split.placement import split_layout as layout_of
 log = logging.getLogger("colo_rl")
 
 # time/reward_model: the reward model scores on the training GPUs, in the update phase.
-PHASES = {"generation": ["time/generation"], "train": ["time/logprobs", "time/update", "time/reward_model"],
+PHASES = {"generation": ["time/generation"],
+          "train": ["time/pack", "time/logprobs", "time/update", "time/reward_model"],
           "switch": ["time/handoff", "time/phase_switch"], "other": ["time/reward"]}
 
 

@@ -360,7 +360,8 @@ class GRPORecipe:
         trainer's current weights, so the engine-vs-trainer log-prob check applies (a stale rollout's
         log-probs are the behaviour policy's: the loss's rollout correction weighs them, decoupled PPO)."""
         cfg, algo, actor, ref = self.cfg, self.cfg.algo, self.colo.actor, self.colo.ref
-        packed = self.pack(rollout)
+        with self.timer("pack"):  # host work that grows with the rollout's tokens: timed, not lost in the step
+            packed = self.pack(rollout)
         plan, table = packed.rows, packed.table
         # as many on every rank (agreed when planned): ZeRO-3's gathers are collectives
         assert len(plan) % cfg.trainer.mini_batches_per_step == 0, (len(plan), cfg.trainer.mini_batches_per_step)

@@ -168,6 +168,26 @@ def test_phase_memory_attributes_peaks_to_every_open_phase():
     assert mem.summary([1]) == {}
 
 
+def test_phase_memory_counts_what_its_boundary_samples_cost_the_step():
+    """A slow probe at the phase boundaries runs in the recipe's thread: its seconds are reported,
+    so a step's unexplained time can be told apart from the harness's own."""
+    import time
+
+    mem = step_breakdown.PhaseMemory()
+
+    def slow_probe():
+        time.sleep(0.02)
+        return 1
+
+    mem._probe = slow_probe
+    for _ in range(2):
+        with mem.phase("step"), mem.phase("update"):
+            pass
+    # per step: 2 phases x (entry + exit) = 4 samples of >= 20 ms
+    assert mem.boundary_seconds_per_step([0, 1]) >= 0.08
+    assert mem.boundary_seconds_per_step([5]) == 0.0
+
+
 def _fake_demo_run(work: Path, name: str, seed: int, end: float, reward: float) -> None:
     run = work / f"{name}-seed{seed}"
     run.mkdir(parents=True)

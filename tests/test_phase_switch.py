@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+import time
+
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.phase import Phase, PhaseError, PhaseGuard
 
@@ -54,6 +56,25 @@ def test_handoff_time_is_split_from_switch_time_and_begin_step_restarts_both(swi
     assert switch.timed_phase_seconds() == {"time/handoff": 0.25, "time/phase_switch": 1.75}
     switch.begin_step(1)
     assert switch.timed_phase_seconds() == {"time/handoff": 0.0, "time/phase_switch": 0.0}
+
+
+def test_the_step_pays_the_transitions_wall_time_bookkeeping_included():
+    """The ledger's record counts its moves; the snapshots and the record's write around them are the
+    step's cost too (on a GPU they were outside every timer)."""
+    class SlowLedger(RecordingManager):
+        def to_train(self, step: int) -> dict:
+            time.sleep(0.2)  # the memory snapshots and the fsync'd ledger write
+            return {**super().to_train(step), "seconds": 0.05}
+
+    switch = PhaseSwitcher(SlowLedger(), PhaseGuard())
+    switch.begin_step(0)
+    with switch.generation():
+        pass
+    with switch.update():
+        pass
+    seconds = switch.timed_phase_seconds()
+    assert seconds["time/handoff"] == 0.25
+    assert seconds["time/phase_switch"] >= 0.75 + 0.2  # 1.0 - 0.25 handoff, then the slow transition's wall
 
 
 def test_no_transition_when_already_in_the_phase(switch):
