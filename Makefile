@@ -175,10 +175,11 @@ gpu-check:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) bash benchmarks/gpu/check.sh $(GPU_STAGES)
 
 # Most valuable first: a stage the call's budget cuts leaves the earlier ones' results packed in $$OUT.
-# Two device calls (H100 timings, 2026-11-26): gpu-perf ~470 s, then at once gpu-perf-old ~220 s
-# (+ ~80 s since mfuwhole, the chunked LM head's A/B: CHECK_BUDGET_S=340).
+# Two device calls fit 15 device minutes with room for little else (H100, 2026-11-27: versions 5 s, big 191,
+# toy 77, mfu 96, mfuwhole 108, mfuflex 115; toyold ~150, toywhole ~80, mfuold 83): the second call gets
+# what is left (CHECK_BUDGET_S=290 last time) and its budget cuts the stages from the end.
 GPU_PERF_STAGES ?= versions big toy mfu mfuflex summary
-GPU_PERF_OLD_STAGES ?= versions toyold mfuold mfuwhole summary
+GPU_PERF_OLD_STAGES ?= versions toywhole toyold mfuold mfuwhole summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
 
@@ -193,7 +194,7 @@ gpu-perf-carry:
 	@du -scm .whl/part1 .whl/ops .whl/models | tail -1 | awk '{print "carry: " $$1 " MiB (+ the working tree; a call takes 64)"}'
 
 gpu-perf-dry-run: $(STAMP)
-	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) toyold mfuold mfuwhole
+	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) toyold toywhole mfuold mfuwhole
 
 # The benchmark suite's GPU preset (after gpu-install; the race needs trl's wheel and is skipped without it).
 bench-gpu:

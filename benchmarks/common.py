@@ -53,6 +53,7 @@ TITLES = {
     "step_breakdown_sglang_tools": "Step breakdown, multi-turn GRPO with the calculator tool on SGLang (GPU)",
     "step_breakdown_perf_toy": "make gpu-perf: GRPO on the embedded model's shape, new defaults (GPU)",
     "step_breakdown_perf_toy_old": "make gpu-perf: the same work with the old switches (GPU)",
+    "step_breakdown_perf_toy_whole": "make gpu-perf: the same work, LM head over whole logits (GPU)",
     "step_breakdown_perf_big": "make gpu-perf: GRPO on a 0.5B-class model, 128 x 768 (GPU)",
     "update_mfu": "make gpu-perf: the 0.5B-class update alone, MFU and GPU-busy fraction (GPU)",
     "update_mfu_leaf_off": "make gpu-perf: the same update without ZeRO-3 leaf modules (GPU)",

@@ -228,6 +228,9 @@ stage_mfuflex() {
 }
 stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
 stage_toyold() { breakdown perf_toy_old 2 "${PERF_ENGINE[@]}" "${TOY[@]}" "${OLD[@]}"; }
+# the toy's update with the LM head over whole logits (2026-11-27's toy step was 0.575 s against 0.41 s the day
+# before on another H100; the chunked head is the update path's one change between them)
+stage_toywhole() { COLO_RL_CHUNKED_LM_HEAD=0 breakdown perf_toy_whole 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
 stage_big() { breakdown perf_big 1 "${PERF_ENGINE[@]}" "${BIG[@]}"; }
 # not bounded by run_py's reserve: seconds of work on what the call has measured, before the packing
 stage_summary() { timeout 60 "$PY" benchmarks/gpu/perf_summary.py --res "$RES" --device "$DEVICE" --date "$DATE" --logs "$LOGS"; }

@@ -28,7 +28,8 @@ from benchmarks import common  # noqa: E402
 from benchmarks.gpu.update_mfu import llama_params  # noqa: E402
 from benchmarks.switch_perf import moves_from, rate  # noqa: E402
 
-RUNS = {"perf_toy": "toy, new defaults", "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
+RUNS = {"perf_toy": "toy, new defaults", "perf_toy_whole": "toy, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
+        "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
 MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
             "update_mfu_flex": "flex_attention, leaf modules on",
             "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)"}
