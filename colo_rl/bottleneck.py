@@ -33,10 +33,12 @@ from colo_rl.split.placement import split_layout as layout_of
 
 log = logging.getLogger("colo_rl")
 
+# The timed phases; "other" is the rest of time/step (time/reward and untimed host work).
 # time/reward_model: the reward model scores on the training GPUs, in the update phase.
 PHASES = {"generation": ["time/generation"],
           "train": ["time/pack", "time/logprobs", "time/update", "time/reward_model"],
-          "switch": ["time/handoff", "time/phase_switch"], "other": ["time/reward"]}
+          "switch": ["time/handoff", "time/phase_switch"]}
+SHARES = (*PHASES, "other")
 
 
 def phase_means(rows: Iterable[dict], skip: int = 1) -> dict[str, float]:
@@ -45,13 +47,12 @@ def phase_means(rows: Iterable[dict], skip: int = 1) -> dict[str, float]:
     kept = steps[min(skip, max(0, len(steps) - 1)):]
     if not kept:
         raise ValueError("no step rows with time/step: nothing to report")
-    timed = {name: keys for name, keys in PHASES.items() if name != "other"}
     out = {name: statistics.fmean(sum(float(r.get(k) or 0.0) for k in keys) for r in kept)
-           for name, keys in timed.items()}
+           for name, keys in PHASES.items()}
     out["step"] = statistics.fmean(float(r["time/step"]) for r in kept)
     # the rest of the step, not just time/reward: on a GPU the untimed host work between phases was
     # 16 % of a 0.5B step (2026-11-27), and a report that left it out summed to 83 %
-    out["other"] = max(0.0, out["step"] - sum(out[name] for name in timed))
+    out["other"] = max(0.0, out["step"] - sum(out[name] for name in PHASES))
     out["steps"] = float(len(kept))
     return out
 
@@ -71,7 +72,7 @@ def bottleneck_report(rows: Iterable[dict], n_gpus: int, skip: int = 1) -> dict:
     busy = t["generation"] + t["train"]
     report = {
         "gpus": n_gpus, "steps_measured": int(t["steps"]), "seconds_per_step": t,
-        "shares": {k: (t[k] / t["step"] if t["step"] > 0 else 0.0) for k in PHASES},
+        "shares": {k: (t[k] / t["step"] if t["step"] > 0 else 0.0) for k in SHARES},
         "bound": "rollout" if t["generation"] >= t["train"] else "train",
         "colocated": {"step_seconds": t["step"], "switch_share": t["switch"] / t["step"] if t["step"] > 0 else 0.0},
         "splits": [],

@@ -4,9 +4,9 @@ calls; the real one (paging, handoff, ledger) runs under torchrun in test_coloca
 
 from __future__ import annotations
 
-import pytest
-
 import time
+
+import pytest
 
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.phase import Phase, PhaseError, PhaseGuard

@@ -45,6 +45,7 @@ class PhaseSwitcher:
         snapshots, the record's write) included, which the record's "seconds" (its moves) leave out."""
         t0 = time.perf_counter()
         record = transition(self.step)
+        # a record's moves lie inside its wall time; max() keeps a manager that only reports them consistent
         wall = max(record["seconds"], time.perf_counter() - t0)
         handoff = sum(m["seconds"] for m in record["moves"] if m["what"] == "weights handoff")
         self.handoff_seconds += handoff
