@@ -8,7 +8,7 @@ The same launcher as `torchrun` (same options, same rendezvous), with three diff
   report; a rank that died another way (a signal such as the OOM killer's SIGKILL, an uncaught
   exception) is named in one line: which rank, of which signal or exit code, where its output is.
 - Ctrl-C (SIGINT / SIGTERM) is passed to every rank, which stops after its current step with a
-  checkpoint (colo_rl.dist.StopSignal); the launcher then exits 0 after the ranks' "continue with
+  checkpoint (colo_rl.stop_signal.StopSignal); the launcher then exits 0 after the ranks' "continue with
   resume=auto" line. A second one is passed on too and stops the ranks now (SIGKILL after
   SECOND_SIGNAL_GRACE_S): exit 128 + the signal's number.
 - rank 0's clean refusal (exit 2) is not repeated.

@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-from colo_rl import dist, runtime
+from colo_rl import runtime
 from colo_rl.metrics import MetricsLogger, Progress, Timer, read_jsonl
+from colo_rl.stop_signal import StopSignal
 
 log = logging.getLogger("colo_rl")
 
@@ -60,7 +61,7 @@ class LoopResult:
 
     @property
     def exit_code(self) -> int:
-        return dist.StopSignal.exit_code(self.stopped_by) if self.stopped_by else 0
+        return StopSignal.exit_code(self.stopped_by) if self.stopped_by else 0
 
 
 def logged_evals(metrics_path) -> tuple[dict, dict]:
@@ -80,7 +81,7 @@ def eval_due(steps_done: int, total_steps: int, eval_every: int) -> bool:
 def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Optional[dict] = None) -> LoopResult:
     """Drive `recipe` through its steps (see the module docstring). `start_metrics` (set-up timings)
     join the step-0 row of a fresh run."""
-    stop = dist.StopSignal()
+    stop = StopSignal()
     timer = Timer()
     stopped_by = None
     try:

@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import WORKERS, read_json, run_torchrun
 
-from colo_rl import dist
 from colo_rl.config import ConfigError, ModelConfig, RunConfig, TrainerConfig
 from colo_rl.phase import PhaseGuard
+from colo_rl import stop_signal
+from colo_rl.stop_signal import StopSignal
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.ds_config import build_ds_config, check_pageable
 
@@ -87,15 +88,15 @@ def test_colocated_gpu_actor_checks_paging_before_loading_anything(monkeypatch):
 
 
 def test_stop_signal_sets_a_flag_instead_of_killing_and_restores_handlers(monkeypatch):
-    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", None)  # the process-wide record, restored after
+    monkeypatch.setattr(stop_signal, "_RECEIVED", None)  # the process-wide record, restored after
     before = signal.getsignal(signal.SIGTERM)
-    stop = dist.StopSignal()
+    stop = StopSignal()
     try:
-        assert stop.requested() is None and dist.stop_signal_received() is None
+        assert stop.requested() is None and stop_signal.received() is None
         os.kill(os.getpid(), signal.SIGTERM)  # would end the test process without the handler
         os.kill(os.getpid(), signal.SIGTERM)  # a forwarded copy right after: still only the flag
         assert stop.requested() == "SIGTERM" and stop.exit_code("SIGTERM") == 143
-        assert dist.stop_signal_received() == "SIGTERM"  # what a child's failure after it reports
+        assert stop_signal.received() == "SIGTERM"  # what a child's failure after it reports
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is before

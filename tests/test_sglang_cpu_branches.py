@@ -9,7 +9,7 @@ import signal
 import pytest
 import torch
 
-from colo_rl import dist
+from colo_rl import stop_signal
 from colo_rl.config import ConfigError
 from colo_rl.rollout import sglang as sg
 
@@ -119,11 +119,11 @@ def test_a_child_failure_inside_the_engines_loop_stops_the_loop():
 def test_a_child_failure_after_a_stop_signal_says_the_stop_ended_it(monkeypatch):
     """A time limit or Ctrl-C signals the whole process group: SGLang's children end with the trainer's
     SIGTERM and SIGQUIT it. The error must not send the user hunting for an out-of-memory."""
-    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", None)
+    monkeypatch.setattr(stop_signal, "_RECEIVED", None)
     with pytest.raises(sg.SGLangEngineError, match="common causes: CUDA out of memory") as plain:
         sg.ChildFailure()()  # outside the engine's loop it raises at once
     assert "got SIGTERM" not in str(plain.value)
-    monkeypatch.setattr(dist, "_STOP_SIGNAL_RECEIVED", signal.SIGTERM)
+    monkeypatch.setattr(stop_signal, "_RECEIVED", signal.SIGTERM)
     with pytest.raises(sg.SGLangEngineError, match="ended after this rank got SIGTERM") as stopped:
         sg.ChildFailure()()
     assert "resume=auto" in str(stopped.value)

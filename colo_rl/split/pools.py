@@ -30,6 +30,7 @@ from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
 from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object, watch_peers
+from colo_rl.stop_signal import StopSignal
 
 log = logging.getLogger("colo_rl")
 
@@ -135,7 +136,7 @@ class GenerationPool:
 
     def serve(self) -> int:
         """Runs to the end of training; returns the slots generated."""
-        stop_signal = dist.StopSignal()  # Ctrl-C: the trainer ranks stop the run; this rank follows their stop
+        stop_signal = StopSignal()  # Ctrl-C: the trainer ranks stop the run; this rank follows their stop
         try:
             return self._serve()
         finally:

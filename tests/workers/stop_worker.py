@@ -1,7 +1,7 @@
 """Run under colo_rl.launch (2 ranks), in one of two modes:
 
     dead N   rank 1 is killed by SIGKILL (the OOM killer's signature) while rank 0 waits in a collective
-    stop N S a loop of N "steps" of S seconds with colo_rl's stop check (dist.StopSignal), as the training loop has it;
+    stop N S a loop of N "steps" of S seconds with colo_rl's stop check (colo_rl.stop_signal.StopSignal), as the training loop has it;
              prints "ready" once it runs, and "stopped by <signal> after step <k>" on a clean stop
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from colo_rl import dist  # noqa: E402
+from colo_rl.stop_signal import StopSignal  # noqa: E402
 
 
 def main() -> None:
@@ -23,7 +24,7 @@ def main() -> None:
     dist.init()
     # every rank's handler is in place before the barrier: "ready" then means no rank can still be
     # inside start-up code that a SIGINT would interrupt (a slow rank on a loaded machine was)
-    stop = dist.StopSignal() if mode == "stop" else None
+    stop = StopSignal() if mode == "stop" else None
     dist.barrier()
     if mode == "dead":
         if dist.rank() == 1:
@@ -42,7 +43,7 @@ def main() -> None:
         if stopped_by:
             if dist.is_rank0():
                 print(f"stopped by {stopped_by} after step {step + 1}; continue with resume=auto", flush=True)
-            sys.exit(dist.StopSignal.exit_code(stopped_by))
+            sys.exit(StopSignal.exit_code(stopped_by))
 
 
 if __name__ == "__main__":

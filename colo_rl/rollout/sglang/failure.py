@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from colo_rl import dist
+from colo_rl import stop_signal
 from colo_rl.errors import SGLangEngineError
 
 
@@ -28,7 +28,7 @@ def child_failed_message() -> str:
     """CHILD_FAILED, or, once this process has caught a stop signal, what most likely happened: the
     signal went to the whole process group (Ctrl-C, a job's time limit, `timeout`), SGLang's children
     got it too and ended, and nothing is wrong with the engine."""
-    stop = dist.stop_signal_received()
+    stop = stop_signal.received()
     if stop is None:
         return CHILD_FAILED
     return (f"the SGLang scheduler process ended after this rank got {stop}: the signal reached the whole "
