@@ -27,9 +27,7 @@ from colo_rl import dist
 from colo_rl.errors import HandoffError
 from colo_rl.lora import lora_enabled
 from colo_rl.rollout.base import HandoffStats, capabilities_of
-from colo_rl.train.actor import plan_buckets
-from colo_rl.train.adapters import (adapter_names, base_names, gathered_external, gathered_merged, merge_buckets,
-                                    sized_buckets)
+from colo_rl.train.adapters import EngineWeights, adapter_names, base_names, gathered_external, sized_buckets
 
 log = logging.getLogger("colo_rl")
 
@@ -72,6 +70,10 @@ class WeightHandoff:
         self.max_bucket_bytes = self.bucket_bytes = int(bucket_mb) << 20
         self.feeds_engine = feeds_engine
         self.mode = mode
+        if mode in ("full", "merged") and (mode == "merged") != bool(actor.lora):
+            raise ValueError(f"handoff mode {mode!r} with {'a LoRA' if actor.lora else 'a full fine-tune'} actor: "
+                             "use choose_lora_handoff's mode")
+        self.weights = EngineWeights(actor)  # full / merged: what an engine takes, planned and gathered one way
         if mode in ("full", "merged"):
             self._plan(self.bucket_bytes)
         else:
@@ -82,8 +84,7 @@ class WeightHandoff:
 
     def _plan(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes
-        self.buckets = (plan_buckets(self.actor.named_parameter_sizes(), bucket_bytes) if self.mode == "full"
-                        else merge_buckets(self.actor, bucket_bytes))
+        self.buckets = [names for names, _ in self.weights.plan(bucket_bytes)]
 
     def _size_buckets(self) -> None:
         """Buckets as large as this handoff's free memory allows (peak: two of them), at most
@@ -125,9 +126,8 @@ class WeightHandoff:
             pass
         else:
             self._size_buckets()
-            gather = gathered_merged if self.mode == "merged" else lambda actor, names: actor.gathered(names)
             for names in self.buckets:
-                with gather(self.actor, names) as tensors:
+                with self.weights.gathered(names) as tensors:
                     if self.feeds_engine:
                         self.engine.load_weights(tensors)
                     stats.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
