@@ -323,11 +323,16 @@ class GRPORecipe:
             "formatted": sum(rollout.flat("formatted")), "gen_tokens": n_tok,
             "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout.failures,
             "shaped_reward": float(rollout.total().sum()), "filled": rollout.filled,
+            # groups whose shaped rewards are all equal: a zero group advantage, no learning signal
+            "groups": float(len(rollout.groups)),
+            "flat_groups": float((~algos.informative_groups(rollout.total(), rollout.group_size)).sum())
+            if rollout.groups else 0.0,
             **{f"source:{name}": float(sum(v)) for name, v in sources.items()}})
         n, mean, gen_seconds = sums["n"], sums["reward"] / sums["n"], self.timer.seconds.get("generation", 0.0)
         out = {"reward/mean": mean, "reward/std": max(0.0, sums["reward_sq"] / n - mean ** 2) ** 0.5,
                "reward/accuracy": sums["correct"] / n, "reward/accuracy_lenient": sums["lenient"] / n,
                "reward/format_rate": sums["formatted"] / n, "reward/failures": sums["failures"],
+               "reward/zero_std_groups": sums["flat_groups"] / max(sums["groups"], 1.0),
                "response/len_mean": sums["gen_tokens"] / n, "response/stop_rate": sums["stopped"] / n,
                "throughput/gen_tokens_per_s": sums["gen_tokens"] / max(gen_seconds, 1e-9),
                **{f"reward_source/{name}": sums[f"source:{name}"] / n for name in sources}}

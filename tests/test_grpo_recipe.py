@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 KEYS = ["reward/mean", "reward/std", "reward/accuracy", "response/len_mean", "train/clip_frac", "train/entropy",
         "train/grad_norm", "train/lr", "time/generation", "time/reward", "time/update", "time/handoff",
-        "time/phase_switch", "time/step", "throughput/gen_tokens_per_s", "handoff/logprob_diff_mean", "train/kl"]
+        "time/phase_switch", "time/step", "throughput/gen_tokens_per_s", "handoff/logprob_diff_mean", "train/kl",
+        "reward/zero_std_groups"]
 # Steps 1 and 2 of this run on this machine's CPU (fp32, 2 gloo ranks, seed 42): loss, grad norm,
 # mean reward. A change to the sampling, the advantages, the loss or the update shows up here.
 GOLDEN = {"train/loss": [1.3597309589385986e-06, 5.079631591797806e-05],
@@ -59,6 +60,8 @@ def test_metrics_have_one_line_per_step_with_every_key(run_dir):
         assert not missing, missing
         assert row["handoff/logprob_diff_mean"] < 1e-3
         assert row["train/lr"] == pytest.approx(1e-3)
+        # letter_share differs between a group's samples: every group carries a signal (TRL's frac_reward_zero_std)
+        assert row["reward/zero_std_groups"] == 0.0
 
 
 def test_first_steps_match_the_golden_values(run_dir):
@@ -117,9 +120,22 @@ def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     assert len(r) == 2
     for row in r:
         assert 1 <= row["sampling/rounds"] <= 3  # the first round plus at most max_sampling_rounds
+        # the trained groups without a signal are exactly the set-aside ones that filled the batch (4 groups a step)
+        assert row["reward/zero_std_groups"] == pytest.approx(row["sampling/filled_groups"] / 4)
         if row["sampling/filled_groups"] == 0:  # every kept group of 2 has one odd and one even answer
             assert row["reward/mean"] == pytest.approx(0.5) and row["train/grad_norm"] > 0
     assert max(row["sampling/rounds"] for row in r) > 1  # extra rounds were sampled
+
+
+def test_groups_without_a_signal_are_counted(tmp_path):
+    """The tiny random model never states a right answer: with the format reward off every reward is
+    0, so every group is flat (reward/zero_std_groups = 1, TRL's frac_reward_zero_std) and nothing is learned."""
+    d = tmp_path / "run"
+    run_torchrun(WORKERS / "grpo_resume_worker.py",
+                 [*tiny_run(1), "reward.format_weight=0", "logger=[jsonl]", "plots=false", f"run_dir={d}"], timeout=600)
+    row = rows(d)[1]
+    assert row["reward/mean"] == 0.0 and row["reward/zero_std_groups"] == 1.0
+    assert row["train/grad_norm"] == 0.0
 
 
 def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
