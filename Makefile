@@ -155,8 +155,8 @@ GPU_STAGES ?=
 #   make gpu-perf (the GPU performance run, two device calls, after gpu-install):
 #   here:            make gpu-perf-carry         -> .whl/part1 (stack), .whl/ops (FusedAdam, sm_90), .whl/models (toy)
 #                    make gpu-perf-dry-run       -> the same stages on CPU, tiny shapes, HF engine
-#   on the GPU:      make gpu-install gpu-perf, then gpu-perf-old   (carry .whl/part1 .whl/ops .whl/models)
-.PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install gpu-perf gpu-perf-old gpu-perf-carry gpu-perf-dry-run
+#   on the GPU:      make gpu-install gpu-perf, then gpu-perf-ab   (carry .whl/part1 .whl/ops .whl/models)
+.PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install gpu-perf gpu-perf-ab gpu-perf-carry gpu-perf-dry-run
 gpu-wheels:
 	python3 benchmarks/gpu/carry.py build --with-model
 
@@ -180,14 +180,15 @@ gpu-check:
 # Most valuable first: a stage the call's budget cuts leaves the earlier ones' results packed in $$OUT.
 # Two device calls fit 15 device minutes with room for little else (H100, 2026-11-27: versions 5 s, big 191,
 # toy 77, mfu 96, mfuwhole 108, mfuflex 115; toyold ~150, toywhole ~80, mfuold 83): the second call gets
-# what is left (CHECK_BUDGET_S=290 last time) and its budget cuts the stages from the end.
+# what is left (CHECK_BUDGET_S=290 last time) and its budget cuts the stages from the end. The second call's
+# stages are A/Bs against the first's: levers not yet defaults (mfupersist, mfuflex4), then the old switches.
 GPU_PERF_STAGES ?= versions big toy mfu mfuflex summary
-GPU_PERF_OLD_STAGES ?= versions toywhole toyold mfuold mfuwhole summary
+GPU_PERF_AB_STAGES ?= versions mfupersist mfuflex4 toywhole toyold mfuold mfuwhole summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
 
-gpu-perf-old:
-	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_OLD_STAGES)
+gpu-perf-ab:
+	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_AB_STAGES)
 
 gpu-perf-carry:
 	python3 benchmarks/gpu/carry.py build
@@ -197,7 +198,7 @@ gpu-perf-carry:
 	@du -scm .whl/part1 .whl/ops .whl/models | tail -1 | awk '{print "carry: " $$1 " MiB (+ the working tree; a call takes 64)"}'
 
 gpu-perf-dry-run: $(STAMP)
-	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) toyold toywhole mfuold mfuwhole
+	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) $(filter-out versions summary,$(GPU_PERF_AB_STAGES))
 
 # The benchmark suite's GPU preset (after gpu-install; the race needs trl's wheel and is skipped without it).
 bench-gpu:

@@ -86,3 +86,27 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     assert result["mfu"]["update_mfu"]["dry_run"] is True
     md = summary.with_suffix(".md").read_text()
     assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
+
+
+def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
+    """`update_mfu.py --zero KEY=VALUE` (the mfupersist stage): the persistence thresholds make every
+    parameter persistent in the actor it builds, and bad input is refused."""
+    import argparse
+
+    from benchmarks.gpu.update_mfu import MODEL_DRY, build, zero_override, zero_settings
+    from colo_rl import dist
+
+    assert zero_override("stage3_param_persistence_threshold=1e12") == ("stage3_param_persistence_threshold", 1e12)
+    for bad in ("no_equals", "key=many"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--zero"):
+            zero_override(bad)
+    dist.init()
+    args = argparse.Namespace(dry_run=True, attn="sdpa", leaf=True, sequences=4, group_size=2, prompt_len=6,
+                              response_len=8, groups_per_micro_batch=1)
+    persistent = []
+    for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
+        with zero_settings(overrides):
+            actor, _, _ = build(args, MODEL_DRY, tmp_path / f"model{len(overrides)}")
+        params = list(actor.module.parameters())
+        persistent.append(sum(bool(p.ds_persist) for p in params) / len(params))
+    assert persistent[0] < 1.0 and persistent[1] == 1.0

@@ -226,6 +226,14 @@ stage_mfuflex() {
   if [ "$DRY" = 1 ]; then echo "FlexAttention trains on a GPU only: skipped in the dry run"; return 0; fi
   mfu --name update_mfu_flex --attn flex_attention
 }
+# every parameter persistent (world size 1: no fetch, so no stream synchronisation per layer fetch)
+stage_mfupersist() { mfu --name update_mfu_persist --zero stage3_param_persistence_threshold=1e12 \
+  --zero stage3_model_persistence_threshold=1e12; }
+# fewer, larger micro-batches: 4 rows of ~6.3k tokens per pass instead of 2 (FlexAttention: no [L, L] mask)
+stage_mfuflex4() {
+  if [ "$DRY" = 1 ]; then echo "FlexAttention trains on a GPU only: skipped in the dry run"; return 0; fi
+  mfu --name update_mfu_flex_mb4 --attn flex_attention --groups-per-micro-batch 4
+}
 stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
 stage_toyold() { breakdown perf_toy_old 2 "${PERF_ENGINE[@]}" "${TOY[@]}" "${OLD[@]}"; }
 # the toy's update with the LM head over whole logits (2026-11-27's toy step was 0.575 s against 0.41 s the day

@@ -32,7 +32,9 @@ RUNS = {"perf_toy": "toy, new defaults", "perf_toy_whole": "toy, whole-logits LM
         "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
 MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
             "update_mfu_flex": "flex_attention, leaf modules on",
-            "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)"}
+            "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
+            "update_mfu_persist": "sdpa, leaf modules on, every parameter persistent (no ZeRO-3 fetch)",
+            "update_mfu_flex_mb4": "flex_attention, leaf modules on, 4 micro-batches of 4 rows"}
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
 
 

@@ -22,6 +22,7 @@ the parsing only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -130,6 +131,38 @@ def build(args, dims: dict, model_dir: Path):
     return actor, mbs, groups
 
 
+def zero_override(text: str) -> tuple[str, float]:
+    """KEY=VALUE of `--zero`: a DeepSpeed zero_optimization key and its number."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--zero {text!r}: expected KEY=VALUE")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--zero {text!r}: {value!r} is not a number") from None
+
+
+@contextlib.contextmanager
+def zero_settings(overrides: list[tuple[str, float]]):
+    """The actor built inside takes `overrides` into its zero_optimization section (benchmark only:
+    an experiment on DeepSpeed's knobs, e.g. every parameter persistent at world size 1, where each
+    fetch of a released layer ends in a stream synchronisation: NoGatherHandle.wait in 0.19.8)."""
+    from colo_rl.train import actor as actor_module
+
+    built = actor_module.build_ds_config
+
+    def with_overrides(*args, **kwargs):
+        config = built(*args, **kwargs)
+        config["zero_optimization"].update(overrides)
+        return config
+
+    actor_module.build_ds_config = with_overrides
+    try:
+        yield
+    finally:
+        actor_module.build_ds_config = built
+
+
 def one_update(actor, mbs, n_tok: float) -> None:
     for j, mb in enumerate(mbs):
         logp, _ = actor.response_logprobs(mb, 1.0)
@@ -148,6 +181,9 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
                    help="trainer.zero_leaf_modules (true/false)")
+    p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_override,
+                   help="a zero_optimization setting over colo_rl's (repeatable), e.g. "
+                        "stage3_param_persistence_threshold=1e12: every parameter persistent")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=0.0, help="device peak (default: by device name)")
     p.add_argument("--out", type=Path, default=None)
@@ -170,7 +206,8 @@ def main(argv=None) -> int:
     dims = MODEL_DRY if args.dry_run else MODEL_05B
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="update_mfu-") as tmp:
-        actor, mbs, groups = build(args, dims, Path(tmp) / "model")
+        with zero_settings(args.zero):
+            actor, mbs, groups = build(args, dims, Path(tmp) / "model")
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
         one_update(actor, mbs, n_tok)  # warm-up: DeepSpeed's buffers, kernels' autotuning, compile
         sync()
@@ -196,7 +233,8 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
-              "attn": args.attn, "leaf_modules": args.leaf, "update_seconds": seconds, "flops": flops,
+              "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
+              "update_seconds": seconds, "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
               "host_top": host_top, "device_top": device_top}
@@ -205,7 +243,8 @@ def main(argv=None) -> int:
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
         f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
         f"{args.prompt_len}-token prompt), {len(mbs)} micro-batches, attention {args.attn}, "
-        f"leaf modules {'on' if args.leaf else 'off'}.", "",
+        f"leaf modules {'on' if args.leaf else 'off'}"
+        f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
         "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
         f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
         f"({busy['category']}) | {busy['events']} |", "",
