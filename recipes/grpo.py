@@ -35,7 +35,8 @@ from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
-from colo_rl.rollout.multiturn import MultiTurnRollout, episode_metrics, generate_completions, policy_texts
+from colo_rl.rollout.batch_metrics import batch_metrics
+from colo_rl.rollout.multiturn import MultiTurnRollout, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
 from colo_rl.split.pools import GenerationPool, TrainerPool, enter_split
 from colo_rl.split.position import generator_position, restore_generator_position
@@ -315,37 +316,9 @@ class GRPORecipe:
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         """Reward, response and sampling metrics of the step's training batch, over all ranks."""
-        completions, raw, sources = rollout.completions, rollout.rewards, rollout.sources()
-        n_tok = sum(len(c.token_ids) for c in completions)
-        sums = dist.all_reduce_sum({
-            "reward": float(raw.sum()), "reward_sq": float((raw ** 2).sum()), "n": float(len(raw)),
-            "correct": sum(rollout.flat("correct")), "lenient": sum(rollout.flat("lenient")),
-            "formatted": sum(rollout.flat("formatted")), "gen_tokens": n_tok,
-            "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout.failures,
-            "shaped_reward": float(rollout.total().sum()), "filled": rollout.filled,
-            # groups whose shaped rewards are all equal: a zero group advantage, no learning signal
-            "groups": float(len(rollout.groups)),
-            "flat_groups": float((~algos.informative_groups(rollout.total(), rollout.group_size)).sum())
-            if rollout.groups else 0.0,
-            **{f"source:{name}": float(sum(v)) for name, v in sources.items()}})
-        n, mean, gen_seconds = sums["n"], sums["reward"] / sums["n"], self.timer.seconds.get("generation", 0.0)
-        out = {"reward/mean": mean, "reward/std": max(0.0, sums["reward_sq"] / n - mean ** 2) ** 0.5,
-               "reward/accuracy": sums["correct"] / n, "reward/accuracy_lenient": sums["lenient"] / n,
-               "reward/format_rate": sums["formatted"] / n, "reward/failures": sums["failures"],
-               "reward/zero_std_groups": sums["flat_groups"] / max(sums["groups"], 1.0),
-               "response/len_mean": sums["gen_tokens"] / n, "response/stop_rate": sums["stopped"] / n,
-               "throughput/gen_tokens_per_s": sums["gen_tokens"] / max(gen_seconds, 1e-9),
-               **{f"reward_source/{name}": sums[f"source:{name}"] / n for name in sources}}
-        if self.cfg.algo.overlong_buffer_len:
-            out["reward/overlong_penalty"] = (sums["shaped_reward"] - sums["reward"]) / n
-        if self.cfg.algo.dynamic_sampling:
-            out.update({"sampling/rounds": float(rollout.rounds), "sampling/filled_groups": sums["filled"]})
-        if self.env is not None:  # per episode: turns, tool calls, ...; tool_error_rate per call
-            env = dist.all_reduce_sum(episode_metrics(completions))
-            out.update({k: v / n for k, v in env.items()})
-            if not self.env.answers_every_turn:  # tools: per call (a conversation's failures: env/tool_errors)
-                out["env/tool_error_rate"] = env["env/tool_errors"] / max(env["env/tool_calls"], 1.0)
-        return out
+        return batch_metrics(rollout, self.timer.seconds.get("generation", 0.0), self.env,
+                             overlong_shaping=bool(self.cfg.algo.overlong_buffer_len),
+                             dynamic_sampling=self.cfg.algo.dynamic_sampling)
 
     # ------------------------------------------------------------------ update phase
     def pack(self, rollout: Rollout) -> PackedRollout:
