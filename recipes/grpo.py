@@ -397,8 +397,9 @@ class GRPORecipe:
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0 and agreement is not None:  # before any weight change: the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
-        # the statistics' one device-to-host transfer, the engine-vs-trainer mismatch sums with them
-        read = dist.host_floats({**sums, **{f"mismatch:{k}": v for k, v in (mismatch or {}).items()}})
+            # the statistics' one device-to-host transfer, the engine-vs-trainer mismatch sums with them; timed
+            # with the update: it waits for the device's queued work (the last backward, the optimizer step)
+            read = dist.host_floats({**sums, **{f"mismatch:{k}": v for k, v in (mismatch or {}).items()}})
         mismatch = {k.split(":", 1)[1]: read.pop(k) for k in list(read) if k.startswith("mismatch:")} or None
         totals = dist.all_reduce_sum(read)
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
