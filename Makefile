@@ -22,10 +22,11 @@ TORCH_VERSION := 2.13.0
 
 .PHONY: install install-sandbox test test-fast demo demo-tools sft dpo eval bench bench-gpu gpu-check clean-venv sglang-cpu lock
 
-# The venv takes ~3.5 GiB and pip unpacks under TMPDIR: refused up front when the disk lacks the room.
-INSTALL_GIB ?= 5
+# The venv takes ~3.5 GiB (CPU torch; CUDA's wheels several more) and pip unpacks under TMPDIR: refused up
+# front when the disk lacks the room. An update of a finished install (the stamp exists) needs little.
+INSTALL_GIB ?= $(if $(HAS_CUDA),12,5)
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	python3 .ci/check_disk.py $(if $(wildcard $(PY)),1,$(INSTALL_GIB)) $(VENV)
+	python3 .ci/check_disk.py $(if $(wildcard $(STAMP)),1,$(INSTALL_GIB)) $(VENV)
 	test -x $(PY) || python3 -m venv $(VENV)
 ifeq ($(HAS_CUDA),1)
 	$(PIP) install -q $(if $(CONSTRAINTS),torch==$(TORCH_VERSION),torch)

@@ -16,7 +16,7 @@ def test_refuses_when_the_filesystem_lacks_room(tmp_path):
     done = run("1e9", str(venv))
     assert done.returncode == 1
     assert str(venv) in done.stderr and "GiB free" in done.stderr and "VENV=" in done.stderr
-    assert done.stderr.count("error:") == 1  # the venv and TMPDIR on one filesystem: said once
+    assert 1 <= done.stderr.count("error:") <= 2  # the venv's filesystem and TMPDIR's, each said once
 
 
 def test_passes_when_there_is_room(tmp_path):

@@ -9,6 +9,7 @@ import random
 
 import pytest
 from omegaconf import OmegaConf
+from test_metrics_doc import undocumented
 
 from colo_rl.checkpoint import CheckpointError, hf_model_dir
 from colo_rl.config import ConfigError, RunConfig, validate
@@ -103,6 +104,7 @@ def test_evaluating_a_run_directory_of_the_embedded_model(tmp_path):
     assert "| pass@4 (4 samples" in (out / "eval.md").read_text()
     (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["eval/pass@4"] == f["eval/pass@4"]
+    assert not undocumented([row]), f"add these to docs/metrics.md: {undocumented([row])}"
 
 
 def test_evaluating_with_an_environment_gives_episodes_and_the_single_answer_figures(tmp_path):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from colo_rl.colocate.handoff import MIN_BUCKET_BYTES, WeightHandoff, bucket_bytes_for
+from colo_rl.colocate.handoff import MIN_BUCKET_BYTES, bucket_bytes_for
 from colo_rl.rollout.sglang.weights import flat_metadata, prepare_flat_payload, reconstructs_views
 from colo_rl.train.flat_weights import flat_weight_views
 
@@ -107,10 +107,3 @@ def test_bucket_size_follows_free_memory_up_to_the_cap():
     assert bucket_bytes_for(GIB, cap) == MIN_BUCKET_BYTES
     assert bucket_bytes_for(40 * GIB, MIB) == MIB  # the user's cap stands
 
-
-@pytest.mark.parametrize("lora,mode", [(False, "merged"), (True, "full")])
-def test_handoff_refuses_a_mode_its_actor_does_not_have(lora, mode):
-    """full / merged are planned and gathered the way the actor's EngineWeights gives them (merged:
-    W + scaling B A, only with LoRA): a mismatched mode would send tensors the engine cannot name."""
-    with pytest.raises(ValueError, match="choose_lora_handoff"):
-        WeightHandoff(SimpleNamespace(lora=lora), engine=None, bucket_mb=1, mode=mode)

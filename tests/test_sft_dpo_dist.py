@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, run_torchrun
+from test_metrics_doc import undocumented
 
 pytestmark = pytest.mark.slow
 
@@ -101,6 +102,11 @@ def test_dpo_step_under_zero3_from_the_sft_checkpoint(dpo_dirs):
 
 def test_dpo_first_steps_match_the_golden_values(dpo_dirs):
     _check_golden(_rows(dpo_dirs["precomputed"]), GOLDEN_DPO)
+
+
+def test_every_logged_key_is_documented(sft_dir, dpo_dirs):
+    for run in (sft_dir, dpo_dirs["precomputed"], dpo_dirs["frozen"]):
+        assert not undocumented(_rows(run)), (run.name, undocumented(_rows(run)))
 
 
 def test_precomputed_reference_equals_frozen_reference_model(dpo_dirs):

@@ -70,10 +70,8 @@ class WeightHandoff:
         self.max_bucket_bytes = self.bucket_bytes = int(bucket_mb) << 20
         self.feeds_engine = feeds_engine
         self.mode = mode
-        if mode in ("full", "merged") and (mode == "merged") != bool(actor.lora):
-            raise ValueError(f"handoff mode {mode!r} with {'a LoRA' if actor.lora else 'a full fine-tune'} actor: "
-                             "use choose_lora_handoff's mode")
-        self.weights = EngineWeights(actor)  # full / merged: what an engine takes, planned and gathered one way
+        # full / merged: what an engine takes, planned and gathered one way (EngineWeights')
+        self.weights = EngineWeights(actor, merged=mode == "merged")
         if mode in ("full", "merged"):
             self._plan(self.bucket_bytes)
         else:

@@ -96,19 +96,20 @@ class EngineWeights:
     merged (W + scaling B A) so an engine without adapter support serves the policy. What a split
     run's trainers broadcast (colo_rl/split/wire.WeightSender); every call is a collective."""
 
-    def __init__(self, actor: DeepSpeedActor):
+    def __init__(self, actor: DeepSpeedActor, merged: Optional[bool] = None):
         self.actor = actor
+        self.merged = actor.lora if merged is None else merged  # W + scaling B A (default: a LoRA actor's)
 
     def plan(self, bucket_bytes: int) -> list[tuple[list[str], list[tuple[str, tuple, torch.dtype]]]]:
         """Per gather of at most ~`bucket_bytes`: the parameter names gathered, and the name, shape
         and dtype of each tensor `gathered` yields for them, in its order."""
         specs = {n: (tuple(getattr(p, "ds_shape", p.shape)), p.dtype) for n, p in self.actor.module.named_parameters()}
-        if not self.actor.lora:
+        if not self.merged:
             return [(names, [(n, *specs[n]) for n in names])
                     for names in plan_buckets(self.actor.named_parameter_sizes(), bucket_bytes)]
         return [(names, [(external_name(n), *specs[n]) for n in names if not is_adapter(n)])
                 for names in merge_buckets(self.actor, bucket_bytes)]  # whole merge units: base + A + B
 
     def gathered(self, names: list[str]):
-        return gathered_merged(self.actor, names) if self.actor.lora else self.actor.gathered(names)
+        return gathered_merged(self.actor, names) if self.merged else self.actor.gathered(names)
 
