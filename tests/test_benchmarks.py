@@ -15,7 +15,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common, handoff, race_trl, step_breakdown  # noqa: E402
+from benchmarks import common, handoff, phase_memory, race_trl, step_breakdown  # noqa: E402
 
 
 def _fake_result(out: Path, name: str, device: str, date: str, ts: str, marker: str) -> None:
@@ -149,7 +149,7 @@ def test_race_median_over_steps_3_to_8():
 
 
 def test_phase_memory_attributes_peaks_to_every_open_phase():
-    mem = step_breakdown.PhaseMemory()
+    mem = phase_memory.PhaseMemory()
     values = iter([100, 300, 200, 150, 120, 500, 400, 90])
     mem._probe = lambda: next(values)
     with mem.phase("step"):  # 100 at entry
@@ -173,7 +173,7 @@ def test_phase_memory_counts_what_its_boundary_samples_cost_the_step():
     so a step's unexplained time can be told apart from the harness's own."""
     import time
 
-    mem = step_breakdown.PhaseMemory()
+    mem = phase_memory.PhaseMemory()
 
     def slow_probe():
         time.sleep(0.02)
