@@ -38,7 +38,7 @@ def documented(key: str, keys: set[str] | None = None) -> bool:
     keys = documented_keys() if keys is None else keys
     if key in keys:
         return True
-    return any(re.fullmatch(re.sub(r"<[^>]+>", "[^/]+", re.escape(k).replace(r"\<", "<").replace(r"\>", ">")), key)
+    return any(re.fullmatch(re.sub(r"<[^>]+>", "[^/]+", re.escape(k)), key)
                for k in keys if "<" in k)
 
 
