@@ -38,7 +38,7 @@ from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.batch_metrics import batch_metrics
 from colo_rl.rollout.multiturn import MultiTurnRollout, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
-from colo_rl.split.pools import GenerationPool, TrainerPool, enter_split
+from colo_rl.split.pools import EngineHelper, GenerationPool, TrainerPool, enter_split
 from colo_rl.split.position import generator_position, restore_generator_position
 from colo_rl.train.adapters import EngineWeights
 from colo_rl.train.batch import agreed_micro_batches
@@ -62,6 +62,9 @@ class GRPORecipe:
         self.split = None if ctx.cfg.placement.mode != "split" else enter_split(ctx.cfg, resolve_generation_ranks(
             ctx.cfg.placement, dist.world_size(), ctx.cfg.rollout.tp_size, ctx.cfg.rollout.prompts_per_step,
             dist.local_world_size()))
+        if self.split is not None and self.split.helps:  # its GPU runs a TP rank of a generator's engine: no work here
+            self.pool, self.metrics = EngineHelper(self.split), MetricsLogger(ctx.run_dir, (), CONSOLE)
+            return
         cfg, world = self.cfg, dist.world_size()
         # ---- data: prompts tokenised once; over-length ones dropped or cut by policy (and counted)
         self.tokenizer = load_tokenizer(cfg.model.path)
@@ -210,7 +213,7 @@ class GRPORecipe:
 
     @property
     def serves(self) -> bool:
-        return self.split is not None and self.split.generates
+        return self.split is not None and (self.split.generates or self.split.helps)
 
     def close(self) -> None:
         """The run ends: a split run's trainer stops its generators."""

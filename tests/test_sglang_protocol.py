@@ -470,12 +470,25 @@ def test_bucket_metadata_must_match_the_tensors():
         sg.prepare_rank_payload(bucket, fake_api(ScrambledBucket))
 
 
-def test_tp_engine_refuses_single_rank_load():
-    engine = make_engine(FakeNewSGLang(tp_size=2), tp_size=2)
-    with pytest.raises(RuntimeError, match="TPGroupEngine"):
-        engine.load_weights(bucket_of())
+@pytest.mark.parametrize("bucket_cls", [FakeBucket, None], ids=["flattened", "per-tensor"])
+def test_one_rank_loads_every_tp_rank_of_its_engine(bucket_cls):
+    """A split run's generator alone receives the weights: load_weights hands every TP rank the same
+    tensors, each rank's entry serialized on its own (a CPU handle is fetched once), the bucket
+    flattened once."""
+    fake = FakeNewSGLang(tp_size=2, bucket_cls=bucket_cls or FakeBucket)
+    api = fake_api(bucket_cls)
+    engine = make_engine(fake, tp_size=2, api=api)
+    FakeSerializer.output_str_calls.clear()
+    engine.load_weights(bucket_of())
+    engine.finish_weight_update()
+    for r in range(2):
+        assert fake.loaded[r].keys() == {n for n, _ in bucket_of()}
+        assert all(torch.equal(fake.loaded[r][n], t) for n, t in bucket_of())
+    per_rank = 2 if bucket_cls else 3  # dtype groups (bf16, fp32) or tensors, once per TP rank
+    assert len(FakeSerializer.output_str_calls) == 2 * per_rank
     with pytest.raises(HandoffError, match="1 payloads for an engine with tp_size=2"):
         engine.load_rank_payloads([sg.prepare_rank_payload(bucket_of(), fake_api())[0]])
+    assert not engine.load_flat_weights(torch.zeros(4), [])  # the zero-copy path is one TP rank's
 
 
 # ============================================================================ memory tags

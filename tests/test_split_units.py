@@ -20,7 +20,22 @@ def test_layout_puts_generation_first_and_the_leader_after():
     assert lay.weight_ranks == (2, 0, 1)
 
 
+def test_tp_groups_in_the_generation_pool_have_one_generator_each():
+    """rollout.tp_size=2, 4 generation ranks: ranks 0 and 2 drive an engine each (the flow's
+    generators, in the weight group), ranks 1 and 3 hold their GPU for those engines."""
+    lay = split_layout(world=6, generation_ranks=4, tp_size=2, prompts_per_step=4)
+    assert lay.generation == (0, 2) and lay.trainers == (4, 5) and lay.weight_ranks == (4, 0, 2)
+    assert lay.engine_helpers == (1, 3) and list(lay.helpers_of(2)) == [3]
+    assert [lay.owner_of(r) for r in lay.engine_helpers] == [0, 2]
+    assert lay.generates(2) and not lay.generates(3) and not lay.generates(4)
+    assert split_layout(world=3, generation_ranks=1, tp_size=1, prompts_per_step=2).engine_helpers == ()
+    # 2 generation ranks in TP + 1 trainer on one node of 3: no rank count divisible by 2 is needed
+    assert split_layout(world=3, generation_ranks=2, tp_size=2, prompts_per_step=2).generation == (0,)
+
+
 @pytest.mark.parametrize("world,g,tp,prompts,keys", [
+    (8, 6, 2, 4, ["rollout.prompts_per_step=4", "3 generators", "6 / 2"]),  # 3 engines on 6 ranks
+    (6, 4, 2, 2, ["rollout.tp_size=2", "3 ranks per node", "generation rank 2", "span two nodes"]),
     (2, 2, 1, 4, ["placement.generation_ranks", "no rank left to train"]),
     (4, 3, 2, 6, ["rollout.tp_size=2", "placement.generation_ranks=3", "cross the boundary"]),
     (3, 1, 1, 3, ["rollout.prompts_per_step=3", "2 trainer ranks"]),
@@ -28,7 +43,8 @@ def test_layout_puts_generation_first_and_the_leader_after():
 ])
 def test_a_split_that_cannot_work_is_refused_naming_the_keys(world, g, tp, prompts, keys):
     with pytest.raises(ConfigError) as e:
-        split_layout(world=world, generation_ranks=g, tp_size=tp, prompts_per_step=prompts)
+        split_layout(world=world, generation_ranks=g, tp_size=tp, prompts_per_step=prompts,
+                     local_world=3 if world == 6 else None)
     for key in keys:
         assert key in str(e.value)
 
@@ -103,10 +119,10 @@ def split_cfg(**changes) -> RunConfig:
 def test_split_config_accepted_as_documented():
     check_grpo_rules(split_cfg())
     check_grpo_rules(split_cfg(rollout__max_staleness=0, algo__rollout_correction=None))
+    check_grpo_rules(split_cfg(rollout__tp_size=2))  # TP engines in the generation pool (split_layout checks the ranks)
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"rollout__tp_size": 2}, "rollout.tp_size=2"),
     ({"placement__sync_every": 3, "rollout__max_staleness": 1}, "placement.sync_every <= rollout.max_staleness + 1"),
     ({"algo__rollout_correction": None}, "algo.rollout_correction"),
 ])

@@ -169,19 +169,9 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
                           f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
 
 
-# What placement.mode=split does not run yet, with the reason (docs/placement.md): refused at start-up.
-SPLIT_NOT_YET = {
-    "rollout.tp_size": (1, "tensor-parallel engines inside the generation pool are not wired yet"),
-}
-
-
 def check_split_rules(cfg: "RunConfig") -> None:
-    """placement.mode=split: what it cannot run yet, and a weight sync often enough for the bound."""
-    for key, (wanted, why) in SPLIT_NOT_YET.items():
-        value = _get(cfg, key)
-        if value != wanted:
-            raise ConfigError(f"placement.mode=split with {key}={value}: {why}. Use placement.mode=colocated "
-                              f"or {key}={wanted}")
+    """placement.mode=split: the options it reads, and a weight sync often enough for the bound (the
+    ranks' layout, TP groups included, is checked by colo_rl/split/placement.py)."""
     if cfg.placement.balance_from is not None and str(cfg.placement.generation_ranks) != "auto":
         raise ConfigError(f"placement.balance_from={cfg.placement.balance_from} is read only with "
                           f"placement.generation_ranks=auto (not {cfg.placement.generation_ranks})")

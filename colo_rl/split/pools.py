@@ -13,6 +13,7 @@
       of the held-out set -> to each trainer            (the step-0 weights and every eval step's)
     stop flag in the weights -> END to each trainer    the last send carries stop)
                                                       drain until END from every generator
+A TP engine's other ranks (EngineHelper) get a heartbeat per slot from their generator, then END.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def peer(who: str):
 @dataclass
 class SplitRole:
     layout: SplitLayout
-    generates: bool  # this rank is a generation rank
-    weight_group: Any  # the weight broadcast's process group (leader + generation ranks)
+    generates: bool  # this rank is a generator (drives an engine)
+    weight_group: Any  # the weight broadcast's process group (leader + generators)
+    helps: bool = False  # this rank holds its GPU for a generator's TP engine (EngineHelper)
 
 
 def enter_split(cfg, generation_ranks: int) -> SplitRole:
@@ -62,16 +64,46 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     from here on dist.rank() / world_size() and the collectives are the pool's (dist.set_scope)."""
     layout = split_layout(dist.world_size(), generation_ranks, cfg.rollout.tp_size,
                           cfg.rollout.prompts_per_step, dist.local_world_size())
-    gen_group, train_group, weight_group = dist.new_pool_groups(
-        [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)])
+    helpers = list(layout.engine_helpers)
+    gen_group, train_group, weight_group, *helper_group = dist.new_pool_groups(
+        [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)] + ([helpers] if helpers else []))
     watch_peers()  # a wait on the other pool ends when a rank on this node is gone (wire.wait)
-    generates = layout.generates(dist.job_rank())
-    log.info("split placement: ranks %s generate, ranks %s train (ZeRO-3 among them); rollout.max_staleness=%d, "
-             "staleness_policy=%s", list(layout.generation), list(layout.trainers), cfg.rollout.max_staleness,
-             cfg.rollout.staleness_policy)
-    dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
+    me = dist.job_rank()
+    generates, helps = layout.generates(me), me in helpers
+    log.info("split placement: ranks %s generate%s, ranks %s train (ZeRO-3 among them); rollout.max_staleness=%d, "
+             "staleness_policy=%s", list(layout.generation),
+             f" (each with the next {layout.tp_size - 1} rank(s)' GPUs for its tp_size={layout.tp_size} engine)"
+             if helpers else "", list(layout.trainers), cfg.rollout.max_staleness, cfg.rollout.staleness_policy)
+    if helps:
+        dist.set_scope(helper_group[0], helpers)
+    else:
+        dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
     dist.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
-    return SplitRole(layout, generates, weight_group)
+    return SplitRole(layout, generates, weight_group, helps)
+
+
+class EngineHelper:
+    """A TP group's other rank in the generation pool: its GPU runs a scheduler process of the
+    generator's engine (SGLang starts it there), so this process only waits for the run's end.
+    The generator sends it a heartbeat per slot (a wait longer than the process group's timeout
+    would fail) and the end marker after its last slot; a generator that dies closes the
+    connection, and this rank stops with a PoolError naming it."""
+
+    def __init__(self, role: SplitRole):
+        self.owner = role.layout.owner_of(dist.job_rank())
+
+    def serve(self) -> int:
+        """Runs to the end of training; returns the heartbeats received (the generator's slots)."""
+        stop_signal = StopSignal()  # Ctrl-C: the generator follows the trainers' stop, then ends this rank
+        beats = 0
+        try:
+            with peer(f"generation rank {self.owner} (its engine runs on this rank's GPU)"):
+                while recv_object(self.owner) is not None:
+                    beats += 1
+        finally:
+            stop_signal.restore()
+        log.info("generation rank %d: held its GPU for rank %d's engine, %d slot(s)", dist.job_rank(), self.owner, beats)
+        return beats
 
 
 @dataclass
@@ -166,6 +198,7 @@ class GenerationPool:
             self.restore(begin.position)
         version, stop = self._take()  # the trainer's starting (or resumed) weights
         pending: deque[list[Pending]] = deque()
+        beats: list[Pending] = []  # the heartbeat to this engine's helper ranks (EngineHelper)
         capacity = max(1, self.k)
         slot, waits, free_since = begin.slot, 0, time.perf_counter()
         while not stop:
@@ -190,15 +223,30 @@ class GenerationPool:
             idle = max(0.0, start - free_since - self.eval_seconds) + (time.perf_counter() - done)
             with peer(self.trainers_named):
                 pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
+            beats = self._beat(beats, slot)
             slot, waits, free_since, self.eval_seconds = slot + 1, 0, time.perf_counter(), 0.0
         with peer(self.trainers_named):
             ends = [send_object(None, dst) for dst in self.layout.trainers]
             for sends in [*pending, self.eval_sends, ends]:
                 for p in sends:
                     p.wait()
+        self._beat(beats, None)
         log.info("generation rank %d: %d slot(s) generated, stopped at weights version %d", dist.job_rank(),
                  slot - begin.slot, version)
         return slot - begin.slot
+
+    def _beat(self, previous: list[Pending], slot: Optional[int]) -> list[Pending]:
+        """The slot to this engine's helper ranks (None: the end, waited for); the previous beat is
+        waited for first (a helper is always in its receive, so that wait is short)."""
+        helpers = self.layout.helpers_of(dist.job_rank())
+        with peer(f"rank(s) {list(helpers)} (they hold their GPUs for this rank's engine)"):
+            for p in previous:
+                p.wait()
+            beats = [send_object(slot, h) for h in helpers]
+            if slot is None:
+                for p in beats:
+                    p.wait()
+        return beats
 
     def _send(self, slot, version, rollout: Rollout, interval, seconds, idle, waits, in_flight) -> list[Pending]:
         n, sends, position = len(rollout.groups), [], self.position()

@@ -54,8 +54,8 @@ from colo_rl.rollout.sglang.io import expand_prompts, parse_outputs, raised_abor
 from colo_rl.rollout.sglang.memory_state import EngineMemoryState
 from colo_rl.rollout.sglang.lora import (ADAPTER_NAME, adapter_request, lora_engine_support, lora_server_kwargs,
                                          request_lora_paths)
-from colo_rl.rollout.sglang.weights import (payload_calls, prepare_flat_payload, prepare_rank_payload, update_result,
-                                            weight_session_api)
+from colo_rl.rollout.sglang.weights import (payload_calls, prepare_flat_payload, prepare_payloads, prepare_rank_payload,
+                                            update_result, weight_session_api)
 
 log = logging.getLogger("colo_rl")
 
@@ -83,8 +83,10 @@ _WRITTEN_MODEL_DIRS: set[str] = set()  # what engine_model_dir wrote: the only d
 class SGLangEngine(Engine):
     """The colo_rl engine protocol on SGLang's offline Engine (one per TP group, on its first rank).
 
-    With tp_size > 1, wrap it in colo_rl.rollout.tp_group.TPGroupEngine: every TP rank must
-    contribute a payload for its own GPU, so `load_weights` alone only serves tp_size == 1.
+    With tp_size > 1 in a colocated run, wrap it in colo_rl.rollout.tp_group.TPGroupEngine: every
+    rank of the group holds the gathered weights on its own GPU and sends its TP rank a payload
+    from there (`load_rank_payloads`). `load_weights` serves a rank that alone holds the weights
+    (a split run's generator): every TP rank reads them from this rank.
     """
 
     title = "SGLang"
@@ -152,9 +154,10 @@ class SGLangEngine(Engine):
 
         rollout, colocate = cfg.rollout, cfg.colocate
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
-        if rollout.tp_size > 1 and local_world % rollout.tp_size:
-            raise ValueError(f"rollout.tp_size={rollout.tp_size} must divide the GPUs per node ({local_world}): "
-                             "an engine's TP ranks must share a node")
+        if dist.local_rank() + rollout.tp_size > local_world:  # the placement's layouts keep TP groups in a node
+            raise ValueError(f"rollout.tp_size={rollout.tp_size} from local rank {dist.local_rank()}: the engine's TP "
+                             f"ranks need GPUs {dist.local_rank()}..{dist.local_rank() + rollout.tp_size - 1}, and this "
+                             f"node has {local_world}")
         # Checked before the engine starts: a typo fails in seconds, not after a failed launch.
         extra = validate_sglang_kwargs(_plain_dict(getattr(rollout, "sglang_kwargs", None)), api.server_args_cls)
         device = engine_device(extra)
@@ -276,10 +279,8 @@ class SGLangEngine(Engine):
 
     # ---------------------------------------------------------------- weights
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self.tp_size > 1:
-            raise RuntimeError(f"SGLangEngine.load_weights with tp_size={self.tp_size}: every TP rank must send "
-                               "its own payload; use colo_rl.rollout.tp_group.TPGroupEngine")
-        self._send_own_payload(lambda: prepare_rank_payload(named_tensors, self.api))
+        """One bucket from this rank's tensors, to every TP rank of the engine."""
+        self._send_own_payloads(lambda: prepare_payloads(named_tensors, self.tp_size, self.api))
 
     def load_flat_weights(self, buffer: torch.Tensor, named_views: list[tuple[str, torch.Tensor]]) -> bool:
         """Every weight in one call from the trainer's own flat buffer (the views' places in it),
@@ -290,15 +291,15 @@ class SGLangEngine(Engine):
         prepared = prepare_flat_payload(buffer, named_views, self.api)
         if prepared is None:
             return False
-        self._send_own_payload(lambda: prepared)  # its keepalive is the trainer's own buffer
+        self._send_own_payloads(lambda: ([prepared[0]], prepared[1]))  # keepalive: the trainer's own buffer
         return True
 
-    def _send_own_payload(self, prepare) -> None:
-        """This rank's payload (`prepare()`: payload, keepalive) as the one TP rank; the producer tensors
+    def _send_own_payloads(self, prepare) -> None:
+        """Payloads made by this rank (`prepare()`: one per TP rank, keepalive); the producer tensors
         live until SGLang has copied them, then are dropped before the IPC blocks are collected."""
-        payload, keepalive = prepare()
+        payloads, keepalive = prepare()
         try:
-            self.load_rank_payloads([payload])
+            self.load_rank_payloads(payloads)
         finally:
             del keepalive
             if torch.cuda.is_available():

@@ -149,6 +149,17 @@ def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None
     Returns (payload, keepalive). The payload is small and picklable (it can travel to the rank
     that drives the engine); `keepalive` holds the producer tensors, which must outlive the
     engine's update call (the engine maps their memory)."""
+    payloads, keepalive = prepare_payloads(named_tensors, 1, api)
+    return payloads[0], keepalive
+
+
+def prepare_payloads(named_tensors: list[tuple[str, torch.Tensor]], copies: int, api=None) -> tuple[list[dict], list]:
+    """`copies` payloads of one bucket, all from this process's tensors: one per TP rank of an engine
+    whose ranks all read from here (a split run's generator, the one rank of its TP group that
+    receives the weights; SGLang's own Engine.update_weights_from_tensor does the same). The bucket
+    is flattened once; each copy is serialized on its own, since a CPU handle (a file descriptor
+    passed through multiprocessing's resource sharer) can be fetched only once. On a GPU every TP
+    rank then copies its shard from this rank's device (peer to peer)."""
     api = api or sglang_api()
     if payload_is_cuda_ipc(named_tensors):
         ensure_reductions_patched(api)
@@ -156,7 +167,7 @@ def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None
         if api.bucket_cls is not None:
             one_call = getattr(api.bucket_cls, "supports_multi_dtypes", False)
             groups = [named_tensors] if one_call else group_by_dtype(named_tensors)
-            items, keepalive = [], []
+            keepalive = []
             for group in groups:
                 if not group:
                     continue
@@ -164,10 +175,10 @@ def prepare_rank_payload(named_tensors: list[tuple[str, torch.Tensor]], api=None
                 data = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
                 check_bucket_metadata(data["metadata"], group)
                 keepalive.append(data)
-                items.append(api.serializer.serialize(data, output_str=True))
-            return {"format": "flattened_bucket", "items": items}, keepalive
-        items = [(name, api.serializer.serialize(t.detach())) for name, t in named_tensors]
-        return {"format": "tensors", "items": items}, [t for _, t in named_tensors]
+            return [{"format": "flattened_bucket", "items": [api.serializer.serialize(data, output_str=True)
+                                                             for data in keepalive]} for _ in range(copies)], keepalive
+        return ([{"format": "tensors", "items": [(name, api.serializer.serialize(t.detach())) for name, t in named_tensors]}
+                 for _ in range(copies)], [t for _, t in named_tensors])
 
 
 # ===================================================================== zero-copy producer
