@@ -1,9 +1,10 @@
 """Split pools vs colocated on the demo's work: 2 ranks that both generate and train in turn
 (placement.mode=colocated, the default) against 1 generation rank + 1 trainer rank running at the
-same time, one step off policy (placement.mode=split, rollout.max_staleness=1), seeds 7, 8, 9.
+same time, one step off policy (placement.mode=split, rollout.max_staleness=1) and synchronous
+(rollout.max_staleness=0, the correctness baseline: no overlap), seeds 7, 8, 9.
 
-    python benchmarks/split_pools.py                           # colocated and split_k1 on seeds 7, 8, 9 (6 runs)
-    python benchmarks/split_pools.py --layouts colocated,split_k1,split_k0 --seeds 7
+    python benchmarks/split_pools.py                           # colocated, split_k1, split_k0 on seeds 7, 8, 9 (9 runs)
+    python benchmarks/split_pools.py --layouts colocated,split_k1 --seeds 7
     python benchmarks/split_pools.py --smoke                   # tiny random model, 2 steps: plumbing only
 
 Each run is `make demo` (recipes/grpo.py, the embedded model and task, 14 steps, the demo's
@@ -46,7 +47,7 @@ LAYOUTS: dict[str, tuple[list[str], str]] = {
     "split_k1": ([*SPLIT, "rollout.max_staleness=1"], "1 generation + 1 trainer rank, one step off (k = 1)"),
     "split_k0": ([*SPLIT, "rollout.max_staleness=0"], "1 generation + 1 trainer rank, synchronous (k = 0)"),
 }
-DEFAULT_LAYOUTS = ["colocated", "split_k1"]
+DEFAULT_LAYOUTS = ["colocated", "split_k1", "split_k0"]
 SHARED = ["algo.rollout_correction=tis_token", "logger=[jsonl]", "plots=false"]
 SMOKE = ["model=tiny", "trainer.total_steps=2", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
          "data.eval_size=8"]
@@ -104,7 +105,11 @@ def compare(runs: dict[str, dict], layouts: list[str]) -> dict:
     if predicted:
         out["predicted_split"] = {k: spread([p[k] for p in predicted]) for k in
                                   ("step_seconds", "generation_idle_share", "training_idle_share")}
-    colo, k1 = out["layouts"].get("colocated"), out["layouts"].get("split_k1")
+    colo, k1, k0 = (out["layouts"].get(n) for n in ("colocated", "split_k1", "split_k0"))
+    if colo and k0:
+        out["split_k0_vs_colocated"] = k0["s_per_step"]["mean"] / colo["s_per_step"]["mean"]
+    if k1 and k0:  # what the one-step-off overlap buys over the synchronous split
+        out["split_k1_vs_split_k0"] = k1["s_per_step"]["mean"] / k0["s_per_step"]["mean"]
     if colo and k1:
         out["split_k1_vs_colocated"] = k1["s_per_step"]["mean"] / colo["s_per_step"]["mean"]
         if predicted:
@@ -163,6 +168,9 @@ def table(result: dict) -> str:
                   f"{ms(k1, 'trainer_idle_share', 100, 0)} |", "",
                   f"split_k1 / colocated seconds per step: {cmp['split_k1_vs_colocated']:.2f}; measured / predicted: "
                   f"{cmp['measured_vs_predicted']:.2f}."]
+    ratios = [f"{a} / {b} seconds per step: {cmp[f'{a}_vs_{b}']:.2f}" for a, b in
+              (("split_k0", "colocated"), ("split_k1", "split_k0")) if f"{a}_vs_{b}" in cmp]
+    lines += (["", "; ".join(ratios) + "."] if ratios else [])
     lines += (["", result["note"]] if result.get("note") else [])
     return "\n".join(lines) + "\n"
 

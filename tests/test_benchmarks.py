@@ -388,12 +388,12 @@ def test_split_pools_reads_idle_shares_staleness_and_the_prediction(tmp_path):
     from colo_rl.bottleneck import bottleneck_report
 
     runs = {}
-    for layout, seed in [("colocated", 7), ("split_k1", 7), ("colocated", 8), ("split_k1", 8)]:
+    for layout, seed in [(layout, seed) for seed in (7, 8) for layout in ("colocated", "split_k1", "split_k0")]:
         _fake_demo_run(tmp_path, layout, seed, end=0.3 + seed / 100, reward=0.3)
         path = tmp_path / f"{layout}-seed{seed}" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         for r in rows[1:]:
-            r["time/step"] = 10.0
+            r["time/step"] = 15.0 if layout == "split_k0" else 10.0  # k = 0: generation and update in turn
             if layout == "colocated":  # 6 s generating, 3 s training, 1 s switching
                 r.update({"time/generation": 6.0, "time/update": 3.0, "time/phase_switch": 1.0})
             else:  # the trainer waits 2 s for each rollout, the generator 1 s for weights
@@ -411,11 +411,14 @@ def test_split_pools_reads_idle_shares_staleness_and_the_prediction(tmp_path):
     # 2 ranks measured 6 s + 3 s: 1 + 1 takes max(12, 6) = 12 s, the trainer idle half of it
     assert colo["predicted_split"]["step_seconds"] == pytest.approx(12.0)
     assert colo["predicted_split"]["training_idle_share"] == pytest.approx(0.5)
-    comparison = split_pools.compare(runs, ["colocated", "split_k1"])
+    comparison = split_pools.compare(runs, split_pools.DEFAULT_LAYOUTS)
     assert comparison["split_k1_vs_colocated"] == pytest.approx(1.0)
+    assert comparison["split_k0_vs_colocated"] == pytest.approx(1.5)
+    assert comparison["split_k1_vs_split_k0"] == pytest.approx(10.0 / 15.0)
     assert comparison["measured_vs_predicted"] == pytest.approx(10.0 / 12.0)
-    md = split_pools.table({"layouts": ["colocated", "split_k1"], "seeds": [7, 8], "shared": split_pools.SHARED,
+    md = split_pools.table({"layouts": split_pools.DEFAULT_LAYOUTS, "seeds": [7, 8], "shared": split_pools.SHARED,
                             "runs": runs, "comparison": comparison})
+    assert "split_k0 / colocated seconds per step: 1.50; split_k1 / split_k0 seconds per step: 0.67." in md
     assert "| predicted (colocated runs' report) | 12.0 (0.0) | 0 (0) | 50 (0) |" in md
     assert "| measured (split_k1) | 10.0 (0.0) | 10 (0) | 20 (0) |" in md
     assert "| split_k1 | 7 | 10.0 | 20 % | 10 % | 0 % | 0.50 / 1 | 0 | 0.20 | 0.015 | 0.370 |" in md
