@@ -99,6 +99,13 @@ def new_pool_groups(pools: list[list[int]]) -> list[Any]:
 _SINGLE: list[Any] = []
 
 
+def new_host_groups(rank_lists: list[list[int]]) -> list[Any]:
+    """Process groups over gloo whatever the job's backend, for small messages that must stay in
+    host memory (an NCCL communicator would take buffers on a GPU another process uses). Every
+    rank of the job calls it, with the same lists."""
+    return [dist.new_group(ranks, backend="gloo") for ranks in rank_lists]
+
+
 class PoolMPU:
     """DeepSpeed's `mpu` for a pool: ZeRO partitions, reduces gradients and counts its world over
     the pool's group only (split placement: the generation ranks never join the trainer's

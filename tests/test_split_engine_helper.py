@@ -22,20 +22,22 @@ def worker(out: Path, mode: str) -> None:
     from colo_rl.errors import PoolError
     from colo_rl.split.placement import SplitLayout
     from colo_rl.split.pools import EngineHelper, SplitRole
-    from colo_rl.split.wire import send_object
+    from colo_rl.split.wire import send_beat
 
     dist.init()
     layout = SplitLayout(world=2, generation=(0,), trainers=(), tp_size=2)  # the trainers play no part here
+    (group,) = dist.new_host_groups([[0, 1]])
     if dist.job_rank() == 0:
         for slot in range(BEATS):
-            send_object(slot, 1).wait()
+            send_beat(slot, 1, group).wait()
         if mode == "dies":
             os._exit(7)  # as a SIGKILLed generator: no end marker, its sockets close
-        send_object(None, 1).wait()
+        send_beat(None, 1, group).wait()
         return
     seen: dict = {}
     try:
-        seen["beats"] = EngineHelper(SplitRole(layout, generates=False, weight_group=None, helps=True)).serve()
+        seen["beats"] = EngineHelper(SplitRole(layout, generates=False, weight_group=None, helps=True,
+                                                    tp_group=group)).serve()
     except PoolError as e:
         seen["error"] = str(e)
     (out / "helper.json").write_text(json.dumps(seen))

@@ -30,7 +30,8 @@ from colo_rl.errors import PoolError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
-from colo_rl.split.wire import Pending, WeightReceiver, WeightSender, recv_object, send_object, watch_peers
+from colo_rl.split.wire import (Pending, WeightReceiver, WeightSender, recv_beat, recv_object, send_beat, send_object,
+                                watch_peers)
 from colo_rl.stop_signal import StopSignal
 
 log = logging.getLogger("colo_rl")
@@ -57,6 +58,7 @@ class SplitRole:
     generates: bool  # this rank is a generator (drives an engine)
     weight_group: Any  # the weight broadcast's process group (leader + generators)
     helps: bool = False  # this rank holds its GPU for a generator's TP engine (EngineHelper)
+    tp_group: Any = None  # with rollout.tp_size > 1: this rank's TP group, over gloo (the heartbeats)
 
 
 def enter_split(cfg, generation_ranks: int) -> SplitRole:
@@ -67,6 +69,8 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     helpers = list(layout.engine_helpers)
     gen_group, train_group, weight_group, *helper_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)] + ([helpers] if helpers else []))
+    tp_groups = dist.new_host_groups([[owner, *layout.helpers_of(owner)] for owner in layout.generation]
+                                     if helpers else [])
     watch_peers()  # a wait on the other pool ends when a rank on this node is gone (wire.wait)
     me = dist.job_rank()
     generates, helps = layout.generates(me), me in helpers
@@ -79,7 +83,9 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     else:
         dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
     dist.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
-    return SplitRole(layout, generates, weight_group, helps)
+    tp_group = next((g for owner, g in zip(layout.generation, tp_groups)
+                     if me == owner or me in layout.helpers_of(owner)), None)
+    return SplitRole(layout, generates, weight_group, helps, tp_group)
 
 
 class EngineHelper:
@@ -90,7 +96,7 @@ class EngineHelper:
     connection, and this rank stops with a PoolError naming it."""
 
     def __init__(self, role: SplitRole):
-        self.owner = role.layout.owner_of(dist.job_rank())
+        self.owner, self.group = role.layout.owner_of(dist.job_rank()), role.tp_group
 
     def serve(self) -> int:
         """Runs to the end of training; returns the heartbeats received (the generator's slots)."""
@@ -98,7 +104,7 @@ class EngineHelper:
         beats = 0
         try:
             with peer(f"generation rank {self.owner} (its engine runs on this rank's GPU)"):
-                while recv_object(self.owner) is not None:
+                while recv_beat(self.owner, self.group) is not None:
                     beats += 1
         finally:
             stop_signal.restore()
@@ -159,7 +165,7 @@ class GenerationPool:
         self.layout, self.engine, self.make_rollout = role.layout, engine, make_rollout
         self.position, self.restore = position, restore
         self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
-        self.evaluate_shard = evaluate_shard
+        self.evaluate_shard, self.tp_group = evaluate_shard, role.tp_group
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
         self.index = role.layout.generation.index(dist.job_rank())
         self.eval_seconds = 0.0  # evaluating since the last slot: not idle time
@@ -242,7 +248,7 @@ class GenerationPool:
         with peer(f"rank(s) {list(helpers)} (they hold their GPUs for this rank's engine)"):
             for p in previous:
                 p.wait()
-            beats = [send_object(slot, h) for h in helpers]
+            beats = [send_beat(slot, h, self.tp_group) for h in helpers]
             if slot is None:
                 for p in beats:
                     p.wait()

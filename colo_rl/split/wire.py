@@ -126,6 +126,21 @@ def recv_object(src: int) -> Optional[Any]:
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
+def send_beat(slot: Optional[int], dst: int, group) -> Pending:
+    """A generator's heartbeat to a rank of its TP engine (`pools.EngineHelper`) over their gloo
+    group (`dst`: the job rank): the slot just sent, or the end (None). Host memory only: the
+    helper's GPU belongs to the engine."""
+    beat = torch.tensor([-1 if slot is None else slot], dtype=torch.int64)
+    return Pending([tdist.isend(beat, dst, group=group)], [beat])
+
+
+def recv_beat(src: int, group) -> Optional[int]:
+    """The next heartbeat from job rank `src` over `group` (blocking); None at the end."""
+    beat = torch.empty(1, dtype=torch.int64)
+    tdist.recv(beat, src, group=group)
+    return None if int(beat) < 0 else int(beat)
+
+
 # ------------------------------------------------------------------ weights
 @dataclass(frozen=True)
 class Slot:
