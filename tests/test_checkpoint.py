@@ -157,6 +157,21 @@ def test_compare_configs_refuses_model_data_seeds_and_optimizer_values():
         assert len(refusals) == 1 and refusals[0].startswith(f"{key}: checkpoint"), (key, refusals)
 
 
+def test_a_split_runs_generators_cannot_change_on_resume_a_colocated_runs_may():
+    """placement.generation_ranks and rollout.tp_size decide a split run's generators, whose data
+    positions the checkpoint holds: changed, they are refused; in a colocated run, a warning."""
+    for mode, refused in (("split", True), ("colocated", False)):
+        base = config_container(RunConfig())
+        base["placement"]["mode"] = mode
+        for section, name, value in (("placement", "generation_ranks", "2"), ("rollout", "tp_size", 2)):
+            changed = json.loads(json.dumps(base))
+            changed[section][name] = value
+            refusals, warnings = compare_configs(base, changed)
+            assert (len(refusals), len(warnings)) == ((1, 0) if refused else (0, 1)), (mode, name, refusals)
+            assert (refusals or warnings)[0].startswith(f"{section}.{name}: checkpoint")
+            assert not refused or "prompts skipped or repeated" in refusals[0]
+
+
 def test_world_size_change_is_refused(tmp_path, monkeypatch):
     save_steps(tmp_path, [2])
     monkeypatch.setattr("colo_rl.checkpoint.manager.dist.job_world_size", lambda: 4)  # the job's ranks

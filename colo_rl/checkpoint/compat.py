@@ -37,8 +37,9 @@ def compare_configs(saved: dict, current: dict) -> tuple[list[str], list[str]]:
         if a == "<absent>" and key in defaults and b == defaults[key]:
             continue  # a key added since the checkpoint was written (model.lora.*), at its default: unchanged
         line = f"{key}: checkpoint {a!r}, now {b!r}"
-        if rule.refused is not None:
-            refusals.append(f"{line} ({rule.refused})")
+        refused = rule.refused if old.get("placement.mode") != "split" else rule.refused or rule.refused_in_split
+        if refused is not None:
+            refusals.append(f"{line} ({refused})")
         else:
             warnings.append(line)
     return refusals, warnings

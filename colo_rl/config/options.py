@@ -82,10 +82,12 @@ FINITE = Check(lambda v: math.isfinite(v), "must be a finite number")
 
 @dataclass(frozen=True)
 class Resume:
-    """May a run resumed from a checkpoint change this option? `refused`: why not (None: it may)."""
+    """May a run resumed from a checkpoint change this option? `refused`: why not (None: it may);
+    `refused_in_split`: why not when the checkpoint is a split run's (placement.mode=split)."""
 
     silent: bool = False
     refused: Optional[str] = None
+    refused_in_split: Optional[str] = None
 
 
 WARN = Resume()

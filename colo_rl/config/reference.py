@@ -84,6 +84,8 @@ def _read_by(rules: Rules) -> str:
 def _resume(rules: Rules) -> str:
     if rules.resume.refused:
         return f"refused ({_cell(rules.resume.refused)})"
+    if rules.resume.refused_in_split:
+        return f"warned; refused for a split run's checkpoint ({_cell(rules.resume.refused_in_split)})"
     return "yes" if rules.resume.silent else "warned"
 
 

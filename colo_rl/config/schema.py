@@ -20,8 +20,13 @@ from omegaconf import OmegaConf
 
 from colo_rl.algos import (ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
                            ROLLOUT_CORRECTIONS)
-from colo_rl.config.options import FINITE, POSITIVE_INT, SILENT, Check, ge, gt, opt, reads, refuse, within
+from colo_rl.config.options import FINITE, POSITIVE_INT, SILENT, Check, Resume, ge, gt, opt, reads, refuse, within
 from colo_rl.rollout import ENGINES
+
+# Which ranks are a split run's generators (the first of each TP group among the generation ranks):
+# each draws its own share of the prompts, and the checkpoint holds each one's data position.
+SPLIT_GENERATORS = Resume(refused_in_split="the split run's generators would change, and their saved data "
+                                           "positions would not map onto the new ones: prompts skipped or repeated")
 
 # Who reads an option (options.py: `reads`), named once for the groups of options that share it.
 ALL = reads("grpo", "sft", "dpo", "eval")
@@ -183,7 +188,7 @@ class RolloutConfig:
     eval_batch_size: int = opt(64, ALL, check=POSITIVE_INT, resume=SILENT)
     # SGLang: GPUs per engine (tensor parallel), within one node. An engine setting, so here; how the
     # engine and the trainer share each GPU is the `colocate` group.
-    tp_size: int = opt(1, ALL, check=POSITIVE_INT)
+    tp_size: int = opt(1, ALL, check=POSITIVE_INT, resume=SPLIT_GENERATORS)
     # None = trainer.seed (each rank's sampling RNG adds its rank)
     seed: Optional[int] = opt(None, ALL, resume=refuse("the saved engine sampling state was derived from the old seed"))
     # More sglang.Engine arguments (ServerArgs fields), e.g. rollout.sglang_kwargs={attention_backend:triton}
@@ -239,7 +244,8 @@ class PlacementConfig:
     # split: how many ranks (the first ones) run rollout engines, the rest train with ZeRO-3; auto =
     # the split the bottleneck report of placement.balance_from's colocated run balances best
     generation_ranks: str = opt("1", SPLIT, check=Check(lambda v: str(v) == "auto" or (str(v).isdigit() and int(v) > 0),
-                                                       "must be auto or a positive number of ranks"))
+                                                       "must be auto or a positive number of ranks"),
+                                resume=SPLIT_GENERATORS)
     # split, generation_ranks=auto: a finished colocated GRPO run of the same work (its run directory)
     balance_from: Optional[str] = opt(None, SPLIT)
     # split: the trainer sends its weights to the generation ranks every this many optimizer steps
