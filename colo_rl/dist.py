@@ -99,11 +99,13 @@ def new_pool_groups(pools: list[list[int]]) -> list[Any]:
 _SINGLE: list[Any] = []
 
 
-def new_host_groups(rank_lists: list[list[int]]) -> list[Any]:
+def new_host_groups(rank_lists: list[list[int]], timeout_minutes: float) -> list[Any]:
     """Process groups over gloo whatever the job's backend, for small messages that must stay in
-    host memory (an NCCL communicator would take buffers on a GPU another process uses). Every
-    rank of the job calls it, with the same lists."""
-    return [dist.new_group(ranks, backend="gloo") for ranks in rank_lists]
+    host memory (an NCCL communicator would take buffers on a GPU another process uses), with
+    their own timeout (gloo's default is 30 minutes). Every rank of the job calls it, with the
+    same lists."""
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    return [dist.new_group(ranks, backend="gloo", timeout=timeout) for ranks in rank_lists]
 
 
 class PoolMPU:

@@ -239,6 +239,12 @@ def model_skeleton(model_cfg):
         return AutoModelForCausalLM.from_config(model_config(model_cfg))
 
 
+def weight_bytes(model_cfg, dtype: torch.dtype) -> int:
+    """The model's weights in `dtype` (shared tensors once), from its structure alone."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in model_skeleton(model_cfg).parameters()) * size
+
+
 def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
     """HF causal LM: pretrained weights, or seeded random weights when model.random_init."""
     from transformers import AutoModelForCausalLM

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from colo_rl.models import align_special_tokens, embedded_model_dir, eos_token_ids, load_tokenizer, model_config
+from colo_rl.models import (align_special_tokens, embedded_model_dir, eos_token_ids, load_model, load_tokenizer,
+                            model_config, weight_bytes)
 from colo_rl.config import ModelConfig
 
 
@@ -45,3 +47,13 @@ def test_a_hub_id_as_model_path_says_how_to_download_it(tmp_path):
         with pytest.raises(FileNotFoundError) as e:
             resolve_model_path(path)
         assert "hub id" not in str(e.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_from_the_structure_equal_the_loaded_models(dtype):
+    """What a split generator's GPU holds back for its weight receiver (colocate/setup.py): the
+    tiny model's tied embedding counted once, as the loaded model holds it."""
+    cfg = ModelConfig(random_init=True, hidden_size=64, num_layers=2)
+    model = load_model(cfg, dtype)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes(cfg, dtype) == held > 0

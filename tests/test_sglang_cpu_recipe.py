@@ -136,22 +136,24 @@ def test_split_placement_feeds_a_tensor_parallel_sglang_generation_pool_every_ve
     generate calls, and both TP ranks read them from rank 0. With k = 0 every step trains the
     rollout of the version just sent, and the engine's log-probs equal the trainer's on it (to
     float32 rounding: a TP rank left on an older shard would be off by what a step at lr 1e-3
-    changed). Rank 1 only holds its GPU for the engine and ends with the run."""
+    changed). Rank 1 only holds its GPU for the engine and ends with the run. An SGLang whose CPU
+    engine has no TP (the GPU carry's 0.5.17) runs the same with 1 generation rank + 1 trainer."""
     sglang_cpu.require_sglang()
-    if not sglang_cpu.CPU_TENSOR_PARALLEL.get(sglang_cpu.SGLANG_VERSION, True):
-        pytest.skip(f"SGLang {sglang_cpu.SGLANG_VERSION}'s CPU engine has no tp_size > 1 (make test runs 0.5.21)")
+    tp = 2 if sglang_cpu.CPU_TENSOR_PARALLEL.get(sglang_cpu.SGLANG_VERSION, True) else 1
     proc = run_torchrun(WORKERS / "grpo_resume_worker.py",
-                        ["model=tiny", "rollout=sglang", "placement.mode=split", "placement.generation_ranks=2",
-                         "rollout.tp_size=2", "rollout.max_staleness=0", f"trainer.total_steps={STEPS}",
+                        ["model=tiny", "rollout=sglang", "placement.mode=split", f"placement.generation_ranks={tp}",
+                         f"rollout.tp_size={tp}", "rollout.max_staleness=0", f"trainer.total_steps={STEPS}",
                          "data.eval_size=8", "rollout.prompts_per_step=4", "rollout.group_size=4",
                          "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8", "trainer.lr=1e-3",
                          "reward.functions=[letter_share]", "reward.format_weight=0", "logger=[jsonl]", "plots=false",
                          "colocate.handoff_check_max_mean_abs=0.001",
                          f"rollout.sglang_kwargs={sglang_cpu.hydra_kwargs()}", f"run_dir={tmp_path}"],
-                        nproc=3, timeout=900, env={**sglang_cpu.env(), "SGLANG_CPU_OMP_THREADS_BIND": "0|1"})
+                        nproc=tp + 1, timeout=900,
+                        env={**sglang_cpu.env(), **({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {})})
     out = proc.stdout + proc.stderr
-    assert out.count("starting SGLang") == 1 and "(tp=2," in out, out  # one engine, on ranks 0 and 1
-    assert f"generation rank 1: held its GPU for rank 0's engine, {STEPS} slot(s)" in out, out
+    assert out.count("starting SGLang") == 1 and f"(tp={tp}," in out, out  # one engine, on ranks [0, tp)
+    if tp > 1:
+        assert f"generation rank 1: held its GPU for rank 0's engine, {STEPS} slot(s)" in out, out
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert "engine: sglang" in (tmp_path / "config.yaml").read_text()
     assert rows[0]["eval/count"] == rows[-1]["eval/count"] == 8  # evaluated on the generation rank

@@ -475,11 +475,20 @@ def test_one_rank_loads_every_tp_rank_of_its_engine(bucket_cls):
     """A split run's generator alone receives the weights: load_weights hands every TP rank the same
     tensors, each rank's entry serialized on its own (a CPU handle is fetched once), the bucket
     flattened once."""
-    fake = FakeNewSGLang(tp_size=2, bucket_cls=bucket_cls or FakeBucket)
-    api = fake_api(bucket_cls)
+    flattened = []
+
+    class CountedBucket(FakeBucket):  # records each flattening (a producer-side copy of the bucket)
+        def __init__(self, named_tensors=None, **kwargs):
+            super().__init__(named_tensors=named_tensors, **kwargs)
+            if named_tensors is not None:
+                flattened.append([n for n, _ in named_tensors])
+
+    fake = FakeNewSGLang(tp_size=2, bucket_cls=FakeBucket)
+    api = fake_api(bucket_cls and CountedBucket)
     engine = make_engine(fake, tp_size=2, api=api)
     FakeSerializer.output_str_calls.clear()
     engine.load_weights(bucket_of())
+    assert len(flattened) == (2 if bucket_cls else 0)  # one per dtype group, not one per TP rank
     engine.finish_weight_update()
     for r in range(2):
         assert fake.loaded[r].keys() == {n for n, _ in bucket_of()}

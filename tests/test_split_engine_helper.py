@@ -26,7 +26,7 @@ def worker(out: Path, mode: str) -> None:
 
     dist.init()
     layout = SplitLayout(world=2, generation=(0,), trainers=(), tp_size=2)  # the trainers play no part here
-    (group,) = dist.new_host_groups([[0, 1]])
+    (group,) = dist.new_host_groups([[0, 1]], timeout_minutes=2)
     if dist.job_rank() == 0:
         for slot in range(BEATS):
             send_beat(slot, 1, group).wait()
@@ -57,4 +57,6 @@ def test_helper_waits_for_its_generators_end_and_names_it_when_it_dies(tmp_path,
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    worker(Path(sys.argv[1]), sys.argv[2])
+    from colo_rl import dist
+
+    dist.run_and_exit(lambda: worker(Path(sys.argv[1]), sys.argv[2]))  # no teardown race with gloo's threads

@@ -33,6 +33,16 @@ def test_tp_groups_in_the_generation_pool_have_one_generator_each():
     assert split_layout(world=3, generation_ranks=2, tp_size=2, prompts_per_step=2).generation == (0,)
 
 
+def test_a_resume_keeps_each_generators_position_or_is_refused():
+    from colo_rl.errors import CheckpointError
+    from colo_rl.split.pools import saved_positions
+
+    assert saved_positions(None, (0, 2)) == {}  # a fresh run
+    assert saved_positions({"0": "a", "2": "b"}, (0, 2)) == {0: "a", 2: "b"}  # JSON keys are strings
+    with pytest.raises(CheckpointError, match=r"generators \[0, 1\], this run's generators are ranks \[0\]"):
+        saved_positions({"0": "a", "1": "b"}, (0,))  # 2 generators then, 1 TP engine of 2 ranks now
+
+
 @pytest.mark.parametrize("world,g,tp,prompts,keys", [
     (8, 6, 2, 4, ["rollout.prompts_per_step=4", "3 generators", "6 / 2"]),  # 3 engines on 6 ranks
     (6, 4, 2, 2, ["rollout.tp_size=2", "3 ranks per node", "generation rank 2", "span two nodes"]),

@@ -17,6 +17,7 @@ from colo_rl.colocate.paging_plan import (CUDA_GRAPH_BYTES, GIB, MemoryNeeds, Pa
                                           kv_cache_needed, micro_batch_tokens, plan_paging)
 from colo_rl.colocate.switch import PhaseSwitcher
 from colo_rl.envs import turns_end_at_strings
+from colo_rl.models import weight_bytes
 from colo_rl.phase import PhaseGuard
 from colo_rl.rollout import ENGINES
 from colo_rl.rollout.base import ALL_TAGS, RolloutEngine
@@ -140,9 +141,20 @@ def build_split_trainer(cfg, dtype: torch.dtype, run_dir: Optional[Path], total_
 
 def build_split_generator(cfg, tokenizer, dtype: torch.dtype) -> Colocated:
     """A split run's generation rank: its engine only, always awake; its weights come from the
-    trainer ranks (colo_rl/split), never from the disk."""
+    trainer ranks (colo_rl/split), never from the disk. On a GPU the engine starts while this rank
+    holds the room of the weight receiver's buffers (one copy of the weights, colo_rl/split/wire.py,
+    plus slack), so an engine that sizes its memory from what is free leaves it; freed, the block
+    stays in torch's cache, where the receiver's buffers take it."""
+    room = None
+    if torch.cuda.is_available() and ENGINES.get(cfg.rollout.engine).sizes_memory_at_start:
+        room = torch.empty(weight_bytes(cfg.model, dtype) + RECEIVER_SLACK_BYTES, dtype=torch.uint8,
+                           device=dist.device())
     engine = build_engine(cfg, tokenizer, dtype, None)
+    del room
     return Colocated(actor=None, ref=None, engine=engine, switch=NoPhases(), guard=PhaseGuard(), ledger=Ledger(None))
+
+
+RECEIVER_SLACK_BYTES = 64 << 20  # the wire buckets' alignment and header, with room to spare
 
 
 def sequence_tokens(cfg) -> int:

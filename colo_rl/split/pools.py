@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from colo_rl import dist
-from colo_rl.errors import PoolError
+from colo_rl.errors import CheckpointError, PoolError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
 from colo_rl.split.placement import SplitLayout, split_layout
@@ -52,6 +52,9 @@ def peer(who: str):
                         f"pools, so this rank stops too") from e
 
 
+HELPER_TIMEOUT_MINUTES = 7 * 24 * 60.0
+
+
 @dataclass
 class SplitRole:
     layout: SplitLayout
@@ -69,8 +72,10 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     helpers = list(layout.engine_helpers)
     gen_group, train_group, weight_group, *helper_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)] + ([helpers] if helpers else []))
+    # A helper's wait spans the whole run, its first one the generator's and the trainers' start-up:
+    # no timeout of its own (a generator that dies closes the socket; a hung job hits the others').
     tp_groups = dist.new_host_groups([[owner, *layout.helpers_of(owner)] for owner in layout.generation]
-                                     if helpers else [])
+                                     if helpers else [], timeout_minutes=HELPER_TIMEOUT_MINUTES)
     watch_peers()  # a wait on the other pool ends when a rank on this node is gone (wire.wait)
     me = dist.job_rank()
     generates, helps = layout.generates(me), me in helpers
@@ -267,6 +272,20 @@ class GenerationPool:
         return sends
 
 
+def saved_positions(positions: Optional[dict], generators: tuple[int, ...]) -> dict[int, Any]:
+    """A checkpoint's generator positions (job rank -> position; None: a fresh run) for this run's
+    generators, or a CheckpointError where they are other ranks: each generator draws its own share
+    of the prompts, so a position cannot move to another."""
+    out = {int(k): v for k, v in (positions or {}).items()}
+    if positions is not None and set(out) != set(generators):
+        raise CheckpointError(
+            f"the checkpoint holds the data positions of generators {sorted(out)}, this run's generators are ranks "
+            f"{list(generators)}: other generators would skip or repeat prompts. Resume with the checkpoint's "
+            f"placement.generation_ranks and rollout.tp_size (placement.generation_ranks=auto may have chosen another "
+            f"split)")
+    return out
+
+
 class TrainerPool:
     """The trainer ranks' side: rollouts in (the bound applied), weights out."""
 
@@ -294,7 +313,7 @@ class TrainerPool:
     def start(self, step: int = 0, positions: Optional[dict] = None) -> dict[str, float]:
         """Start the generators at `step` (0, or the step a run resumes at: `positions` as saved),
         and send them the weights of that version: their engines never read the disk's."""
-        self.version, self.positions = step, {int(k): v for k, v in (positions or {}).items()}
+        self.version, self.positions = step, saved_positions(positions, self.layout.generation)
         if dist.job_rank() == self.layout.leader:
             with peer(self.generators_named):
                 for p in [send_object(Start(step, self.positions.get(g)), g) for g in self.layout.generation]:

@@ -3,7 +3,7 @@
 Rollouts: pickled objects, generation rank -> trainer rank, point-to-point. A message is a header
 (int64: payload bytes, kind) and the payload (uint8); the generator sends without blocking
 (`isend`), so up to the queue's capacity of rollouts are in flight while it generates the next.
-Weights: the leader trainer broadcasts in buckets to the weight group (leader + generation ranks):
+Weights: the leader trainer broadcasts in buckets to the weight group (leader + generators):
 an int64 header (version, stop, evaluate), then each bucket as one flat uint8 buffer. A generation rank
 posts its receives ahead (async) and looks between generate calls whether they completed, so
 its engine switches version only between generate calls.
@@ -205,8 +205,8 @@ class WeightSender:
             tdist.broadcast_object_list([self.buckets], src=leader, group=group)
 
     def send(self, version: int, stop: bool, evaluate: bool = False) -> dict[str, float]:
-        """Weights of `version` to every generation rank (`stop`: the last send, the run ends;
-        `evaluate`: the generation ranks evaluate these weights on the held-out set)."""
+        """Weights of `version` to every generator (`stop`: the last send, the run ends;
+        `evaluate`: the generators evaluate these weights on the held-out set)."""
         t0, sent = time.perf_counter(), 0
         if self.is_leader:
             wait([tdist.broadcast(on_wire(torch.tensor([version, int(stop), int(evaluate)], dtype=torch.int64)),
