@@ -88,8 +88,7 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     else:
         dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
     dist.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
-    tp_group = next((g for owner, g in zip(layout.generation, tp_groups)
-                     if me == owner or me in layout.helpers_of(owner)), None)
+    tp_group = dict(zip(layout.generation, tp_groups)).get(layout.owner_of(me))  # None: a trainer, or tp_size 1
     return SplitRole(layout, generates, weight_group, helps, tp_group)
 
 
