@@ -33,7 +33,10 @@ def test_garbage_existing_at_the_freeze_is_collected_not_frozen():
     del cycle
     out = freeze_collector()
     assert ref() is None  # collected before freezing: a frozen cycle would never be freed
-    assert out["frozen_objects"] == gc.get_freeze_count() > 0
+    # a frozen object can still be freed by reference counting (another thread of the pytest
+    # process may drop one right after the freeze), so the count can only have shrunk a little
+    assert 0 < gc.get_freeze_count() <= out["frozen_objects"]
+    assert gc.get_freeze_count() > 0.99 * out["frozen_objects"]
 
 
 def test_a_tensor_holding_cycle_created_after_the_freeze_is_collected():
