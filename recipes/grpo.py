@@ -38,7 +38,8 @@ from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.batch_metrics import batch_metrics
 from colo_rl.rollout.multiturn import MultiTurnRollout, generate_completions, policy_texts
 from colo_rl.samples import Rollout, groups_of
-from colo_rl.split.pools import EngineHelper, GenerationPool, TrainerPool, enter_split
+from colo_rl.split.pools import GenerationPool, TrainerPool
+from colo_rl.split.roles import EngineHelper, enter_split
 from colo_rl.split.position import generator_position, restore_generator_position
 from colo_rl.train.adapters import EngineWeights
 from colo_rl.train.batch import agreed_micro_batches

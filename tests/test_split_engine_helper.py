@@ -21,7 +21,7 @@ def worker(out: Path, mode: str) -> None:
     from colo_rl import dist
     from colo_rl.errors import PoolError
     from colo_rl.split.placement import SplitLayout
-    from colo_rl.split.pools import EngineHelper, SplitRole
+    from colo_rl.split.roles import EngineHelper, SplitRole
     from colo_rl.split.wire import send_beat
 
     dist.init()

@@ -14,7 +14,7 @@ import pytest
 
 from colo_rl import loop
 from colo_rl.samples import Group, Rollout
-from colo_rl.split import pools
+from colo_rl.split import pools, roles
 from colo_rl.split.placement import split_layout
 
 
@@ -78,7 +78,7 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
     monkeypatch.setattr(pools, "WeightSender", Sender)
     cfg = SimpleNamespace(rollout=SimpleNamespace(max_staleness=k, staleness_policy=policy),
                           placement=SimpleNamespace(sync_every=sync_every), colocate=SimpleNamespace(handoff_bucket_mb=1))
-    role = pools.SplitRole(split_layout(2, 1, 1, 2), generates=True, weight_group=None)
+    role = roles.SplitRole(split_layout(2, 1, 1, 2), generates=True, weight_group=None)
     engine = SimpleNamespace(version=-1)
     made = []
 

@@ -144,7 +144,7 @@ def test_split_config_refusals_name_the_keys(changes, words):
 def test_a_dead_peer_becomes_one_error_naming_the_rank_and_the_pool():
     from colo_rl.errors import PoolError
     from colo_rl.runtime import CLEAN_ERRORS
-    from colo_rl.split.pools import peer
+    from colo_rl.split.roles import peer
 
     with pytest.raises(PoolError, match=r"generation rank 0 \(the generation pool\) stopped answering "
                                         r"\(\[pair.cc:598\] Connection closed by peer\)"):

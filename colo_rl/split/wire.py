@@ -127,7 +127,7 @@ def recv_object(src: int) -> Optional[Any]:
 
 
 def send_beat(slot: Optional[int], dst: int, group) -> Pending:
-    """A generator's heartbeat to a rank of its TP engine (`pools.EngineHelper`) over their gloo
+    """A generator's heartbeat to a rank of its TP engine (`roles.EngineHelper`) over their gloo
     group (`dst`: the job rank): the slot just sent, or the end (None). Host memory only: the
     helper's GPU belongs to the engine."""
     beat = torch.tensor([-1 if slot is None else slot], dtype=torch.int64)
