@@ -5,7 +5,8 @@ detokenizer, torchrun's ranks) find the test shims in tests/sglang_cpu_shims/ (t
 operator schemas, a pure-torch sgl_kernel stand-in) and run SGLang's CPU engine
 (SGLANG_USE_CPU_ENGINE=1). `SGLANG_KWARGS` is what rollout.sglang_kwargs needs on CPU.
 
-These tests are part of `make test` (the Makefile installs SGLang's CPU stack first): when SGLang
+These tests run in `make test` (tests/test_sglang_cpu.py) and `make test-sglang-e2e` (the recipe
+and embedded-model files; CI runs both). The Makefile installs SGLang's CPU stack first: when SGLang
 is missing they fail, naming the install step, rather than skip.
 """
 
@@ -49,7 +50,7 @@ def env() -> dict[str, str]:
 
 
 def require_sglang() -> None:
-    """Fail (not skip): these tests are part of make test. (A CUDA machine runs SGLang on its GPU
+    """Fail (not skip): these tests are part of make test and CI. (A CUDA machine runs SGLang on its GPU
     instead: tests/test_gpu.py, `make gpu-check`; the Makefile installs the CPU stack only without CUDA.)"""
     import torch
 
