@@ -19,7 +19,8 @@ group_size))); on a CPU all of it is host time.
 
 Runs per root: its defaults; the same with trainer.micro_batch_size=64 (and, for roots with token
 micro-batches, trainer.micro_batch_tokens=65536): the step as one micro-batch; for roots that know them, trainer.zero_leaf_modules=false
-and algo.log_entropy=false (what each part saves); ZeRO-0 on the last root (no partitioning
+and algo.log_entropy=false (what each part saves), trainer.zero_memory_efficient_linear=on
+(DeepSpeed's ZeRO-3 linear, the default before 2026-11-27); ZeRO-0 on the last root (no partitioning
 hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded SmolLM2-135M, its
 defaults) per root. Ratios are within this run, on this machine.
 """
@@ -62,6 +63,9 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
                          "overrides": ["trainer.zero_leaf_modules=false"]})
             runs.append({"root": label, "work": "deep_narrow", "variant": "entropy not logged",
                          "overrides": ["algo.log_entropy=false"]})
+        if knows_option(root, "zero_memory_efficient_linear"):  # off by default since 2026-11-27
+            runs.append({"root": label, "work": "deep_narrow", "variant": "DeepSpeed's linear",
+                         "overrides": ["trainer.zero_memory_efficient_linear=on"]})
     last = roots[-1][0]
     runs.append({"root": last, "work": "deep_narrow", "variant": "ZeRO-0 (reference)",
                  "overrides": ["trainer.zero_stage=0"]})
@@ -128,10 +132,13 @@ def root_commit(root: Path) -> str:
         return "?"
 
 
-def knows_options(root: Path) -> bool:
+def knows_option(root: Path, name: str) -> bool:
     schema = root / "colo_rl" / "config" / "schema.py"
-    text = schema.read_text() if schema.exists() else ""
-    return all(o.split(".")[1] in text for o in NEW_ONLY)
+    return schema.exists() and name in schema.read_text()
+
+
+def knows_options(root: Path) -> bool:
+    return all(knows_option(root, o.split(".")[1]) for o in NEW_ONLY)
 
 
 def markdown(result: dict) -> str:

@@ -90,7 +90,8 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
 
 def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     """`update_mfu.py --zero KEY=VALUE` (the mfupersist stage): the persistence thresholds make every
-    parameter persistent in the actor it builds, and bad input is refused."""
+    parameter persistent in the actor it builds, and bad input is refused; `--linear on` and
+    `--checkpointing` (mfumel, mfuckpt) reach it too."""
     import argparse
 
     from benchmarks.gpu.update_mfu import MODEL_DRY, build, zero_override, zero_settings
@@ -102,11 +103,15 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
             zero_override(bad)
     dist.init()
     args = argparse.Namespace(dry_run=True, attn="sdpa", leaf=True, sequences=4, group_size=2, prompt_len=6,
-                              response_len=8, groups_per_micro_batch=1)
-    persistent = []
+                              response_len=8, groups_per_micro_batch=1, linear="auto", checkpointing=False)
+    persistent, linear, checkpointing = [], [], []
     for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
         with zero_settings(overrides):
             actor, _, _ = build(args, MODEL_DRY, tmp_path / f"model{len(overrides)}")
         params = list(actor.module.parameters())
         persistent.append(sum(bool(p.ds_persist) for p in params) / len(params))
+        linear.append(actor.memory_efficient_linear)
+        checkpointing.append(actor.module.is_gradient_checkpointing)
+        args.linear, args.checkpointing = "on", True  # the mfumel / mfuckpt stages' options, on the second
     assert persistent[0] < 1.0 and persistent[1] == 1.0
+    assert linear == [False, True] and checkpointing == [False, True]

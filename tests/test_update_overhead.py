@@ -46,6 +46,52 @@ def test_leaf_modules_train_the_same_weights_paged_or_not(reports):
 
 
 @pytest.mark.slow
+def test_autograds_linear_trains_the_same_weights_and_keeps_what_it_says(reports):
+    """trainer.zero_memory_efficient_linear: DeepSpeed's ZeRO-3 linear (on) and autograd's (off) give
+    the same gradients and weights (2 ranks); off keeps the gathered linear weights for the
+    backward, exactly the bytes `held_weight_bytes` charges it beyond each rank's partition; auto
+    picks off for a model that small; off after on undoes DeepSpeed's process-wide F.linear."""
+    for rep in reports:
+        lin = rep["linear"]
+        assert lin["settings"] == [True, False, False] and lin["deepspeed_linear"] == [True, False, False], lin
+        assert lin["grad_max_diff"] <= 1e-5 * lin["grad_max_abs"], lin
+        ws = lin["world_size"]
+        gathered = lin["saved_bytes_off"] - lin["saved_bytes_on"]
+        assert gathered == pytest.approx(lin["held_bytes"] * ws / (ws - 1), rel=0.02), lin
+    assert reports[0]["linear"]["weights_max_diff"] <= 1e-5, reports[0]["linear"]
+    assert reports[0]["linear"]["weights_auto_vs_off"] == 0.0, reports[0]["linear"]
+
+
+def test_memory_efficient_linear_auto_follows_the_held_bytes():
+    from colo_rl.train.ds_config import HELD_WEIGHTS_LIMIT, held_weight_bytes, set_zero3_linear
+
+    model = load_model(ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"), torch.float32)
+    linears = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+                  and m.weight is not model.get_input_embeddings().weight) + model.get_input_embeddings().weight.numel()
+    assert held_weight_bytes(model, 1, 2) == 0  # world size 1: a gathered weight is its partition
+    assert held_weight_bytes(model, 8, 2) == linears * 2 * 7 // 8  # the tied LM head counted once
+    for mode, held, expected in [("auto", 0, False), ("auto", HELD_WEIGHTS_LIMIT, False),
+                                 ("auto", HELD_WEIGHTS_LIMIT + 1, True), ("on", 0, True), ("off", 10 * HELD_WEIGHTS_LIMIT, False)]:
+        cfg = {"zero_optimization": {"stage": 3}}
+        assert set_zero3_linear(cfg, mode, held) is expected
+        assert cfg["zero_optimization"]["memory_efficient_linear"] is expected
+    other = {"zero_optimization": {"stage": 2}}
+    assert set_zero3_linear(other, "off", 0) is None and "memory_efficient_linear" not in other["zero_optimization"]
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_the_same_weights_under_zero3_leaf_modules(reports):
+    """model.gradient_checkpointing (non-reentrant; each decoder layer, a ZeRO-3 leaf module, is
+    fetched again for its recomputed forward inside the backward): the gradients and weights of two
+    steps on 2 ranks equal those without it, to float32 rounding."""
+    for rep in reports:
+        ck = rep["checkpointing"]
+        assert ck["on"] == [False, True] and ck["layer_forwards"] == [4, 8], ck  # 4 micro-batches, recomputed
+        assert ck["grad_max_diff"] <= 1e-5 * ck["grad_max_abs"], ck
+    assert reports[0]["checkpointing"]["weights_max_diff"] <= 1e-5, reports[0]["checkpointing"]
+
+
+@pytest.mark.slow
 def test_chunked_lm_head_gives_the_whole_logits_results_under_zero3(reports):
     """2 ranks, ZeRO-3 partitioning the tied LM head / embedding: the LM head's chunked log-softmax
     (train/lm_head.py) and the whole-logits path give the same log-probs, entropies, gradients (a
@@ -83,12 +129,16 @@ def test_host_floats_reads_every_tensor_at_once():
 def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
     from benchmarks.update_overhead import summarise, variants
 
-    runs = variants([("old", tmp_path), ("new", tmp_path)], {"old": False, "new": True}, demo_steps=2)
+    schema = tmp_path / "new" / "colo_rl" / "config" / "schema.py"
+    schema.parent.mkdir(parents=True)
+    schema.write_text("zero_leaf_modules log_entropy zero_memory_efficient_linear")
+    runs = variants([("old", tmp_path / "old"), ("new", tmp_path / "new")], {"old": False, "new": True}, demo_steps=2)
     old = [r for r in runs if r["root"] == "old"]
-    assert not any(k in o for k in ("zero_leaf_modules", "log_entropy", "micro_batch_tokens")
+    assert not any(k in o for k in ("zero_leaf_modules", "log_entropy", "micro_batch_tokens", "memory_efficient_linear")
                    for r in old for o in r["overrides"])
     assert [r["variant"] for r in runs if r["root"] == "new" and r["work"] == "deep_narrow"] == [
-        "default", "one micro-batch", "leaf modules off", "entropy not logged", "ZeRO-0 (reference)"]
+        "default", "one micro-batch", "leaf modules off", "entropy not logged", "DeepSpeed's linear",
+        "ZeRO-0 (reference)"]
     assert [r["root"] for r in runs if r["work"] == "demo"] == ["old", "new"]
     rows = [{"time/update": t, "time/step": 2 * t} for t in (9.0, 1.0, 3.0, 2.0)]
     # the first step is dropped; micro-batches from c28839b's rule when not logged: 8 groups of 8, 2 per batch

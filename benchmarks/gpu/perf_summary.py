@@ -34,7 +34,9 @@ MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa,
             "update_mfu_flex": "flex_attention, leaf modules on",
             "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
             "update_mfu_persist": "sdpa, leaf modules on, every parameter persistent (no ZeRO-3 fetch)",
-            "update_mfu_flex_mb4": "flex_attention, leaf modules on, 4 micro-batches of 4 rows"}
+            "update_mfu_flex_mb4": "flex_attention, leaf modules on, 4 micro-batches of 4 rows",
+            "update_mfu_ds_linear": "sdpa, leaf modules on, DeepSpeed's memory-efficient linear",
+            "update_mfu_ckpt_mb16": "flex_attention, gradient checkpointing, 1 micro-batch of 16 rows"}
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
 
 

@@ -116,6 +116,8 @@ def build(args, dims: dict, model_dir: Path):
     cfg.model = ModelConfig(path=str(model_dir), dtype="fp32" if args.dry_run else "bf16", random_init=True,
                             attn_implementation=args.attn)
     cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.trainer.lr = 3, args.leaf, 1e-6
+    cfg.trainer.zero_memory_efficient_linear = args.linear
+    cfg.model.gradient_checkpointing = args.checkpointing
     groups = args.sequences // args.group_size
     n_micro = -(-groups // args.groups_per_micro_batch)
     actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=n_micro)
@@ -181,6 +183,10 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
                    help="trainer.zero_leaf_modules (true/false)")
+    p.add_argument("--linear", default="auto", choices=["auto", "on", "off"],
+                   help="trainer.zero_memory_efficient_linear (DeepSpeed's ZeRO-3 linear: on; autograd's: off)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="model.gradient_checkpointing: activations recomputed, so far larger micro-batches fit")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_override,
                    help="a zero_optimization setting over colo_rl's (repeatable), e.g. "
                         "stage3_param_persistence_threshold=1e12: every parameter persistent")
@@ -208,6 +214,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="update_mfu-") as tmp:
         with zero_settings(args.zero):
             actor, mbs, groups = build(args, dims, Path(tmp) / "model")
+        linear_on = bool(actor.memory_efficient_linear)
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
         one_update(actor, mbs, n_tok)  # warm-up: DeepSpeed's buffers, kernels' autotuning, compile
         sync()
@@ -234,6 +241,7 @@ def main(argv=None) -> int:
     result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
               "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
+              "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
               "update_seconds": seconds, "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
@@ -243,7 +251,9 @@ def main(argv=None) -> int:
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
         f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
         f"{args.prompt_len}-token prompt), {len(mbs)} micro-batches, attention {args.attn}, "
-        f"leaf modules {'on' if args.leaf else 'off'}"
+        f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
+        f"{'on' if linear_on else 'off'} (--linear {args.linear})"
+        f"{', gradient checkpointing' if args.checkpointing else ''}"
         f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
         "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
         f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "

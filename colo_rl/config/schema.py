@@ -352,6 +352,10 @@ class TrainerConfig:
     # ZeRO-3: fetch, release and hook each decoder layer as one unit (DeepSpeed leaf modules), not
     # every linear / norm inside it: ~40 % less host time per micro-batch, the same gradients.
     zero_leaf_modules: bool = opt(True, ALL)
+    # ZeRO-3's memory-efficient linear (DeepSpeed replaces F.linear by a Python autograd function so a
+    # released weight is not kept for the backward). auto = off where autograd's own linear keeps at most
+    # 1 GiB more per rank (world size 1: none; small models): ~10-20 % less host time per micro-batch.
+    zero_memory_efficient_linear: str = opt("auto", ALL, choices=("auto", "on", "off"), resume=SILENT)
     lr: float = opt(1e-5, TRAINING, check=gt(0),  # the optimizer's (AdamW) peak learning rate
                     resume=refuse("the restored optimizer and scheduler state would silently keep the old value"))
     # constant | cosine (both after linear warm-up)

@@ -80,6 +80,46 @@ def set_zero3_leaf_modules(ds_config: dict, model: torch.nn.Module) -> list[str]
     return []
 
 
+# ZeRO-3's memory-efficient linear (trainer.zero_memory_efficient_linear=auto) is turned off where
+# autograd's own linear would keep at most this many more bytes per rank.
+HELD_WEIGHTS_LIMIT = 1 << 30
+
+
+def held_weight_bytes(model: torch.nn.Module, world_size: int, dtype_bytes: int) -> int:
+    """What autograd's own linear keeps alive under ZeRO-3, per rank, from a layer's forward to its
+    backward: its saved `weight.t()` views hold the gathered weights, which ZeRO-3 would otherwise
+    release after the forward. That is every linear weight (the tied LM head counted once) less this
+    rank's partition of it: nothing at world size 1, where a gathered weight is its partition."""
+    weights = {id(m.weight): getattr(m.weight, "ds_numel", m.weight.numel())  # ds_numel: once partitioned
+               for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return sum(weights.values()) * dtype_bytes * (world_size - 1) // max(1, world_size)
+
+
+def set_zero3_linear(ds_config: dict, mode: str, held_bytes: int) -> Optional[bool]:
+    """zero_optimization.memory_efficient_linear from trainer.zero_memory_efficient_linear.
+
+    DeepSpeed's memory-efficient linear (its default) replaces torch.nn.functional.linear, process
+    wide, by LinearFunctionForZeroStage3: a Python autograd function that saves the weight
+    Parameter, not a view of its gathered data, so ZeRO-3 can release the weight after the forward
+    and gather it again for the backward. It costs two Python calls per linear per micro-batch
+    (~10-20 % of a micro-batch's host time at SmolLM2's depth, docs/update_overhead.md). auto turns
+    it off where the memory it saves (`held_bytes`, from `held_weight_bytes`) is at most
+    HELD_WEIGHTS_LIMIT. Off also undoes DeepSpeed's replacement if an earlier engine of this process
+    made it: the replacement is global, and the actor and its reference choose alike (same model,
+    same world). Returns the setting (None: not ZeRO-3, left alone)."""
+    if ds_config["zero_optimization"].get("stage") != 3:
+        return None
+    efficient = mode == "on" or (mode == "auto" and held_bytes > HELD_WEIGHTS_LIMIT)
+    ds_config["zero_optimization"]["memory_efficient_linear"] = efficient
+    if not efficient:
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+        original = getattr(patcher, "linear_bk", None)  # what DeepSpeed replaced, if it did
+        if original is not None and torch.nn.functional.linear is not original:
+            torch.nn.functional.linear = original
+    return efficient
+
+
 # DeepSpeed optimizer types that resolve to its FusedAdam (the only optimizer whose ZeRO-3 states
 # `engine.offload_states` can move, DeepSpeed 0.19: stage3.py asserts it).
 _FUSED_ADAM_TYPES = ("adam", "adamw")

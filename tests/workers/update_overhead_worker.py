@@ -16,6 +16,7 @@ asserts about the update's host-side costs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import sys
@@ -51,24 +52,36 @@ def full_grads(actor) -> dict:
     return {n: safe_get_full_grad(p).detach().clone() for n, p in actor.module.named_parameters()}
 
 
+def two_steps(actor, paged: bool = False, saved: list | None = None) -> tuple[dict, dict]:
+    """Two optimizer steps of two micro-batches each (gradient accumulation across leaf-module
+    fetches): the first step's full gradients and the weights after both. paged: DeepSpeed's
+    offload_states / reload_states before each step, as colocate.paging=on on a GPU. saved: gets
+    the tensors autograd saves in the first forward."""
+    actor.pages = paged
+    for step in range(2):
+        if paged:
+            actor.offload_states()
+            actor.reload_states()
+        for j in range(2):
+            b = scripted_batch(2 * step + j)
+            keep = saved if step == j == 0 and saved is not None else None
+            hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: keep.append(t) or t, lambda t: t)
+                     if keep is not None else contextlib.nullcontext())
+            with hooks:
+                lp, _ = actor.response_logprobs(b)
+            actor.backward(-(lp * b.response_mask).sum() / (16.0 * dist.world_size()), last_micro_batch=j == 1)
+        if step == 0:
+            grads = full_grads(actor)
+        actor.step()
+    return grads, actor.full_state_dict_on_rank0() or {}
+
+
 def trained_weights(leaf: bool, paged: bool) -> tuple[dict, int, dict]:
     actor = DeepSpeedActor(tiny_cfg(zero_leaf_modules=leaf), torch.float32, total_steps=4, grad_accum=2)
     from deepspeed.utils.z3_leaf_module import get_z3_leaf_modules
 
     leaves = len(get_z3_leaf_modules(actor.module))
-    actor.pages = paged  # as colocate.paging=on: DeepSpeed's offload_states / reload_states, as on a GPU
-    for step in range(2):
-        if paged:
-            actor.offload_states()
-            actor.reload_states()
-        for j in range(2):  # two micro-batches: gradient accumulation across leaf-module fetches
-            b = scripted_batch(2 * step + j)
-            lp, _ = actor.response_logprobs(b)
-            actor.backward(-(lp * b.response_mask).sum() / (16.0 * dist.world_size()), last_micro_batch=j == 1)
-        if step == 0:
-            grads = full_grads(actor)
-        actor.step()
-    weights = actor.full_state_dict_on_rank0() or {}
+    grads, weights = two_steps(actor, paged=paged)
     return weights, leaves, grads
 
 
@@ -83,6 +96,69 @@ def leaf_report() -> dict:
             "max_change_from_init": diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
             "grad_max_diff": diff(leaf_grads, base_grads), "grad_max_abs": max(float(g.abs().max())
                                                                                for g in base_grads.values())}
+
+
+# ---------------------------------------------------------------------------------------- ZeRO-3 linear
+def saved_storage_bytes(saved: list) -> int:
+    """The bytes of the distinct storages behind autograd's saved tensors, read after the steps:
+    what a released weight's Parameter holds then is its empty placeholder."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}.values())
+
+
+def trained_with_linear(mode: str) -> dict:
+    """two_steps with trainer.zero_memory_efficient_linear=`mode`, and which
+    torch.nn.functional.linear ran."""
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from colo_rl.train.ds_config import held_weight_bytes
+
+    actor = DeepSpeedActor(tiny_cfg(zero_memory_efficient_linear=mode), torch.float32, total_steps=4, grad_accum=2)
+    out = {"setting": actor.memory_efficient_linear,
+           "deepspeed_linear": torch.nn.functional.linear is zero3_linear_wrap,
+           "held_bytes": held_weight_bytes(actor.module, dist.world_size(), 4)}
+    saved = []
+    out["grads"], out["weights"] = two_steps(actor, saved=saved)
+    out["saved_bytes"] = saved_storage_bytes(saved)
+    return out
+
+
+def linear_report() -> dict:
+    """trainer.zero_memory_efficient_linear on (DeepSpeed's linear) against off (autograd's), and
+    auto (this tiny model keeps ~6 MB: off), in that order: off after on must undo DeepSpeed's
+    process-wide replacement of F.linear."""
+    on, off, auto = (trained_with_linear(m) for m in ("on", "off", "auto"))
+    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
+    return {"settings": [on["setting"], off["setting"], auto["setting"]],
+            "deepspeed_linear": [on["deepspeed_linear"], off["deepspeed_linear"], auto["deepspeed_linear"]],
+            "saved_bytes_on": on["saved_bytes"], "saved_bytes_off": off["saved_bytes"],
+            "held_bytes": off["held_bytes"], "world_size": dist.world_size(),
+            "grad_max_diff": diff(off["grads"], on["grads"]),
+            "grad_max_abs": max(float(g.abs().max()) for g in on["grads"].values()),
+            "weights_max_diff": diff(off["weights"], on["weights"]),
+            "weights_auto_vs_off": diff(auto["weights"], off["weights"])}
+
+
+# ---------------------------------------------------------------------------------------- checkpointing
+def trained_checkpointed(checkpointing: bool) -> dict:
+    """Two steps of two micro-batches with model.gradient_checkpointing (non-reentrant: each decoder
+    layer's forward is recomputed in the backward, where ZeRO-3's hooks fetch and release it again)."""
+    cfg = tiny_cfg()
+    cfg.model.gradient_checkpointing = checkpointing
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4, grad_accum=2)
+    calls = []  # the first decoder layer's MLP forwards: twice per micro-batch when recomputed
+    actor.module.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    grads, weights = two_steps(actor)
+    return {"on": bool(actor.module.is_gradient_checkpointing), "layer_forwards": len(calls), "grads": grads,
+            "weights": weights}
+
+
+def checkpointing_report() -> dict:
+    plain, ckpt = trained_checkpointed(False), trained_checkpointed(True)
+    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
+    return {"on": [plain["on"], ckpt["on"]], "layer_forwards": [plain["layer_forwards"], ckpt["layer_forwards"]],
+            "grad_max_diff": diff(ckpt["grads"], plain["grads"]),
+            "grad_max_abs": max(float(g.abs().max()) for g in plain["grads"].values()),
+            "weights_max_diff": diff(ckpt["weights"], plain["weights"])}
 
 
 # ---------------------------------------------------------------------------------------- host reads
@@ -200,7 +276,8 @@ def fused_head_report() -> dict:
 def main() -> int:
     dist.init()
     out_prefix = sys.argv[1]
-    report = {"leaf": leaf_report(), "fused_head": fused_head_report(),
+    report = {"leaf": leaf_report(), "fused_head": fused_head_report(), "linear": linear_report(),
+              "checkpointing": checkpointing_report(),
               "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
               | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)}}
     Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
