@@ -47,6 +47,7 @@ TITLES = {
     "split_pools": "Placement: colocated vs split pools (1 generation + 1 trainer rank), the demo's work",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",
     "update_overhead_demo": "Update overhead: the demo's update seconds per step, before / after",
+    "host_overhead": "Host overhead: the update's host time per micro-batch, arithmetic negligible, by ZeRO-3 setting",
     "packed_attention_memory": "Packed-row attention: peak memory of an 8k-token row, dense mask vs FlexAttention",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
     "step_breakdown_hf": "Step breakdown, GRPO with the HF engine (GPU, same work)",

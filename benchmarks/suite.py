@@ -41,6 +41,8 @@ PRESETS = {
         "update_overhead": ["benchmarks/update_overhead.py", "--base-commit", "c28839b", "--root", "new=.",
                             "--demo-steps", "3"],
         "packed_attention_memory": ["benchmarks/packed_attention_memory.py"],  # ~1 min
+        # the host's cost per micro-batch with negligible arithmetic, by ZeRO-3 setting (~8 min)
+        "host_overhead": ["benchmarks/host_overhead.py"],
         # the demo once per estimator / loss and grpo on 3 seeds: about 85 minutes of the suite's time
         "algorithms": ["benchmarks/algorithms.py"],
     },
@@ -56,6 +58,8 @@ PRESETS = {
                        "--prompts", "2", "--repeats", "1"],
         "algorithms": ["benchmarks/algorithms.py", "--smoke", "--variants", "grpo,gspo", "--seeds", "7"],
         "update_overhead": ["benchmarks/update_overhead.py", "--layers", "2", "--steps", "2"],
+        "host_overhead": ["benchmarks/host_overhead.py", "--rounds", "1", "--updates", "1", "--warmup", "1",
+                          "--variants", "default"],
     },
     "gpu": {
         "race_trl": ["benchmarks/race_trl.py", "--steps", "8", "--skip", "2"],
@@ -77,7 +81,7 @@ def plan(preset: str, only: list[str] | None, out: Path = common.RESULTS) -> lis
             continue
         argv = list(argv) + ["--out", str(out)]
         if name in ("step_breakdown", "handoff", "race_trl", "tool_turns", "update_overhead",
-                    "packed_attention_memory"):
+                    "packed_attention_memory", "host_overhead"):
             argv.append("--no-readme")  # the suite writes the README once at the end
         steps.append((name, argv))
     return steps

@@ -103,7 +103,8 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
             zero_override(bad)
     dist.init()
     args = argparse.Namespace(dry_run=True, attn="sdpa", leaf=True, sequences=4, group_size=2, prompt_len=6,
-                              response_len=8, groups_per_micro_batch=1, linear="auto", checkpointing=False)
+                              response_len=8, groups_per_micro_batch=1, linear="auto", checkpointing=False,
+                              zero_stage=3)
     persistent, linear, checkpointing = [], [], []
     for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
         with zero_settings(overrides):

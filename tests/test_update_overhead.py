@@ -71,7 +71,8 @@ def test_memory_efficient_linear_auto_follows_the_held_bytes():
     assert held_weight_bytes(model, 1, 2) == 0  # world size 1: a gathered weight is its partition
     assert held_weight_bytes(model, 8, 2) == linears * 2 * 7 // 8  # the tied LM head counted once
     for mode, held, expected in [("auto", 0, False), ("auto", HELD_WEIGHTS_LIMIT, False),
-                                 ("auto", HELD_WEIGHTS_LIMIT + 1, True), ("on", 0, True), ("off", 10 * HELD_WEIGHTS_LIMIT, False)]:
+                                 ("auto", HELD_WEIGHTS_LIMIT + 1, True), ("on", 0, True),
+                                 ("off", 10 * HELD_WEIGHTS_LIMIT, False)]:
         cfg = {"zero_optimization": {"stage": 3}}
         assert set_zero3_linear(cfg, mode, held) is expected
         assert cfg["zero_optimization"]["memory_efficient_linear"] is expected
@@ -145,3 +146,19 @@ def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
     got = summarise(rows, 1, ["trainer.micro_batch_size=16"])
     assert got["update_s_median"] == 2.0 and got["micro_batches"] == 4 and got["ms_per_micro_batch"] == 500.0
     assert summarise([{**r, "train/micro_batches": 1.0} for r in rows], 1, [])["micro_batches"] == 1.0
+
+
+def test_host_overhead_benchmark_runs_each_variant_as_set(tmp_path):
+    """benchmarks/host_overhead.py: one round, one update per variant; each process ran the linear its
+    variant names, and the table has a row per variant."""
+    from benchmarks import host_overhead
+
+    assert host_overhead.main(["--rounds", "1", "--updates", "1", "--warmup", "1", "--out", str(tmp_path),
+                               "--variants", "default,DeepSpeed's linear", "--no-readme"]) == 0
+    result = read_json(next(tmp_path.glob("host_overhead-*.json")))
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["default"]["memory_efficient_linear"] is False  # auto at world size 1
+    assert rows["DeepSpeed's linear"]["memory_efficient_linear"] is True
+    assert all(r["micro_batches"] == 4 and r["ms_per_micro_batch"] > 0 for r in rows.values())
+    md = next(tmp_path.glob("host_overhead-*.md")).read_text()
+    assert "| DeepSpeed's linear | on |" in md and "| default | off |" in md

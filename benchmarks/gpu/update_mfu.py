@@ -115,7 +115,7 @@ def build(args, dims: dict, model_dir: Path):
     cfg = RunConfig()
     cfg.model = ModelConfig(path=str(model_dir), dtype="fp32" if args.dry_run else "bf16", random_init=True,
                             attn_implementation=args.attn)
-    cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.trainer.lr = 3, args.leaf, 1e-6
+    cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.trainer.lr = args.zero_stage, args.leaf, 1e-6
     cfg.trainer.zero_memory_efficient_linear = args.linear
     cfg.model.gradient_checkpointing = args.checkpointing
     groups = args.sequences // args.group_size
@@ -183,6 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
                    help="trainer.zero_leaf_modules (true/false)")
+    p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="trainer.zero_stage")
     p.add_argument("--linear", default="auto", choices=["auto", "on", "off"],
                    help="trainer.zero_memory_efficient_linear (DeepSpeed's ZeRO-3 linear: on; autograd's: off)")
     p.add_argument("--checkpointing", action="store_true",
