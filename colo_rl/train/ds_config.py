@@ -102,7 +102,7 @@ def set_zero3_linear(ds_config: dict, mode: str, held_bytes: int) -> Optional[bo
     wide, by LinearFunctionForZeroStage3: a Python autograd function that saves the weight
     Parameter, not a view of its gathered data, so ZeRO-3 can release the weight after the forward
     and gather it again for the backward. It costs two Python calls per linear per micro-batch
-    (~10-20 % of a micro-batch's host time at SmolLM2's depth, docs/update_overhead.md). auto turns
+    (~12 % of a micro-batch's host time at SmolLM2's depth on CPU, docs/update_overhead.md). auto turns
     it off where the memory it saves (`held_bytes`, from `held_weight_bytes`) is at most
     HELD_WEIGHTS_LIMIT. Off also undoes DeepSpeed's replacement if an earlier engine of this process
     made it: the replacement is global, and the actor and its reference choose alike (same model,
