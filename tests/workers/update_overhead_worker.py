@@ -8,6 +8,11 @@ asserts about the update's host-side costs.
 - "fused_head": the first micro-batches' log-probs, entropies and full gradients, and the weights
   after one step, with the LM head's chunked log-softmax (train/lm_head.py, the default) and with
   the whole-logits path, ZeRO-3 partitioning the tied head / embedding over the ranks.
+- "linear": the same two steps with trainer.zero_memory_efficient_linear on (DeepSpeed's ZeRO-3
+  linear), off (autograd's) and auto: gradients, weights, which F.linear ran, and the bytes of the
+  storages autograd keeps after the first forward.
+- "checkpointing": the same two steps with and without model.gradient_checkpointing, and how often
+  the first layer's MLP ran.
 - "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
   padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
@@ -42,6 +47,11 @@ def tiny_cfg(**trainer) -> RunConfig:
     for k, v in trainer.items():
         setattr(cfg.trainer, k, v)
     return cfg
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two dicts of same-named tensors (0 when empty)."""
+    return max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0
 
 
 def full_grads(actor) -> dict:
@@ -90,12 +100,11 @@ def leaf_report() -> dict:
     leaf, leaves, leaf_grads = trained_weights(leaf=True, paged=False)
     paged, _, _ = trained_weights(leaf=True, paged=True)
     init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
-    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
     return {"leaf_modules_off": base_leaves, "leaf_modules_on": leaves, "layers": TINY["num_layers"],
-            "max_diff_leaf_vs_off": diff(leaf, base), "max_diff_paged_vs_leaf": diff(paged, leaf),
-            "max_change_from_init": diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
-            "grad_max_diff": diff(leaf_grads, base_grads), "grad_max_abs": max(float(g.abs().max())
-                                                                               for g in base_grads.values())}
+            "max_diff_leaf_vs_off": max_diff(leaf, base), "max_diff_paged_vs_leaf": max_diff(paged, leaf),
+            "max_change_from_init": max_diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
+            "grad_max_diff": max_diff(leaf_grads, base_grads),
+            "grad_max_abs": max(float(g.abs().max()) for g in base_grads.values())}
 
 
 # ---------------------------------------------------------------------------------------- ZeRO-3 linear
@@ -127,15 +136,14 @@ def linear_report() -> dict:
     auto (this tiny model keeps ~6 MB: off), in that order: off after on must undo DeepSpeed's
     process-wide replacement of F.linear."""
     on, off, auto = (trained_with_linear(m) for m in ("on", "off", "auto"))
-    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
     return {"settings": [on["setting"], off["setting"], auto["setting"]],
             "deepspeed_linear": [on["deepspeed_linear"], off["deepspeed_linear"], auto["deepspeed_linear"]],
             "saved_bytes_on": on["saved_bytes"], "saved_bytes_off": off["saved_bytes"],
             "held_bytes": off["held_bytes"], "world_size": dist.world_size(),
-            "grad_max_diff": diff(off["grads"], on["grads"]),
+            "grad_max_diff": max_diff(off["grads"], on["grads"]),
             "grad_max_abs": max(float(g.abs().max()) for g in on["grads"].values()),
-            "weights_max_diff": diff(off["weights"], on["weights"]),
-            "weights_auto_vs_off": diff(auto["weights"], off["weights"])}
+            "weights_max_diff": max_diff(off["weights"], on["weights"]),
+            "weights_auto_vs_off": max_diff(auto["weights"], off["weights"])}
 
 
 # ---------------------------------------------------------------------------------------- checkpointing
@@ -154,11 +162,10 @@ def trained_checkpointed(checkpointing: bool) -> dict:
 
 def checkpointing_report() -> dict:
     plain, ckpt = trained_checkpointed(False), trained_checkpointed(True)
-    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
     return {"on": [plain["on"], ckpt["on"]], "layer_forwards": [plain["layer_forwards"], ckpt["layer_forwards"]],
-            "grad_max_diff": diff(ckpt["grads"], plain["grads"]),
+            "grad_max_diff": max_diff(ckpt["grads"], plain["grads"]),
             "grad_max_abs": max(float(g.abs().max()) for g in plain["grads"].values()),
-            "weights_max_diff": diff(ckpt["weights"], plain["weights"])}
+            "weights_max_diff": max_diff(ckpt["weights"], plain["weights"])}
 
 
 # ---------------------------------------------------------------------------------------- host reads
@@ -264,13 +271,12 @@ def head_run(fused: bool) -> tuple[list, dict, dict]:
 def fused_head_report() -> dict:
     fused, fused_grads, fused_w = head_run(True)
     whole, whole_grads, whole_w = head_run(False)
-    diff = lambda a, b: max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0  # noqa: E731
     return {"logp_max_diff": max(float((f[0] - w[0]).abs().max()) for f, w in zip(fused, whole)),
             "entropy_max_diff": max(float((f[1] - w[1]).abs().max()) for f, w in zip(fused, whole)),
-            "grad_max_diff": diff(fused_grads, whole_grads),
+            "grad_max_diff": max_diff(fused_grads, whole_grads),
             "grad_max_abs": max(float(g.abs().max()) for g in whole_grads.values()),
             "embedding_grad_abs": float(whole_grads["model.embed_tokens.weight"].abs().max()),
-            "weights_max_diff": diff(fused_w, whole_w)}
+            "weights_max_diff": max_diff(fused_w, whole_w)}
 
 
 def main() -> int:
