@@ -49,9 +49,8 @@ def run_variant(name: str, updates: int, warmup: int = 3) -> dict:
     from benchmarks.gpu import update_mfu
     from colo_rl import dist
 
-    args = argparse.Namespace(dry_run=True, sequences=32, group_size=8, prompt_len=8, response_len=8,
-                              groups_per_micro_batch=1, attn="sdpa", leaf=True, zero=[], linear="auto",
-                              checkpointing=False, zero_stage=3)
+    args = update_mfu.arg_parser().parse_args(["--dry-run", "--sequences", "32", "--prompt-len", "8",
+                                               "--response-len", "8", "--groups-per-micro-batch", "1"])
     for key, value in VARIANTS[name].items():
         setattr(args, key, value)
     dist.init()
@@ -67,7 +66,7 @@ def run_variant(name: str, updates: int, warmup: int = 3) -> dict:
         seconds = (time.perf_counter() - t0) / updates
     return {"variant": name, "micro_batches": len(mbs), "update_ms": 1000 * seconds,
             "ms_per_micro_batch": 1000 * seconds / len(mbs),
-            "memory_efficient_linear": getattr(actor, "memory_efficient_linear", None)}
+            "memory_efficient_linear": actor.memory_efficient_linear}
 
 
 def on_off(flag) -> str:

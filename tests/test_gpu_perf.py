@@ -94,7 +94,7 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     `--checkpointing` (mfumel, mfuckpt) reach it too."""
     import argparse
 
-    from benchmarks.gpu.update_mfu import MODEL_DRY, build, zero_override, zero_settings
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, zero_override, zero_settings
     from colo_rl import dist
 
     assert zero_override("stage3_param_persistence_threshold=1e12") == ("stage3_param_persistence_threshold", 1e12)
@@ -102,9 +102,8 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
         with pytest.raises(argparse.ArgumentTypeError, match="--zero"):
             zero_override(bad)
     dist.init()
-    args = argparse.Namespace(dry_run=True, attn="sdpa", leaf=True, sequences=4, group_size=2, prompt_len=6,
-                              response_len=8, groups_per_micro_batch=1, linear="auto", checkpointing=False,
-                              zero_stage=3)
+    args = arg_parser().parse_args(["--dry-run", "--sequences", "4", "--group-size", "2", "--prompt-len", "6",
+                                    "--response-len", "8", "--groups-per-micro-batch", "1"])
     persistent, linear, checkpointing = [], [], []
     for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
         with zero_settings(overrides):

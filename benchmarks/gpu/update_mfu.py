@@ -172,7 +172,8 @@ def one_update(actor, mbs, n_tok: float) -> None:
     actor.step()
 
 
-def main(argv=None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
+    """The options (also what `build` reads: benchmarks/host_overhead.py parses its own runs here)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU rehearsal with tiny shapes (not a measurement)")
     p.add_argument("--sequences", type=int, default=128)
@@ -196,7 +197,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-readme", action="store_true")
     p.add_argument("--name", default="update_mfu", help="results file name (<name>-<device>-<date>)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = arg_parser().parse_args(argv)
     if args.dry_run:
         args.sequences, args.group_size, args.prompt_len, args.response_len = 4, 2, 6, 8
         args.groups_per_micro_batch, args.repeats = 1, 1
