@@ -122,6 +122,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from colo_rl import dist
+    from colo_rl import process_exit
 
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

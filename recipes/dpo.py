@@ -30,7 +30,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from colo_rl import algos, dist, loop, runtime
+from colo_rl import algos, dist, loop, process_exit, runtime
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.setup import build_actor, reference_model
 from colo_rl.config import register_configs
@@ -247,4 +247,4 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

@@ -24,7 +24,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from colo_rl import dist, runtime
+from colo_rl import dist, process_exit, runtime
 from colo_rl.checkpoint import hf_model_dir
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ConfigError, register_configs
@@ -135,4 +135,4 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

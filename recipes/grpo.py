@@ -21,7 +21,7 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from colo_rl import algos, dist, loop, runtime
+from colo_rl import algos, dist, loop, process_exit, runtime
 from colo_rl.bottleneck import bottleneck_report, format_report, resolve_generation_ranks
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
@@ -435,4 +435,4 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

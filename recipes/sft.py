@@ -24,7 +24,7 @@ import time
 import hydra
 from omegaconf import DictConfig
 
-from colo_rl import algos, dist, loop, runtime
+from colo_rl import algos, dist, loop, process_exit, runtime
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.setup import build_actor
 from colo_rl.config import register_configs
@@ -182,4 +182,4 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

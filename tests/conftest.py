@@ -102,9 +102,9 @@ def _exit_before_teardown() -> None:
     except OSError:
         return
     if gloo_alive and _session_status:
-        from colo_rl import dist
+        from colo_rl import process_exit
 
-        dist.exit_skipping_teardown(_session_status[-1])
+        process_exit.exit_skipping_teardown(_session_status[-1])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,4 @@
-"""dist.run_and_exit: a rank ends with its status, its atexit hooks and threads served, and without
+"""process_exit.run_and_exit: a rank ends with its status, its atexit hooks and threads served, and without
 the exit-time abort that gloo's threads cause when Python finalizes (CI saw it twice, in the
 paging and LoRA recipe workers, after their work was written)."""
 

@@ -57,6 +57,6 @@ def test_helper_waits_for_its_generators_end_and_names_it_when_it_dies(tmp_path,
 
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
-    from colo_rl import dist
+    from colo_rl import process_exit
 
-    dist.run_and_exit(lambda: worker(Path(sys.argv[1]), sys.argv[2]))  # no teardown race with gloo's threads
+    process_exit.run_and_exit(lambda: worker(Path(sys.argv[1]), sys.argv[2]))  # no teardown race with gloo's threads

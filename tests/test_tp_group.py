@@ -219,9 +219,9 @@ def test_weight_payloads_reach_the_owner_in_group_order_and_failures_raise_every
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from colo_rl import dist
+    from colo_rl import process_exit
 
-    dist.run_and_exit(lambda: worker(Path(sys.argv[1])))
+    process_exit.run_and_exit(lambda: worker(Path(sys.argv[1])))
 
 
 def test_every_rank_of_a_group_takes_its_owners_authkey(records):

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from colo_rl import algos, dist
+from colo_rl import algos, dist, process_exit
 
 
 def main(out: str) -> None:
@@ -34,4 +34,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1]))
+    process_exit.run_and_exit(lambda: main(sys.argv[1]))

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from colo_rl import dist, runtime  # noqa: E402
+from colo_rl import dist, process_exit, runtime
 from colo_rl.config import ConfigError  # noqa: E402
 
 
@@ -27,4 +27,4 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(OmegaConf.create({})))
+    process_exit.run_and_exit(lambda: main(OmegaConf.create({})))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from colo_rl import algos, dist
+from colo_rl import algos, dist, process_exit
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.models import load_tokenizer
@@ -100,4 +100,4 @@ def main(out_path: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))
+    process_exit.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))

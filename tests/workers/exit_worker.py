@@ -1,4 +1,4 @@
-"""Run under torchrun (2 gloo ranks): a rank that ends through dist.run_and_exit, as every recipe
+"""Run under torchrun (2 gloo ranks): a rank that ends through process_exit.run_and_exit, as every recipe
 does, in one of two ways:
 
 - `return`: with gloo collectives still in flight on gloo's own threads. Letting Python finalize
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from colo_rl import dist  # noqa: E402
+from colo_rl import dist, process_exit
 
 
 def main(out: Path, mode: str) -> None:
@@ -47,4 +47,4 @@ if __name__ == "__main__":
     if how == "finalize":
         main(out_dir, "return")
     else:
-        dist.run_and_exit(lambda: main(out_dir, how))
+        process_exit.run_and_exit(lambda: main(out_dir, how))

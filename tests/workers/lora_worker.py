@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from colo_rl import algos, dist
+from colo_rl import algos, dist, process_exit
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.setup import build_colocated
 from colo_rl.config import AlgoConfig, LoraConfig, ModelConfig, RunConfig, TrainerConfig
@@ -150,4 +150,4 @@ def main(out_path: str, run_dir: str, handoff: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3]))
+    process_exit.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], sys.argv[3]))

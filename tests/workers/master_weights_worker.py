@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from colo_rl import dist  # noqa: E402
+from colo_rl import dist, process_exit
 from colo_rl.config import ModelConfig, RunConfig  # noqa: E402
 from colo_rl.train.actor import DeepSpeedActor  # noqa: E402
 from tests.workers.worker_support import scripted_batch  # noqa: E402
@@ -49,4 +49,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from colo_rl import algos, dist
+from colo_rl import algos, dist, process_exit
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.train.actor import DeepSpeedActor, NonFiniteError
 from colo_rl.train.batch import build_batch
@@ -75,4 +75,4 @@ def main(out: str, stages: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))
+    process_exit.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))

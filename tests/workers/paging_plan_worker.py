@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.phase_switch import grpo_like_update
-from colo_rl import dist
-from colo_rl.colocate.paging_plan import GIB, PAGE_ORDER, MemoryNeeds, plan_paging
+from colo_rl import dist, process_exit
+from colo_rl.colocate.paging_plan import GIB, PAGE_ORDER, plan_paging
 from colo_rl.colocate.setup import build_colocated, plan_trainer_paging
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.models import load_tokenizer
@@ -94,4 +94,4 @@ def main(out_path: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(*sys.argv[1:]))
+    process_exit.run_and_exit(lambda: main(*sys.argv[1:]))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from colo_rl import dist
+from colo_rl import dist, process_exit
 from colo_rl.config import LoraConfig, ModelConfig, RunConfig, TrainerConfig
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.ds_config import DEEPSPEED_STATE_KINDS
@@ -112,4 +112,4 @@ def main(out_path: str, run_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))
+    process_exit.run_and_exit(lambda: main(sys.argv[1], sys.argv[2]))

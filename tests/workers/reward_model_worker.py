@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
-from colo_rl import dist  # noqa: E402
+from colo_rl import dist, process_exit
 from colo_rl.config import ModelConfig, RewardConfig, RewardModelConfig, RunConfig, TrainerConfig  # noqa: E402
 from colo_rl.phase import Phase, PhaseGuard  # noqa: E402
 from colo_rl.colocate.setup import frozen_paging  # noqa: E402
@@ -56,4 +56,4 @@ def main(out: Path, rm_dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(Path(sys.argv[1]), sys.argv[2:]))
+    process_exit.run_and_exit(lambda: main(Path(sys.argv[1]), sys.argv[2:]))

@@ -142,6 +142,6 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
 
 
 if __name__ == "__main__":
-    from colo_rl import dist
+    from colo_rl import process_exit
 
-    dist.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))
+    process_exit.run_and_exit(lambda: main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}))

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from colo_rl import dist  # noqa: E402
+from colo_rl import dist, process_exit
 
 
 def main(debug: bool) -> None:
@@ -26,4 +26,4 @@ def main(debug: bool) -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(lambda: main(sys.argv[1] == "debug"))
+    process_exit.run_and_exit(lambda: main(sys.argv[1] == "debug"))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from colo_rl import dist  # noqa: E402
+from colo_rl import dist, process_exit
 from colo_rl.stop_signal import StopSignal  # noqa: E402
 
 
@@ -47,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from colo_rl import dist
+from colo_rl import dist, process_exit
 from colo_rl.algos import AdaptiveKLController
 from colo_rl.config import ModelConfig, RunConfig
 from colo_rl.metrics import Timer
@@ -291,4 +291,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    dist.run_and_exit(main)
+    process_exit.run_and_exit(main)
