@@ -21,8 +21,8 @@ from colo_rl.train.activation_memory import agreed_token_budget
 from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
                                      drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
-                                     held_weight_bytes, offload_buffers_set_aside, paged_state_bytes, paging_needed,
-                                     set_zero3_leaf_modules, set_zero3_linear, state_bytes_by_kind)
+                                     offload_buffers_set_aside, paged_state_bytes, paging_needed, set_zero3_hooks,
+                                     state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 from colo_rl.train.lm_head import fusable_head
@@ -96,18 +96,10 @@ class DeepSpeedActor:
         if not with_optimizer:
             model.requires_grad_(False)
         self.config = model.config
-        # ZeRO-3 hooks per decoder layer, not per linear (trainer.zero_leaf_modules): the host cost of a micro-batch
-        # Not with LoRA adapters: DeepSpeed 0.19.8's leaf-module backward met an adapter's size-0
-        # partition (tests/test_lora_sft_dpo.py, tests/test_paging.py[lora]); see colocate/NOTES.md
-        leaf = cfg.trainer.zero_leaf_modules and not self.lora
-        if cfg.trainer.zero_leaf_modules and self.lora and dist.is_rank0():
-            log.info("ZeRO-3 leaf modules off: LoRA adapters are trained (model.lora.rank > 0)")
-        self.leaf_classes = set_zero3_leaf_modules(ds_config, model) if leaf else []
-        held = held_weight_bytes(model, dist.world_size(), torch.finfo(dtype).bits // 8)
-        self.memory_efficient_linear = set_zero3_linear(ds_config, cfg.trainer.zero_memory_efficient_linear, held)
-        if self.memory_efficient_linear is False and with_optimizer and dist.is_rank0():
-            log.info("ZeRO-3 linear: autograd's own (trainer.zero_memory_efficient_linear=%s; it keeps %.2f GiB more "
-                     "per rank from forward to backward)", cfg.trainer.zero_memory_efficient_linear, held / 2**30)
+        # ZeRO-3 hooks per decoder layer, not per linear, and autograd's linear where it holds little: the
+        # host cost of a micro-batch (trainer.zero_leaf_modules, trainer.zero_memory_efficient_linear)
+        self.leaf_classes, self.memory_efficient_linear = set_zero3_hooks(
+            ds_config, model, cfg.trainer, self.lora, dtype, announce=with_optimizer and dist.is_rank0())
         kwargs = {}
         if with_optimizer:
             kwargs["model_parameters"] = [p for p in model.parameters() if p.requires_grad]

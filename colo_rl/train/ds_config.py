@@ -120,6 +120,27 @@ def set_zero3_linear(ds_config: dict, mode: str, held_bytes: int) -> Optional[bo
     return efficient
 
 
+def set_zero3_hooks(ds_config: dict, model: torch.nn.Module, trainer_cfg, lora: bool, dtype: torch.dtype,
+                    announce: bool) -> tuple[list[str], Optional[bool]]:
+    """ZeRO-3's per-module host cost as the config chooses it: leaf modules per decoder layer
+    (trainer.zero_leaf_modules, `set_zero3_leaf_modules`) and the linear
+    (trainer.zero_memory_efficient_linear, `set_zero3_linear`). Leaf modules stay off with LoRA
+    adapters: DeepSpeed 0.19.8's leaf-module backward met an adapter's size-0 partition
+    (tests/test_lora_sft_dpo.py, tests/test_paging.py[lora]; colocate/NOTES.md). `announce`: log
+    what differs from the option's word (rank 0 of a trained model). Returns (leaf classes, linear
+    setting)."""
+    leaf = trainer_cfg.zero_leaf_modules and not lora
+    if trainer_cfg.zero_leaf_modules and lora and announce:
+        log.info("ZeRO-3 leaf modules off: LoRA adapters are trained (model.lora.rank > 0)")
+    classes = set_zero3_leaf_modules(ds_config, model) if leaf else []
+    held = held_weight_bytes(model, dist.world_size(), torch.finfo(dtype).bits // 8)
+    efficient = set_zero3_linear(ds_config, trainer_cfg.zero_memory_efficient_linear, held)
+    if efficient is False and announce:
+        log.info("ZeRO-3 linear: autograd's own (trainer.zero_memory_efficient_linear=%s; it keeps %.2f GiB more "
+                 "per rank from forward to backward)", trainer_cfg.zero_memory_efficient_linear, held / 2**30)
+    return classes, efficient
+
+
 # DeepSpeed optimizer types that resolve to its FusedAdam (the only optimizer whose ZeRO-3 states
 # `engine.offload_states` can move, DeepSpeed 0.19: stage3.py asserts it).
 _FUSED_ADAM_TYPES = ("adam", "adamw")
