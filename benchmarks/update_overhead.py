@@ -48,6 +48,11 @@ WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "data.train_size=2
         "rollout.eval_max_new_tokens=8", "plots=false", "logger=[jsonl]"]
 # Options only roots with this issue's changes know (an older root would refuse them).
 NEW_ONLY = ("trainer.zero_leaf_modules", "algo.log_entropy")
+KEEP_HOST_MEMORY_ENV = "COLO_RL_KEEP_HOST_MEMORY"  # colo_rl/host_malloc.py (a root may predate it)
+
+
+def keeps_host_memory(root: Path) -> bool:
+    return (root / "colo_rl" / "host_malloc.py").exists()
 
 
 def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_steps: int) -> list[dict]:
@@ -66,12 +71,18 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
         if knows_option(root, "zero_memory_efficient_linear"):  # off by default since 2026-11-27
             runs.append({"root": label, "work": "deep_narrow", "variant": "DeepSpeed's linear",
                          "overrides": ["trainer.zero_memory_efficient_linear=on"]})
+        if keeps_host_memory(root):  # glibc keeps freed host memory on CPU since 2026-11-27
+            runs.append({"root": label, "work": "deep_narrow", "variant": "freed host memory returned",
+                         "overrides": [], "env": {KEEP_HOST_MEMORY_ENV: "0"}})
     last = roots[-1][0]
     runs.append({"root": last, "work": "deep_narrow", "variant": "ZeRO-0 (reference)",
                  "overrides": ["trainer.zero_stage=0"]})
     if demo_steps:
-        for label, _ in roots:
+        for label, root in roots:
             runs.append({"root": label, "work": "demo", "variant": "default", "overrides": [], "steps": demo_steps})
+            if keeps_host_memory(root):
+                runs.append({"root": label, "work": "demo", "variant": "freed host memory returned", "overrides": [],
+                             "steps": demo_steps, "env": {KEEP_HOST_MEMORY_ENV: "0"}})
     return runs
 
 
@@ -102,14 +113,36 @@ def run_one(run: dict, root: Path, steps: int, skip: int, tmp: Path, timeout: in
     n = run.get("steps", steps)
     argv = [sys.executable, "recipes/grpo.py", *work, f"trainer.total_steps={n}", *run["overrides"],
             f"run_dir={run_dir}"]
-    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONUNBUFFERED": "1", **run.get("env", {})}
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        returncode, max_rss_kib = wait_with_rusage(proc, timeout)
+        out.seek(0)
+        log_tail = out.read()[-6000:]
+    max_rss_gib = max_rss_kib / 2**20
+    if returncode != 0:
+        raise RuntimeError(f"{run} failed ({proc.returncode}):\n{log_tail}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = summarise(rows, min(skip, n - 1), run["overrides"])
-    return {**run, **out, "wall_s": time.perf_counter() - t0, "command": common.command(argv[1:])}
+    return {**run, **out, "wall_s": time.perf_counter() - t0, "max_rss_gib": max_rss_gib,
+            "command": "".join(f"{k}={v} " for k, v in run.get("env", {}).items()) + common.command(argv[1:])}
+
+
+def wait_with_rusage(proc: subprocess.Popen, timeout: float) -> tuple[int, int]:
+    """(exit status, peak resident KiB) of `proc`: its own rusage from wait4 (the largest of it and
+    its waited-for children, e.g. SGLang's scheduler), not this process's. Killed past `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+            return proc.returncode, usage.ru_maxrss
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.2)
 
 
 def checkout(rev: str, into: Path) -> Path:
@@ -147,15 +180,16 @@ def markdown(result: dict) -> str:
              f"1 rank; median of steps {result['skip'] + 1}-{result['steps']} (time/update: forward, backward, "
              "optimizer). Roots: " + ", ".join(f"`{k}` = {v['path']} ({v['commit']})" for k, v in roots.items()) + ".",
              "", "| work | root | variant | micro-batches | update s/step | ms per micro-batch "
-                 "| vs first root, same variant |",
-             "|---|---|---|---|---|---|---|"]
+                 "| vs first root, same variant | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|"]
     first = next(iter(roots))
     base = {(r["work"], r["variant"]): r["update_s_median"] for r in result["runs"] if r["root"] == first}
     for r in result["runs"]:
         ref = base.get((r["work"], r["variant"]))
         ratio = f"{r['update_s_median'] / ref:.2f}x" if ref and r["root"] != first else ""
         lines.append(f"| {r['work']} | {r['root']} | {r['variant']} | {r['micro_batches']:.0f} | "
-                     f"{r['update_s_median']:.3f} | {r['ms_per_micro_batch']:.0f} | {ratio} |")
+                     f"{r['update_s_median']:.3f} | {r['ms_per_micro_batch']:.0f} | {ratio} | "
+                     f"{r.get('max_rss_gib', float('nan')):.2f} |")
     if "target" in result:
         t = result["target"]
         lines += ["", f"- deep narrow model, default settings: {t['ratio']:.2f}x the first root's update seconds per "

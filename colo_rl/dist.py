@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from colo_rl.host_malloc import keep_freed_host_memory
 from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.process_exit import exit_with_parent
 
@@ -220,11 +221,13 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     Single-process runs (plain `python recipes/grpo.py`) get a world of one, so the same code
     path runs with and without torchrun. The collective timeout is `timeout_minutes`, else
     $COLO_RL_DIST_TIMEOUT_MIN, else 30 minutes. Only rank 0 hears DeepSpeed's start-up unless `debug`.
+    Without a GPU, glibc keeps freed host memory for reuse ($COLO_RL_KEEP_HOST_MEMORY, host_malloc.py).
     """
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get(TIMEOUT_ENV, 30.0))
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
         exit_with_parent()
+    keep_freed_host_memory(on_gpu=torch.cuda.is_available())  # a CPU run's tensors reuse freed heap (host_malloc.py)
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")

@@ -133,14 +133,18 @@ def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
     schema = tmp_path / "new" / "colo_rl" / "config" / "schema.py"
     schema.parent.mkdir(parents=True)
     schema.write_text("zero_leaf_modules log_entropy zero_memory_efficient_linear")
+    (tmp_path / "new" / "colo_rl" / "host_malloc.py").write_text("")
     runs = variants([("old", tmp_path / "old"), ("new", tmp_path / "new")], {"old": False, "new": True}, demo_steps=2)
     old = [r for r in runs if r["root"] == "old"]
     assert not any(k in o for k in ("zero_leaf_modules", "log_entropy", "micro_batch_tokens", "memory_efficient_linear")
                    for r in old for o in r["overrides"])
     assert [r["variant"] for r in runs if r["root"] == "new" and r["work"] == "deep_narrow"] == [
         "default", "one micro-batch", "leaf modules off", "entropy not logged", "DeepSpeed's linear",
-        "ZeRO-0 (reference)"]
-    assert [r["root"] for r in runs if r["work"] == "demo"] == ["old", "new"]
+        "freed host memory returned", "ZeRO-0 (reference)"]
+    assert [(r["root"], r["variant"]) for r in runs if r["work"] == "demo"] == [
+        ("old", "default"), ("new", "default"), ("new", "freed host memory returned")]
+    assert all(r.get("env") == {"COLO_RL_KEEP_HOST_MEMORY": "0"} for r in runs if r["variant"].startswith("freed"))
+    assert not any("env" in r for r in old)
     rows = [{"time/update": t, "time/step": 2 * t} for t in (9.0, 1.0, 3.0, 2.0)]
     # the first step is dropped; micro-batches from c28839b's rule when not logged: 8 groups of 8, 2 per batch
     got = summarise(rows, 1, ["trainer.micro_batch_size=16"])
