@@ -12,8 +12,10 @@ update (docs/update_overhead.md). With `M_MMAP_MAX=0` every block comes from the
 fault.
 
 The price: freed host memory stays in the process (its RSS is the high-water mark of its heap, not
-of its live tensors; the CPU memory ledger's `rss_gib` reads so), and fragmentation may add a few
-per cent to the peak. On a GPU the large tensors are the device's, and pinned host buffers come from
+of its live tensors; the CPU memory ledger's `rss_gib` reads so), and fragmentation adds to the
+peak: torch asks for 64-byte-aligned blocks, which a freed block of the very same size does not
+always fit (a small allocation right after it keeps it from merging), so the heap may grow a few
+times before freed blocks serve every request (+5 % peak RSS in the one-process update above). On a GPU the large tensors are the device's, and pinned host buffers come from
 CUDA's allocator, so nothing is changed there. `$COLO_RL_KEEP_HOST_MEMORY`: 1 / 0 forces it on / off;
 unset, it follows the device.
 """
