@@ -6,18 +6,19 @@ is mapped from the kernel when it is allocated and unmapped when it is freed, so
 is fresh pages, which the kernel faults in and zeroes one by one on first touch. A training step
 makes many: each micro-batch's [tokens, vocabulary] logits, and under ZeRO-3 (at any world size)
 the gradient buckets that `reduce_scatter_coalesced` concatenates and the copies into the float32
-gradient partitions. On a 2-core CPU that was ~20 % system time and ~40 % of the embedded model's
-update (docs/update_overhead.md). With `M_MMAP_MAX=0` every block comes from the heap, and a high
-`M_TRIM_THRESHOLD` keeps freed heap in the process, where the next micro-batch reuses it without a
-fault.
+gradient partitions. On a 2-core CPU that was ~20 % system time, and keeping the blocks made the
+demo's update 0.69x as long (docs/update_overhead.md). With `M_MMAP_MAX=0` every block comes from
+the heap, and a high `M_TRIM_THRESHOLD` keeps freed heap in the process, where the next
+micro-batch reuses it without a fault.
 
 The price: freed host memory stays in the process (its RSS is the high-water mark of its heap, not
 of its live tensors; the CPU memory ledger's `rss_gib` reads so), and fragmentation adds to the
 peak: torch asks for 64-byte-aligned blocks, which a freed block of the very same size does not
 always fit (a small allocation right after it keeps it from merging), so the heap may grow a few
-times before freed blocks serve every request (+5 % peak RSS in the one-process update above). On a GPU the large tensors are the device's, and pinned host buffers come from
-CUDA's allocator, so nothing is changed there. `$COLO_RL_KEEP_HOST_MEMORY`: 1 / 0 forces it on / off;
-unset, it follows the device.
+times before freed blocks serve every request. The recipe's peak RSS grew 5.09 -> 5.65 GiB for the
+demo and 1.31 -> 2.02 GiB for the deep narrow model (docs/update_overhead.md). On a GPU the large
+tensors are the device's, and pinned host buffers come from CUDA's allocator, so nothing is changed
+there. `$COLO_RL_KEEP_HOST_MEMORY`: 1 / 0 forces it on / off; unset, it follows the device.
 """
 
 from __future__ import annotations
