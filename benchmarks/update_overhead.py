@@ -43,15 +43,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from colo_rl.host_malloc import KEEP_HOST_MEMORY_ENV  # noqa: E402
 
 WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "data.train_size=256", "data.eval_size=8",
         "rollout.eval_max_new_tokens=8", "plots=false", "logger=[jsonl]"]
 # Options only roots with this issue's changes know (an older root would refuse them).
 NEW_ONLY = ("trainer.zero_leaf_modules", "algo.log_entropy")
-KEEP_HOST_MEMORY_ENV = "COLO_RL_KEEP_HOST_MEMORY"  # colo_rl/host_malloc.py (a root may predate it)
-
-
 def keeps_host_memory(root: Path) -> bool:
+    """Whether `root` has colo_rl/host_malloc.py (an older root predates it)."""
     return (root / "colo_rl" / "host_malloc.py").exists()
 
 
@@ -122,7 +121,7 @@ def run_one(run: dict, root: Path, steps: int, skip: int, tmp: Path, timeout: in
         log_tail = out.read()[-6000:]
     max_rss_gib = max_rss_kib / 2**20
     if returncode != 0:
-        raise RuntimeError(f"{run} failed ({proc.returncode}):\n{log_tail}")
+        raise RuntimeError(f"{run} failed ({returncode}):\n{log_tail}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out = summarise(rows, min(skip, n - 1), run["overrides"])
     return {**run, **out, "wall_s": time.perf_counter() - t0, "max_rss_gib": max_rss_gib,

@@ -24,7 +24,6 @@ there. `$COLO_RL_KEEP_HOST_MEMORY`: 1 / 0 forces it on / off; unset, it follows 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import platform
 
@@ -49,7 +48,7 @@ def keep_freed_host_memory(on_gpu: bool) -> bool:
     if not keep_host_memory_wanted(on_gpu) or platform.libc_ver()[0] != "glibc":
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library already loaded (find_library would run ldconfig)
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
