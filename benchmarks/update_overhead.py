@@ -20,9 +20,11 @@ group_size))); on a CPU all of it is host time.
 Runs per root: its defaults; the same with trainer.micro_batch_size=64 (and, for roots with token
 micro-batches, trainer.micro_batch_tokens=65536): the step as one micro-batch; for roots that know them, trainer.zero_leaf_modules=false
 and algo.log_entropy=false (what each part saves), trainer.zero_memory_efficient_linear=on
-(DeepSpeed's ZeRO-3 linear, the default before 2026-11-27); ZeRO-0 on the last root (no partitioning
-hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded SmolLM2-135M, its
-defaults) per root. Ratios are within this run, on this machine.
+(DeepSpeed's ZeRO-3 linear, the default before 2026-11-27); where the root has them, glibc's
+default of returning freed host memory ($COLO_RL_KEEP_HOST_MEMORY=0) and DeepSpeed's gathers on
+gloo's threads ($COLO_RL_LOCAL_GATHERS=0, colo_rl/solo_gathers.py); ZeRO-0 on the last root (no
+partitioning hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded SmolLM2-135M, its defaults, and the two host
+settings off) per root. Ratios are within this run, on this machine.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from colo_rl.host_malloc import KEEP_HOST_MEMORY_ENV  # noqa: E402
+from colo_rl.solo_gathers import LOCAL_GATHERS_ENV  # noqa: E402
 
 WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "data.train_size=256", "data.eval_size=8",
         "rollout.eval_max_new_tokens=8", "plots=false", "logger=[jsonl]"]
@@ -52,6 +55,11 @@ NEW_ONLY = ("trainer.zero_leaf_modules", "algo.log_entropy")
 def keeps_host_memory(root: Path) -> bool:
     """Whether `root` has colo_rl/host_malloc.py (an older root predates it)."""
     return (root / "colo_rl" / "host_malloc.py").exists()
+
+
+def gathers_locally(root: Path) -> bool:
+    """Whether `root` has colo_rl/solo_gathers.py (a world of one's gathers as local copies)."""
+    return (root / "colo_rl" / "solo_gathers.py").exists()
 
 
 def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_steps: int) -> list[dict]:
@@ -73,6 +81,9 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
         if keeps_host_memory(root):  # glibc keeps freed host memory on CPU since 2026-11-27
             runs.append({"root": label, "work": "deep_narrow", "variant": "freed host memory returned",
                          "overrides": [], "env": {KEEP_HOST_MEMORY_ENV: "0"}})
+        if gathers_locally(root):  # a world of one gathers by local copy since 2026-11-27
+            runs.append({"root": label, "work": "deep_narrow", "variant": "gloo's gathers",
+                         "overrides": [], "env": {LOCAL_GATHERS_ENV: "0"}})
     last = roots[-1][0]
     runs.append({"root": last, "work": "deep_narrow", "variant": "ZeRO-0 (reference)",
                  "overrides": ["trainer.zero_stage=0"]})
@@ -82,6 +93,9 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
             if keeps_host_memory(root):
                 runs.append({"root": label, "work": "demo", "variant": "freed host memory returned", "overrides": [],
                              "steps": demo_steps, "env": {KEEP_HOST_MEMORY_ENV: "0"}})
+            if gathers_locally(root):
+                runs.append({"root": label, "work": "demo", "variant": "gloo's gathers", "overrides": [],
+                             "steps": demo_steps, "env": {LOCAL_GATHERS_ENV: "0"}})
     return runs
 
 
@@ -103,6 +117,7 @@ def summarise(rows: list[dict], skip: int, overrides: list[str]) -> dict:
     return {"steps": len(kept), "update_s_mean": statistics.fmean(upd), "update_s_median": statistics.median(upd),
             "micro_batches": n_mb, "ms_per_micro_batch": 1000 * statistics.median(upd) / n_mb,
             "step_s_median": statistics.median(r.get("time/step", float("nan")) for r in kept),
+            "generation_s_median": statistics.median(r.get("time/generation", float("nan")) for r in kept),
             "train_loss_last": kept[-1].get("train/loss")}
 
 
@@ -179,8 +194,8 @@ def markdown(result: dict) -> str:
              f"1 rank; median of steps {result['skip'] + 1}-{result['steps']} (time/update: forward, backward, "
              "optimizer). Roots: " + ", ".join(f"`{k}` = {v['path']} ({v['commit']})" for k, v in roots.items()) + ".",
              "", "| work | root | variant | micro-batches | update s/step | ms per micro-batch "
-                 "| vs first root, same variant | peak RSS GiB |",
-             "|---|---|---|---|---|---|---|---|"]
+                 "| vs first root, same variant | generation s/step | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     first = next(iter(roots))
     base = {(r["work"], r["variant"]): r["update_s_median"] for r in result["runs"] if r["root"] == first}
     for r in result["runs"]:
@@ -188,7 +203,7 @@ def markdown(result: dict) -> str:
         ratio = f"{r['update_s_median'] / ref:.2f}x" if ref and r["root"] != first else ""
         lines.append(f"| {r['work']} | {r['root']} | {r['variant']} | {r['micro_batches']:.0f} | "
                      f"{r['update_s_median']:.3f} | {r['ms_per_micro_batch']:.0f} | {ratio} | "
-                     f"{r.get('max_rss_gib', float('nan')):.2f} |")
+                     f"{r.get('generation_s_median', float('nan')):.2f} | {r.get('max_rss_gib', float('nan')):.2f} |")
     if "target" in result:
         t = result["target"]
         lines += ["", f"- deep narrow model, default settings: {t['ratio']:.2f}x the first root's update seconds per "

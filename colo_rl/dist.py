@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from colo_rl import solo_gathers
 from colo_rl.host_malloc import keep_freed_host_memory
 from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.process_exit import exit_with_parent
@@ -242,6 +243,10 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     check_no_interrupted_build()  # DeepSpeed builds its CPU collective op here: a stale lock would hang
+    if not torch.cuda.is_available():
+        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE (its own launcher sets it), else
+        # runs `numactl --hardware` on every call: once per micro-batch in ZeRO-3's gradient reduction
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     with _deepspeed_startup_quiet(not (debug or is_rank0())):
         import deepspeed
 
@@ -251,6 +256,7 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
             timeout=datetime.timedelta(minutes=timeout_minutes),
             verbose=False,
         )
+    solo_gathers.install()  # a world of one's gathers: local copies, not gloo's threads (solo_gathers.py)
 
 
 @contextlib.contextmanager
