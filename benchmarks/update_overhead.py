@@ -23,8 +23,9 @@ and algo.log_entropy=false (what each part saves), trainer.zero_memory_efficient
 (DeepSpeed's ZeRO-3 linear, the default before 2026-11-27); where the root has them, glibc's
 default of returning freed host memory ($COLO_RL_KEEP_HOST_MEMORY=0) and DeepSpeed's gathers on
 gloo's threads ($COLO_RL_LOCAL_GATHERS=0, colo_rl/solo_gathers.py); ZeRO-0 on the last root (no
-partitioning hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded SmolLM2-135M, its defaults, and the two host
-settings off) per root. Ratios are within this run, on this machine.
+partitioning hooks: the reference floor). `--demo-steps N` adds the demo itself (embedded
+SmolLM2-135M, its defaults, and the two host settings off) per root. Ratios are within this run,
+on this machine.
 """
 
 from __future__ import annotations
@@ -52,14 +53,16 @@ WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "data.train_size=2
         "rollout.eval_max_new_tokens=8", "plots=false", "logger=[jsonl]"]
 # Options only roots with this issue's changes know (an older root would refuse them).
 NEW_ONLY = ("trainer.zero_leaf_modules", "algo.log_entropy")
-def keeps_host_memory(root: Path) -> bool:
-    """Whether `root` has colo_rl/host_malloc.py (an older root predates it)."""
-    return (root / "colo_rl" / "host_malloc.py").exists()
+# CPU host settings (since 2026-11-27), each turned off by its variable where the root's module has it:
+# (module, variant name, environment)
+HOST_SETTINGS_OFF = [("host_malloc", "freed host memory returned", {KEEP_HOST_MEMORY_ENV: "0"}),
+                     ("solo_gathers", "gloo's gathers", {LOCAL_GATHERS_ENV: "0"})]
 
 
-def gathers_locally(root: Path) -> bool:
-    """Whether `root` has colo_rl/solo_gathers.py (a world of one's gathers as local copies)."""
-    return (root / "colo_rl" / "solo_gathers.py").exists()
+def host_settings_off(root: Path) -> list[tuple[str, dict]]:
+    """(variant, environment) of each host setting `root` has (an older root predates them)."""
+    return [(variant, env) for module, variant, env in HOST_SETTINGS_OFF
+            if (root / "colo_rl" / f"{module}.py").exists()]
 
 
 def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_steps: int) -> list[dict]:
@@ -78,24 +81,17 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
         if knows_option(root, "zero_memory_efficient_linear"):  # off by default since 2026-11-27
             runs.append({"root": label, "work": "deep_narrow", "variant": "DeepSpeed's linear",
                          "overrides": ["trainer.zero_memory_efficient_linear=on"]})
-        if keeps_host_memory(root):  # glibc keeps freed host memory on CPU since 2026-11-27
-            runs.append({"root": label, "work": "deep_narrow", "variant": "freed host memory returned",
-                         "overrides": [], "env": {KEEP_HOST_MEMORY_ENV: "0"}})
-        if gathers_locally(root):  # a world of one gathers by local copy since 2026-11-27
-            runs.append({"root": label, "work": "deep_narrow", "variant": "gloo's gathers",
-                         "overrides": [], "env": {LOCAL_GATHERS_ENV: "0"}})
+        for variant, env in host_settings_off(root):
+            runs.append({"root": label, "work": "deep_narrow", "variant": variant, "overrides": [], "env": env})
     last = roots[-1][0]
     runs.append({"root": last, "work": "deep_narrow", "variant": "ZeRO-0 (reference)",
                  "overrides": ["trainer.zero_stage=0"]})
     if demo_steps:
         for label, root in roots:
             runs.append({"root": label, "work": "demo", "variant": "default", "overrides": [], "steps": demo_steps})
-            if keeps_host_memory(root):
-                runs.append({"root": label, "work": "demo", "variant": "freed host memory returned", "overrides": [],
-                             "steps": demo_steps, "env": {KEEP_HOST_MEMORY_ENV: "0"}})
-            if gathers_locally(root):
-                runs.append({"root": label, "work": "demo", "variant": "gloo's gathers", "overrides": [],
-                             "steps": demo_steps, "env": {LOCAL_GATHERS_ENV: "0"}})
+            for variant, env in host_settings_off(root):
+                runs.append({"root": label, "work": "demo", "variant": variant, "overrides": [], "steps": demo_steps,
+                             "env": env})
     return runs
 
 

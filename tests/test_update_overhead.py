@@ -145,6 +145,13 @@ def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
         ("old", "default"), ("new", "default"), ("new", "freed host memory returned")]
     assert all(r.get("env") == {"COLO_RL_KEEP_HOST_MEMORY": "0"} for r in runs if r["variant"].startswith("freed"))
     assert not any("env" in r for r in old)
+    (tmp_path / "new" / "colo_rl" / "solo_gathers.py").write_text("")  # a root with both host settings
+    both = variants([("new", tmp_path / "new")], {"new": True}, demo_steps=2)
+    assert [(r["work"], r["variant"], r.get("env")) for r in both if "env" in r] == [
+        ("deep_narrow", "freed host memory returned", {"COLO_RL_KEEP_HOST_MEMORY": "0"}),
+        ("deep_narrow", "gloo's gathers", {"COLO_RL_LOCAL_GATHERS": "0"}),
+        ("demo", "freed host memory returned", {"COLO_RL_KEEP_HOST_MEMORY": "0"}),
+        ("demo", "gloo's gathers", {"COLO_RL_LOCAL_GATHERS": "0"})]
     rows = [{"time/update": t, "time/step": 2 * t} for t in (9.0, 1.0, 3.0, 2.0)]
     # the first step is dropped; micro-batches from c28839b's rule when not logged: 8 groups of 8, 2 per batch
     got = summarise(rows, 1, ["trainer.micro_batch_size=16"])
