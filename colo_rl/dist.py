@@ -243,10 +243,6 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank())
     check_no_interrupted_build()  # DeepSpeed builds its CPU collective op here: a stale lock would hang
-    if not torch.cuda.is_available():
-        # DeepSpeed's CPU accelerator counts its devices from LOCAL_SIZE (its own launcher sets it), else
-        # runs `numactl --hardware` on every call: once per micro-batch in ZeRO-3's gradient reduction
-        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
     with _deepspeed_startup_quiet(not (debug or is_rank0())):
         import deepspeed
 
