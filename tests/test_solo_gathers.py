@@ -25,6 +25,10 @@ dist.init()
 def gloo_threads():
     return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop" for t in os.listdir("/proc/self/task"))
 
+import time
+deadline = time.monotonic() + 60  # the default group's two runloops name themselves once started: wait for them
+while gloo_threads() < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
 before = gloo_threads()
 import deepspeed.comm as ds_comm
 x = torch.arange(1 << 16, dtype=torch.float32)
