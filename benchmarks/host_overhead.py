@@ -40,6 +40,8 @@ VARIANTS = {
     "leaf modules off": {"leaf": False},
     "every parameter persistent": {"zero": PERSISTENT},
     "ZeRO-0 (no partitioning hooks)": {"zero_stage": 0},
+    "decoder layers compiled": {"compile": True},
+    "ZeRO-0 and decoder layers compiled": {"zero_stage": 0, "compile": True},
 }
 
 

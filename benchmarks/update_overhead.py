@@ -83,6 +83,9 @@ def variants(roots: list[tuple[str, Path]], knows_new: dict[str, bool], demo_ste
                          "overrides": ["trainer.zero_memory_efficient_linear=on"]})
         for variant, env in host_settings_off(root):
             runs.append({"root": label, "work": "deep_narrow", "variant": variant, "overrides": [], "env": env})
+        if knows_option(root, "compile: bool"):  # model.compile, off by default (2026-11-27)
+            runs.append({"root": label, "work": "deep_narrow", "variant": "decoder layers compiled",
+                         "overrides": ["model.compile=true"]})
     last = roots[-1][0]
     runs.append({"root": last, "work": "deep_narrow", "variant": "ZeRO-0 (reference)",
                  "overrides": ["trainer.zero_stage=0"]})

@@ -90,8 +90,8 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
 
 def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     """`update_mfu.py --zero KEY=VALUE` (the mfupersist stage): the persistence thresholds make every
-    parameter persistent in the actor it builds, and bad input is refused; `--linear on` and
-    `--checkpointing` (mfumel, mfuckpt) reach it too."""
+    parameter persistent in the actor it builds, and bad input is refused; `--linear on`,
+    `--checkpointing` and `--compile` (mfumel, mfuckpt, the *compile stages) reach it too."""
     import argparse
 
     from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, zero_override, zero_settings
@@ -104,7 +104,7 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     dist.init()
     args = arg_parser().parse_args(["--dry-run", "--sequences", "4", "--group-size", "2", "--prompt-len", "6",
                                     "--response-len", "8", "--groups-per-micro-batch", "1"])
-    persistent, linear, checkpointing = [], [], []
+    persistent, linear, checkpointing, compiled = [], [], [], []
     for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
         with zero_settings(overrides):
             actor, _, _ = build(args, MODEL_DRY, tmp_path / f"model{len(overrides)}")
@@ -112,6 +112,8 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
         persistent.append(sum(bool(p.ds_persist) for p in params) / len(params))
         linear.append(actor.memory_efficient_linear)
         checkpointing.append(actor.module.is_gradient_checkpointing)
-        args.linear, args.checkpointing = "on", True  # the mfumel / mfuckpt stages' options, on the second
+        compiled.append(all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in actor.module.model.layers))
+        # the mfumel / mfuckpt / *compile stages' options, on the second
+        args.linear, args.checkpointing, args.compile = "on", True, True
     assert persistent[0] < 1.0 and persistent[1] == 1.0
-    assert linear == [False, True] and checkpointing == [False, True]
+    assert linear == [False, True] and checkpointing == [False, True] and compiled == [False, True]

@@ -93,6 +93,52 @@ def test_gradient_checkpointing_trains_the_same_weights_under_zero3_leaf_modules
 
 
 @pytest.mark.slow
+def test_compiled_layers_train_the_same_weights_in_one_graph(reports):
+    """model.compile: every decoder layer's forward is compiled, once for all layers and lengths,
+    with no graph break from ZeRO-3's hooks; the gradients and weights are autograd's to float
+    rounding (2 ranks: real gathers), with gradient checkpointing too."""
+    for rep in reports:
+        comp = rep["compile"]
+        assert comp["compiled_forwards"] == [0, comp["layers"]], comp
+        assert comp["eager_dynamo"]["frames"] == 0, comp
+        # one graph with gradients for every layer (the one without was compiled before): not one per layer
+        assert comp["steps_dynamo"]["frames"] == 1 and comp["steps_dynamo"]["breaks"] == 0, comp
+        assert comp["other_length_dynamo"] == {"frames": 0, "graphs": 0, "breaks": 0}, comp  # lengths are symbolic
+        assert comp["grad_max_diff"] <= 1e-5 * comp["grad_max_abs"], comp
+        assert comp["no_grad_logp_max_diff"] <= 1e-5, comp
+        assert comp["checkpointed_grad_max_diff"] <= 1e-5 * comp["grad_max_abs"], comp
+        assert comp["checkpointed_breaks"] == 0, comp
+    # Adam's first steps move a weight by ~lr whatever its gradient's size: a rounding-level gradient
+    # difference on a near-zero gradient can show as a few % of the largest change, on few elements
+    comp = reports[0]["compile"]  # rank 0 holds the gathered weights
+    assert comp["max_change_from_init"] > 1e-3, comp  # the steps moved the weights
+    assert comp["weights_max_diff"] <= 5e-2 * comp["max_change_from_init"], comp
+    assert comp["weights_mean_diff"] <= 1e-4 * comp["mean_change_from_init"], comp
+    assert comp["checkpointed_weights_max_diff"] <= 5e-2 * comp["max_change_from_init"], comp
+
+
+def test_compile_refuses_zero3_hooks_inside_the_layer():
+    from colo_rl.config import RunConfig, validate
+    from colo_rl.errors import ConfigError
+
+    cfg = RunConfig()
+    cfg.model.compile = True
+    validate(cfg, "grpo")  # the defaults: ZeRO-3 with leaf modules
+    cfg.trainer.zero_leaf_modules = False
+    with pytest.raises(ConfigError, match="trainer.zero_leaf_modules=true"):
+        validate(cfg, "grpo")
+    cfg.trainer.zero_stage = 0
+    validate(cfg, "grpo")  # no ZeRO-3 hooks at all
+    cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.model.lora.rank = 3, True, 8
+    with pytest.raises(ConfigError, match="model.compile=false"):
+        validate(cfg, "grpo")
+    cfg.model.lora.rank, cfg.model.attn_implementation = 0, "flex_attention"
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="needs a GPU"):
+            validate(cfg, "grpo")
+
+
+@pytest.mark.slow
 def test_chunked_lm_head_gives_the_whole_logits_results_under_zero3(reports):
     """2 ranks, ZeRO-3 partitioning the tied LM head / embedding: the LM head's chunked log-softmax
     (train/lm_head.py) and the whole-logits path give the same log-probs, entropies, gradients (a
@@ -146,7 +192,9 @@ def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):
     assert all(r.get("env") == {"COLO_RL_KEEP_HOST_MEMORY": "0"} for r in runs if r["variant"].startswith("freed"))
     assert not any("env" in r for r in old)
     (tmp_path / "new" / "colo_rl" / "solo_gathers.py").write_text("")  # a root with both host settings
+    schema.write_text(schema.read_text() + " compile: bool")  # and model.compile
     both = variants([("new", tmp_path / "new")], {"new": True}, demo_steps=2)
+    assert [r["overrides"] for r in both if r["variant"] == "decoder layers compiled"] == [["model.compile=true"]]
     assert [(r["work"], r["variant"], r.get("env")) for r in both if "env" in r] == [
         ("deep_narrow", "freed host memory returned", {"COLO_RL_KEEP_HOST_MEMORY": "0"}),
         ("deep_narrow", "gloo's gathers", {"COLO_RL_LOCAL_GATHERS": "0"}),

@@ -242,7 +242,19 @@ stage_mfuflex4() {
   if [ "$DRY" = 1 ]; then echo "FlexAttention trains on a GPU only: skipped in the dry run"; return 0; fi
   mfu --name update_mfu_flex_mb4 --attn flex_attention --groups-per-micro-batch 4
 }
+# model.compile: each decoder layer through torch.compile (fused element-wise kernels, fewer launches),
+# with the attention that skips the packed row's masked blocks; then also one micro-batch (recomputed)
+stage_mfucompile() { mfu --name update_mfu_compile --compile; }
+stage_mfuflexcompile() {
+  if [ "$DRY" = 1 ]; then mfu --name update_mfu_flex_compile --compile; return; fi
+  mfu --name update_mfu_flex_compile --attn flex_attention --compile
+}
+stage_mfuckptcompile() {
+  if [ "$DRY" = 1 ]; then mfu --name update_mfu_ckpt_mb16_compile --checkpointing --compile; return; fi
+  mfu --name update_mfu_ckpt_mb16_compile --attn flex_attention --checkpointing --groups-per-micro-batch 16 --compile
+}
 stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
+stage_toycompile() { breakdown perf_toy_compile 2 "${PERF_ENGINE[@]}" "${TOY[@]}" model.compile=true; }
 stage_toyold() { breakdown perf_toy_old 2 "${PERF_ENGINE[@]}" "${TOY[@]}" "${OLD[@]}"; }
 # the toy's update with the LM head over whole logits (2026-11-27's toy step was 0.575 s against 0.41 s the day
 # before on another H100; the chunked head is the update path's one change between them)

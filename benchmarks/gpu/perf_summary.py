@@ -29,14 +29,19 @@ from benchmarks.gpu.update_mfu import llama_params  # noqa: E402
 from benchmarks.switch_perf import moves_from, rate  # noqa: E402
 
 RUNS = {"perf_toy": "toy, new defaults", "perf_toy_whole": "toy, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
-        "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults"}
+        "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults",
+        "perf_toy_compile": "toy, decoder layers compiled (model.compile=true)"}
 MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
             "update_mfu_flex": "flex_attention, leaf modules on",
             "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
             "update_mfu_persist": "sdpa, leaf modules on, every parameter persistent (no ZeRO-3 fetch)",
             "update_mfu_flex_mb4": "flex_attention, leaf modules on, 4 micro-batches of 4 rows",
             "update_mfu_ds_linear": "sdpa, leaf modules on, DeepSpeed's memory-efficient linear",
-            "update_mfu_ckpt_mb16": "flex_attention, gradient checkpointing, 1 micro-batch of 16 rows"}
+            "update_mfu_ckpt_mb16": "flex_attention, gradient checkpointing, 1 micro-batch of 16 rows",
+            "update_mfu_compile": "sdpa, leaf modules on, decoder layers compiled (model.compile)",
+            "update_mfu_flex_compile": "flex_attention, leaf modules on, decoder layers compiled (model.compile)",
+            "update_mfu_ckpt_mb16_compile": "flex_attention, gradient checkpointing, 1 micro-batch of 16 rows, "
+                                            "decoder layers compiled"}
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
 
 

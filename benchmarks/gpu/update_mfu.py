@@ -118,6 +118,7 @@ def build(args, dims: dict, model_dir: Path):
     cfg.trainer.zero_stage, cfg.trainer.zero_leaf_modules, cfg.trainer.lr = args.zero_stage, args.leaf, 1e-6
     cfg.trainer.zero_memory_efficient_linear = args.linear
     cfg.model.gradient_checkpointing = args.checkpointing
+    cfg.model.compile = args.compile
     groups = args.sequences // args.group_size
     n_micro = -(-groups // args.groups_per_micro_batch)
     actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=n_micro)
@@ -189,6 +190,8 @@ def arg_parser() -> argparse.ArgumentParser:
                    help="trainer.zero_memory_efficient_linear (DeepSpeed's ZeRO-3 linear: on; autograd's: off)")
     p.add_argument("--checkpointing", action="store_true",
                    help="model.gradient_checkpointing: activations recomputed, so far larger micro-batches fit")
+    p.add_argument("--compile", action="store_true",
+                   help="model.compile: each decoder layer's forward through torch.compile")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_override,
                    help="a zero_optimization setting over colo_rl's (repeatable), e.g. "
                         "stage3_param_persistence_threshold=1e12: every parameter persistent")
@@ -248,6 +251,7 @@ def main(argv=None) -> int:
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
               "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
               "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
+              "compiled_layers": args.compile,
               "update_seconds": seconds, "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
@@ -260,6 +264,7 @@ def main(argv=None) -> int:
         f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
         f"{'on' if linear_on else 'off'} (--linear {args.linear})"
         f"{', gradient checkpointing' if args.checkpointing else ''}"
+        f"{', decoder layers compiled (model.compile)' if args.compile else ''}"
         f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
         "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
         f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "

@@ -81,6 +81,10 @@ class ModelConfig:
     gradient_checkpointing: bool = opt(False, ALL)
     # transformers' attention (sdpa | eager | flash_attention_2); packing needs sdpa or eager.
     attn_implementation: str = opt("sdpa", ALL)
+    # torch.compile each decoder layer of the trained (and reference) model: fused element-wise
+    # kernels, fewer host dispatches; compiles at the first micro-batches. Under ZeRO-3 it needs
+    # trainer.zero_leaf_modules=true and no LoRA (colo_rl/train/compiled_layers.py).
+    compile: bool = opt(False, ALL, resume=SILENT)
     # Tiny random model with the embedded tokenizer (tests, benchmarks): hidden size / layers.
     random_init: bool = opt(False, ALL, resume=ANOTHER_MODEL)
     hidden_size: int = opt(0, ALL, resume=ANOTHER_MODEL)

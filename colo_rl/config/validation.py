@@ -14,6 +14,7 @@ from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
 from colo_rl.rewards import check_reward_config
 from colo_rl.rollout import ENGINES
+from colo_rl.train.compiled_layers import check_compile
 
 from colo_rl.config.options import RECIPE_NAMES, WARN, Resume, Rules, option_rules
 from colo_rl.config.schema import AlgoConfig, RunConfig
@@ -77,6 +78,7 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
                           f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
     if spec["group_based"]:
         check_grpo_rules(obj)
+    check_compile(obj.model, obj.trainer)
     check_loggers(obj.logger)
     if recipe == "eval":
         check_eval_rules(obj)

@@ -13,6 +13,9 @@ asserts about the update's host-side costs.
   storages autograd keeps after the first forward.
 - "checkpointing": the same two steps with and without model.gradient_checkpointing, and how often
   the first layer's MLP ran.
+- "compile": the same two steps with and without model.compile (decoder layers through
+  torch.compile), plain and with gradient checkpointing; dynamo's tallies (compilations, graph
+  breaks) and the log-probs of a batch of another length.
 - "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
   padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
@@ -52,6 +55,12 @@ def tiny_cfg(**trainer) -> RunConfig:
 def max_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two dicts of same-named tensors (0 when empty)."""
     return max(float((a[k] - b[k]).abs().max()) for k in a) if a else 0.0
+
+
+def mean_diff(a: dict, b: dict) -> float:
+    """The mean absolute difference over every element of two dicts of same-named tensors."""
+    total = sum(float((a[k] - b[k]).abs().sum()) for k in a)
+    return total / max(1, sum(a[k].numel() for k in a))
 
 
 def full_grads(actor) -> dict:
@@ -166,6 +175,59 @@ def checkpointing_report() -> dict:
             "grad_max_diff": max_diff(ckpt["grads"], plain["grads"]),
             "grad_max_abs": max(float(g.abs().max()) for g in plain["grads"].values()),
             "weights_max_diff": max_diff(ckpt["weights"], plain["weights"])}
+
+
+# ---------------------------------------------------------------------------------------- model.compile
+def dynamo_counts() -> dict:
+    """torch.compile's process-wide tallies: frames compiled (each compilation or recompilation),
+    graphs, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return {"frames": int(counters["frames"]["ok"]), "graphs": int(counters["stats"]["unique_graphs"]),
+            "breaks": int(sum(counters["graph_break"].values()))}
+
+
+def trained_compiled(compiled: bool, checkpointing: bool = False) -> dict:
+    """With model.compile (and model.gradient_checkpointing): the log-probs of a batch without
+    gradients, then two_steps, then a forward with gradients of a batch of another length (the
+    dynamic-length recompilation)."""
+    from colo_rl.train.batch import build_batch
+
+    cfg = tiny_cfg()
+    cfg.model.compile, cfg.model.gradient_checkpointing = compiled, checkpointing
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4, grad_accum=2)
+    logp, _ = actor.response_logprobs(scripted_batch(9), grad=False)  # the initial weights: comparable
+    before = dynamo_counts()
+    grads, weights = two_steps(actor)
+    after_steps = dynamo_counts()
+    g = torch.Generator().manual_seed(50 + dist.rank())
+    other = build_batch(torch.randint(3, 400, (3, 9), generator=g).tolist(),
+                        torch.randint(3, 400, (3, 7), generator=g).tolist(), pad_id=0)
+    actor.response_logprobs(other)
+    after = dynamo_counts()
+    return {"grads": grads, "weights": weights, "logp": logp.detach().clone(),
+            "compiled_forwards": sum(hasattr(layer.forward, "_torchdynamo_orig_callable")  # torch.compile's wrapper
+                                     for layer in actor.module.model.layers),
+            "steps": {k: after_steps[k] - before[k] for k in before}, "other_length": {k: after[k] - after_steps[k]
+                                                                                      for k in before}}
+
+
+def compile_report() -> dict:
+    eager, comp = trained_compiled(False), trained_compiled(True)
+    ckpt_eager, ckpt_comp = trained_compiled(False, True), trained_compiled(True, True)
+    init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
+    return {"compiled_forwards": [eager["compiled_forwards"], comp["compiled_forwards"]], "layers": TINY["num_layers"],
+            "eager_dynamo": eager["steps"], "steps_dynamo": comp["steps"], "other_length_dynamo": comp["other_length"],
+            "grad_max_diff": max_diff(comp["grads"], eager["grads"]),
+            "grad_max_abs": max(float(g.abs().max()) for g in eager["grads"].values()),
+            "weights_max_diff": max_diff(comp["weights"], eager["weights"]),
+            "weights_mean_diff": mean_diff(comp["weights"], eager["weights"]),
+            "mean_change_from_init": mean_diff(eager["weights"], init),
+            "max_change_from_init": max_diff(eager["weights"], init),
+            "no_grad_logp_max_diff": float((comp["logp"] - eager["logp"]).abs().max()),
+            "checkpointed_grad_max_diff": max_diff(ckpt_comp["grads"], ckpt_eager["grads"]),
+            "checkpointed_weights_max_diff": max_diff(ckpt_comp["weights"], ckpt_eager["weights"]),
+            "checkpointed_breaks": ckpt_comp["steps"]["breaks"]}
 
 
 # ---------------------------------------------------------------------------------------- host reads
@@ -283,7 +345,7 @@ def main() -> int:
     dist.init()
     out_prefix = sys.argv[1]
     report = {"leaf": leaf_report(), "fused_head": fused_head_report(), "linear": linear_report(),
-              "checkpointing": checkpointing_report(),
+              "checkpointing": checkpointing_report(), "compile": compile_report(),
               "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
               | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)}}
     Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
