@@ -14,8 +14,9 @@ asserts about the update's host-side costs.
 - "checkpointing": the same two steps with and without model.gradient_checkpointing, and how often
   the first layer's MLP ran.
 - "compile": the same two steps with and without model.compile (decoder layers through
-  torch.compile), plain and with gradient checkpointing; dynamo's tallies (compilations, graph
-  breaks) and the log-probs of a batch of another length.
+  torch.compile), plain and with gradient checkpointing; log-probs without gradients at the
+  initial weights; dynamo's tallies (compilations, graph breaks) over the steps and over a
+  forward of another length.
 - "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
   padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import sys
 import types
@@ -61,6 +63,13 @@ def mean_diff(a: dict, b: dict) -> float:
     """The mean absolute difference over every element of two dicts of same-named tensors."""
     total = sum(float((a[k] - b[k]).abs().sum()) for k in a)
     return total / max(1, sum(a[k].numel() for k in a))
+
+
+@functools.cache
+def initial_weights() -> dict:
+    """The tiny model's weights before any step (rank 0; {} elsewhere): what every report measures
+    a step's change from, built once per process."""
+    return DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
 
 
 def full_grads(actor) -> dict:
@@ -108,7 +117,7 @@ def leaf_report() -> dict:
     base, base_leaves, base_grads = trained_weights(leaf=False, paged=False)
     leaf, leaves, leaf_grads = trained_weights(leaf=True, paged=False)
     paged, _, _ = trained_weights(leaf=True, paged=True)
-    init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
+    init = initial_weights()
     return {"leaf_modules_off": base_leaves, "leaf_modules_on": leaves, "layers": TINY["num_layers"],
             "max_diff_leaf_vs_off": max_diff(leaf, base), "max_diff_paged_vs_leaf": max_diff(paged, leaf),
             "max_change_from_init": max_diff(base, init), "names_equal": sorted(base) == sorted(leaf) == sorted(paged),
@@ -189,8 +198,8 @@ def dynamo_counts() -> dict:
 
 def trained_compiled(compiled: bool, checkpointing: bool = False) -> dict:
     """With model.compile (and model.gradient_checkpointing): the log-probs of a batch without
-    gradients, then two_steps, then a forward with gradients of a batch of another length (the
-    dynamic-length recompilation)."""
+    gradients, then two_steps, then a forward with gradients of a batch of another length (which
+    must not compile again: lengths are symbolic)."""
     from colo_rl.train.batch import build_batch
 
     cfg = tiny_cfg()
@@ -215,7 +224,7 @@ def trained_compiled(compiled: bool, checkpointing: bool = False) -> dict:
 def compile_report() -> dict:
     eager, comp = trained_compiled(False), trained_compiled(True)
     ckpt_eager, ckpt_comp = trained_compiled(False, True), trained_compiled(True, True)
-    init = DeepSpeedActor(tiny_cfg(), torch.float32, total_steps=4).full_state_dict_on_rank0() or {}
+    init = initial_weights()
     return {"compiled_forwards": [eager["compiled_forwards"], comp["compiled_forwards"]], "layers": TINY["num_layers"],
             "eager_dynamo": eager["steps"], "steps_dynamo": comp["steps"], "other_length_dynamo": comp["other_length"],
             "grad_max_diff": max_diff(comp["grads"], eager["grads"]),
