@@ -21,9 +21,9 @@ from colo_rl.train.activation_memory import agreed_token_budget
 from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.compiled_layers import check_compile, compile_decoder_layers
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
-                                     decoder_layer_classes, drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes,
-                                     lr_lambda, offload_buffers_set_aside, paged_state_bytes, paging_needed,
-                                     set_zero3_hooks, state_bytes_by_kind)
+                                     drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
+                                     offload_buffers_set_aside, paged_state_bytes, paging_needed, set_zero3_hooks,
+                                     state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 from colo_rl.train.lm_head import fusable_head
@@ -125,10 +125,7 @@ class DeepSpeedActor:
             self.engine.eval()
         self.module = self.engine.module
         if cfg.model.compile:  # after DeepSpeed's hooks are in place: they stay outside the graph
-            n = compile_decoder_layers(self.module, decoder_layer_classes(self.module))
-            if dist.is_rank0() and with_optimizer:
-                log.info("model.compile: %d decoder layers, compiled at their first forward with and without "
-                         "gradients (one compilation each serves every layer and length)", n)
+            compile_decoder_layers(self.module, announce=dist.is_rank0() and with_optimizer)
         # DeepSpeed's offload_states maps every parameter's partition onto the buffer of the
         # trained ones (stage3.py, lp_params): with a frozen base (LoRA) it fails, so those
         # partitions are paged here and DeepSpeed pages the rest.

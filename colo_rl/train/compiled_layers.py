@@ -22,10 +22,15 @@ next process's). The figures: docs/update_overhead.md.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from colo_rl.errors import ConfigError
 from colo_rl.lora import lora_enabled
+from colo_rl.train.ds_config import decoder_layer_classes
+
+log = logging.getLogger("colo_rl")
 
 
 def check_compile(model_cfg, trainer_cfg) -> None:
@@ -50,10 +55,14 @@ def check_compile(model_cfg, trainer_cfg) -> None:
                           "so ZeRO-3's hooks would split every compiled layer. Set model.compile=false.")
 
 
-def compile_decoder_layers(model: torch.nn.Module, class_names: list[str]) -> int:
-    """Replace the `forward` of every module whose class is in `class_names` (the decoder layers,
-    `ds_config.decoder_layer_classes`) by its torch.compile'd self. Returns how many."""
+def compile_decoder_layers(model: torch.nn.Module, announce: bool) -> int:
+    """Replace the `forward` of every decoder layer (`ds_config.decoder_layer_classes`) by its
+    torch.compile'd self; `announce`: log how many (rank 0 of a trained model). Returns how many."""
+    class_names = decoder_layer_classes(model)
     layers = [m for m in model.modules() if type(m).__name__ in class_names]
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
+    if announce:
+        log.info("model.compile: %d decoder layers, compiled at their first forward with and without gradients "
+                 "(one compilation each serves every layer and length)", len(layers))
     return len(layers)
