@@ -141,6 +141,79 @@ def test_flex_attention_logprobs_equal_the_dense_masks():
     assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
 
 
+def _other_lengths(groups, extra):
+    """`groups` with `extra` tokens added to (or, negative, taken from) every response."""
+    return [[r + [7] * extra if extra >= 0 else r[:max(1, len(r) + extra)] for r in g] for g in groups]
+
+
+def _compiled_flex_model(backend: str, device: str = "cpu"):
+    from colo_rl.train.compiled_layers import compile_decoder_layers
+
+    cfg = {**TINY.__dict__, "attn_implementation": "flex_attention"}
+    flex = load_model(ModelConfig(**cfg), torch.float32, seed=3).to(device)
+    assert compile_decoder_layers(flex, announce=False, backend=backend) == TINY.num_layers
+    return flex
+
+
+@pytest.mark.slow  # dynamo traces the layers: ~8 s
+def test_compiled_flex_layers_trace_as_one_graph(monkeypatch):
+    """model.compile with FlexAttention, as far as the CPU can take it: dynamo and AOT autograd (the
+    aot_eager backend: no inductor kernels, which the CPU cannot build for FlexAttention) trace the
+    decoder layer, the BlockMask an input, as one graph without a break, for every length, with and
+    without gradients; log-probs and gradients equal SDPA's with the dense mask. The CPU's only
+    barrier to the backward is FlexAttention's device check, lifted here (the math backward runs)."""
+    import torch.nn.attention.flex_attention as flex_module
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    sdpa = load_model(TINY, torch.float32, seed=3)
+    flex = _compiled_flex_model("aot_eager")
+    prompts, groups = _flex_groups()
+    with torch.no_grad():
+        for extra in (0, 3, -20):
+            mb = packed(prompts, _other_lengths(groups, extra))
+            ref, _ = response_logprobs(sdpa, mb)
+            got, _ = response_logprobs(flex, mb)
+            assert torch.allclose(got, ref, atol=1e-5), (extra, (got - ref).abs().max())
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1} and not counters["graph_break"], dict(counters)
+
+    monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
+    for extra in (0, 5):
+        mb = packed(prompts, _other_lengths(groups, extra))
+        ref, _ = response_logprobs(sdpa, mb)
+        got, _ = response_logprobs(flex, mb)
+        assert torch.allclose(got, ref, atol=1e-5), (extra, (got - ref).abs().max())
+        g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
+        g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
+        for a, b in zip(g_got, g_ref):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (extra, (a - b).abs().max())
+    # the graph with gradients is the second and last: the new length compiled nothing
+    assert dict(counters["frames"]) == {"total": 2, "ok": 2} and not counters["graph_break"], dict(counters)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_flex_layers_on_gpu():
+    """model.compile with FlexAttention through inductor's triton kernels: log-probs and gradients
+    equal SDPA's with the dense mask, for two lengths, without a graph break."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    sdpa = load_model(ModelConfig(**{**TINY.__dict__, "dtype": "fp32"}), torch.float32, seed=3).cuda()
+    flex = _compiled_flex_model("inductor", "cuda")
+    prompts, groups = _flex_groups()
+    for extra in (0, 5):
+        mb = packed(prompts, _other_lengths(groups, extra)).to("cuda")
+        ref, _ = response_logprobs(sdpa, mb)
+        got, _ = response_logprobs(flex, mb)
+        assert torch.allclose(got, ref, atol=1e-4), (extra, (got - ref).abs().max())
+        g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
+        g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
+        for a, b in zip(g_got, g_ref):
+            assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_flex_attention_logprobs_and_gradients_on_gpu():

@@ -55,13 +55,14 @@ def check_compile(model_cfg, trainer_cfg) -> None:
                           "so ZeRO-3's hooks would split every compiled layer. Set model.compile=false.")
 
 
-def compile_decoder_layers(model: torch.nn.Module, announce: bool) -> int:
+def compile_decoder_layers(model: torch.nn.Module, announce: bool, backend: str = "inductor") -> int:
     """Replace the `forward` of every decoder layer (`ds_config.decoder_layer_classes`) by its
-    torch.compile'd self; `announce`: log how many (rank 0 of a trained model). Returns how many."""
+    torch.compile'd self; `announce`: log how many (rank 0 of a trained model); `backend`: torch's
+    (tests trace FlexAttention layers on the CPU with "aot_eager"). Returns how many."""
     class_names = decoder_layer_classes(model)
     layers = [m for m in model.modules() if type(m).__name__ in class_names]
     for layer in layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
     if announce:
         log.info("model.compile: %d decoder layers, compiled at their first forward with and without gradients "
                  "(one compilation each serves every layer and length)", len(layers))
