@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as fh:
             cmd = [sys.executable, __file__, "--one", dtype, "--json", fh.name, "--n", str(args.n),
                    "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": common.child_python_path()})
             by_dtype[dtype] = json.loads(Path(fh.name).read_text())
     from test_sglang_cpu_embedded import QUESTIONS
 

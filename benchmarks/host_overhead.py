@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": common.child_python_path()}
     for r in range(args.rounds):
         for name in names:
             print(f"host_overhead: round {r + 1}/{args.rounds}, {name} ...", flush=True)

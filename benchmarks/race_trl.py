@@ -242,7 +242,7 @@ def trl_worker(args) -> None:
 
 # ----------------------------------------------------------------------------- helpers, report
 def _run(cmd: list[str], log: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": common.child_python_path(),
            "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)

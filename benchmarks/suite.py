@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         only = [n for n in (only or PRESETS[args.preset]) if n != "race_trl"]
         only = only + ["step_breakdown"] if "step_breakdown" not in only else only
     steps = plan(args.preset, only, args.out)
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": common.child_python_path(),
            "PYTHONUNBUFFERED": "1"}
     failed, ran = [], 0
     t_all = time.perf_counter()

@@ -6,13 +6,12 @@ import os
 import platform
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from colo_rl.host_malloc import KEEP_HOST_MEMORY_ENV, keep_host_memory_wanted
+from conftest import python_path
 
-ROOT = Path(__file__).resolve().parents[1]
 # After dist.init (a world of one, gloo): whether a 256 MiB tensor's memory lies in the heap
 # (glibc's [heap] mapping, which keeps freed blocks for reuse) or in a mapping of its own (unmapped
 # when it is freed, and faulted in anew by the next one).
@@ -28,7 +27,7 @@ print(json.dumps(any(lo <= x.data_ptr() < hi for lo, hi in spans)))
 
 
 def in_heap(keep: str) -> bool:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), KEEP_HOST_MEMORY_ENV: keep, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": python_path(), KEEP_HOST_MEMORY_ENV: keep, "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from colo_rl.train.prebuilt_ops import build_manifest, manifest_mismatch, save_prebuilt_op
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import python_path
 
 
 def test_manifest_mismatch_names_what_differs():
@@ -53,11 +52,14 @@ def _built_fused_adam() -> Path:
 def test_prebuilt_fused_adam_is_loaded_not_built(tmp_path, matching):
     import torch
 
+    if torch.version.cuda and not torch.cuda.is_available():
+        pytest.skip("a CUDA build of torch without a GPU (the GPU stack on CPU): its FusedAdam is a CUDA op "
+                    "that load_prebuilt_ops rightly refuses here")
     version = torch.__version__ if matching else "0.0.1"
     save_prebuilt_op("fused_adam", _built_fused_adam(), tmp_path / "ops", build_manifest(version, torch.version.cuda, []))
     assert json.loads((tmp_path / "ops" / "fused_adam.json").read_text())["torch"] == version
     env = dict(os.environ, COLO_RL_PREBUILT_OPS=str(tmp_path / "ops"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=python_path())
     if not matching:  # the mismatch falls back to DeepSpeed's own build: stop before it compiles for a minute
         code = PROBE.replace("op = FusedAdamBuilder().load()", "op = None")
     else:

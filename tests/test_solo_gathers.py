@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from colo_rl.solo_gathers import LOCAL_GATHERS_ENV, local_gathers_wanted
+from conftest import python_path
 
-ROOT = Path(__file__).resolve().parents[1]
 # A world of one on two intra-op threads: DeepSpeed's gather calls checked, then one ZeRO-3 update of
 # a tiny model; the threads named like gloo's workers counted after dist.init and after the update
 # (an OpenMP team started on one of them adds threads of the same name), and the trained weights' digest.
@@ -60,7 +59,7 @@ print(json.dumps({"gathers_copy": gathers_copy, "gloo_threads": [before, after],
 
 
 def probe(local: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), LOCAL_GATHERS_ENV: local, "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": python_path(), LOCAL_GATHERS_ENV: local, "CUDA_VISIBLE_DEVICES": ""}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
