@@ -117,3 +117,27 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
         args.linear, args.checkpointing, args.compile = "on", True, True
     assert persistent[0] < 1.0 and persistent[1] == 1.0
     assert linear == [False, True] and checkpointing == [False, True] and compiled == [False, True]
+
+
+def test_update_mfu_checks_the_compiled_layers_against_eager(tmp_path):
+    """`update_mfu.py --compile` (the *compile stages) reports the first micro-batch's log-probs from
+    the compiled layers against the same layers run eagerly: float32 rounding apart on the CPU. The
+    eager pass runs the layers' Python (each MLP's SiLU is called) and compiles nothing."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, compiled_vs_eager
+    from colo_rl import dist
+
+    dist.init()
+    args = arg_parser().parse_args(["--dry-run", "--sequences", "4", "--group-size", "2", "--prompt-len", "6",
+                                    "--response-len", "8", "--groups-per-micro-batch", "2", "--compile"])
+    actor, mbs, _ = build(args, MODEL_DRY, tmp_path / "model")
+    compiled_vs_eager(actor, mbs[0])  # compiles the graph without gradients
+    before = dict(counters["frames"])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        agreement = compiled_vs_eager(actor, mbs[0])
+    assert counters["frames"] == before  # nothing compiled again
+    # aten's SiLU, dispatched by each layer's MLP in the eager pass only (inductor's kernel fuses it)
+    assert sum(e.count for e in prof.key_averages() if e.key == "aten::silu") == MODEL_DRY["num_hidden_layers"]
+    assert 0 <= agreement["mean_abs"] <= agreement["max_abs"] <= 1e-5, agreement

@@ -147,15 +147,19 @@ def markdown(result: dict) -> str:
                      f"{f(h['device_copy_ms'], '.2f')} | {h['zero_copy']} | {h['buckets']} |")
     lines += ["", "Update alone (benchmarks/gpu/update_mfu.py: 0.5B-class, 128 x 768, 150-token prompts, one "
               "optimizer step, profiled once):", "",
-              "| update | s (best) | TFLOP/s | MFU | GPU busy |", "|---|---|---|---|---|"]
+              "| update | s (best) | TFLOP/s | MFU | GPU busy | first update s | compiled vs eager, max abs |",
+              "|---|---|---|---|---|---|---|"]
     for name, label in MFU_RUNS.items():
         m = result["mfu"].get(name)
         if m is None:
-            lines.append(f"| {label} | not run | | | |")
+            lines.append(f"| {label} | not run | | | | | |")
             continue
         mfu = "-" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"
+        first = m.get("first_update_seconds")  # the warm-up update, with the compilation (older results: none)
+        agreement = m.get("compiled_vs_eager")
         lines.append(f"| {label} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
-                     f"{100 * m['busy']['busy_fraction']:.1f} % |")
+                     f"{100 * m['busy']['busy_fraction']:.1f} % | {'-' if first is None else f'{first:.1f}'} | "
+                     f"{'-' if agreement is None else format(agreement['max_abs'], '.1e')} |")
     return "\n".join(lines) + "\n"
 
 
