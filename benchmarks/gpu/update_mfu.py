@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -218,6 +219,57 @@ def arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def write_results(args, m: dict, agreement: Optional[dict]) -> None:
+    """The results (JSON + Markdown) of main's measurements `m`, with `compiled_vs_eager`'s
+    figures when there are some."""
+    import torch
+
+    from benchmarks import common
+    from colo_rl import dist
+
+    dims, groups, n_micro, seconds = m["dims"], m["groups"], m["micro_batches"], m["seconds"]
+    busy, host_top, device_top = m["busy"], m["host_top"], m["device_top"]
+    linear_on, first_seconds, on_gpu = m["linear_on"], m["first_seconds"], m["on_gpu"]
+    flops = update_flops(dims, args.prompt_len, args.response_len, args.group_size, groups)
+    best = min(seconds)
+    name = torch.cuda.get_device_name(0).lower() if on_gpu else "cpu"
+    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
+    result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
+              "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": n_micro,
+              "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
+              "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
+              "compiled_layers": args.compile,
+              "update_seconds": seconds, "first_update_seconds": first_seconds, "compiled_vs_eager": agreement,
+              "flops": flops,
+              "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
+              "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
+              "host_top": host_top, "device_top": device_top}
+    mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
+    table = "\n".join([
+        f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
+        f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
+        f"{args.prompt_len}-token prompt), {n_micro} micro-batches, attention {args.attn}, "
+        f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
+        f"{'on' if linear_on else 'off'} (--linear {args.linear})"
+        f"{', gradient checkpointing' if args.checkpointing else ''}"
+        f"{', decoder layers compiled (model.compile)' if args.compile else ''}"
+        f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
+        "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
+        f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
+        f"({busy['category']}) | {busy['events']} |", "",
+        f"First update (warm-up{': the compilation included' if args.compile else ''}): {first_seconds:.2f} s."
+        + (f" Compiled vs eager log-probs of the first micro-batch (no gradients): max |diff| "
+           f"{agreement['max_abs']:.2e}, mean {agreement['mean_abs']:.2e}." if agreement else ""), "",
+        "Top host functions of the profiled update (self CPU time):", "",
+        "| function | calls | self ms |", "|---|---|---|",
+        *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
+        *(["", "Top device kernels (self device time):", "", "| kernel | calls | ms |", "|---|---|---|",
+           *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in device_top]] if device_top else [])])
+    stem = args.name + ("_dry_run" if args.dry_run else "")
+    if dist.is_rank0():
+        common.publish(stem, result, table, args.out or common.RESULTS, readme=not args.no_readme)
+
+
 def main(argv=None) -> int:
     args = arg_parser().parse_args(argv)
     if args.dry_run:
@@ -226,7 +278,6 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from benchmarks import common
     from colo_rl import dist
 
     on_gpu = torch.cuda.is_available()
@@ -260,45 +311,12 @@ def main(argv=None) -> int:
         busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
         host_top = top_ops(prof.key_averages(), "self_cpu_time_total")
         device_top = top_ops(prof.key_averages(), "self_device_time_total") if on_gpu else []
-        agreement = compiled_vs_eager(actor, mbs[0]) if args.compile else None  # after the timings: it compiles
-    flops = update_flops(dims, args.prompt_len, args.response_len, args.group_size, groups)
-    best = min(seconds)
-    name = torch.cuda.get_device_name(0).lower() if on_gpu else "cpu"
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
-    result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
-              "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": len(mbs),
-              "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
-              "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
-              "compiled_layers": args.compile,
-              "update_seconds": seconds, "first_update_seconds": first_seconds, "compiled_vs_eager": agreement,
-              "flops": flops,
-              "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
-              "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
-              "host_top": host_top, "device_top": device_top}
-    mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
-    table = "\n".join([
-        f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
-        f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
-        f"{args.prompt_len}-token prompt), {len(mbs)} micro-batches, attention {args.attn}, "
-        f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
-        f"{'on' if linear_on else 'off'} (--linear {args.linear})"
-        f"{', gradient checkpointing' if args.checkpointing else ''}"
-        f"{', decoder layers compiled (model.compile)' if args.compile else ''}"
-        f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
-        "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
-        f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
-        f"({busy['category']}) | {busy['events']} |", "",
-        f"First update (warm-up{': the compilation included' if args.compile else ''}): {first_seconds:.2f} s."
-        + (f" Compiled vs eager log-probs of the first micro-batch (no gradients): max |diff| "
-           f"{agreement['max_abs']:.2e}, mean {agreement['mean_abs']:.2e}." if agreement else ""), "",
-        "Top host functions of the profiled update (self CPU time):", "",
-        "| function | calls | self ms |", "|---|---|---|",
-        *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
-        *(["", "Top device kernels (self device time):", "", "| kernel | calls | ms |", "|---|---|---|",
-           *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in device_top]] if device_top else [])])
-    stem = args.name + ("_dry_run" if args.dry_run else "")
-    if dist.is_rank0():
-        common.publish(stem, result, table, args.out or common.RESULTS, readme=not args.no_readme)
+    measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "linear_on": linear_on, "seconds": seconds,
+                "first_seconds": first_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
+                "on_gpu": on_gpu}
+    write_results(args, measured, None)
+    if args.compile:  # after the figures are written: this compiles the graph without gradients (a budget may cut it)
+        write_results(args, measured, compiled_vs_eager(actor, mbs[0]))
     return 0
 
 
