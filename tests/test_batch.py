@@ -155,6 +155,17 @@ def _compiled_flex_model(backend: str, device: str = "cpu"):
     return flex
 
 
+def _assert_same_logprobs_and_grads(model, reference, mb, atol: float, rtol: float, what=None) -> None:
+    """`model`'s response log-probs and their gradients (a log-prob sum) equal `reference`'s on `mb`."""
+    ref, _ = response_logprobs(reference, mb)
+    got, _ = response_logprobs(model, mb)
+    assert torch.allclose(got, ref, atol=atol), (what, (got - ref).abs().max())
+    g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(reference.parameters()))
+    g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(model.parameters()))
+    for a, b in zip(g_got, g_ref):
+        assert torch.allclose(a, b, atol=atol, rtol=rtol), (what, (a - b).abs().max())
+
+
 @pytest.mark.slow  # dynamo traces the layers: ~8 s
 def test_compiled_flex_layers_trace_as_one_graph(monkeypatch):
     """model.compile with FlexAttention, as far as the CPU can take it: dynamo and AOT autograd (the
@@ -179,14 +190,7 @@ def test_compiled_flex_layers_trace_as_one_graph(monkeypatch):
 
     monkeypatch.setattr(flex_module, "_validate_device", lambda *tensors: None)
     for extra in (0, 5):
-        mb = packed(prompts, _other_lengths(groups, extra))
-        ref, _ = response_logprobs(sdpa, mb)
-        got, _ = response_logprobs(flex, mb)
-        assert torch.allclose(got, ref, atol=1e-5), (extra, (got - ref).abs().max())
-        g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
-        g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
-        for a, b in zip(g_got, g_ref):
-            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (extra, (a - b).abs().max())
+        _assert_same_logprobs_and_grads(flex, sdpa, packed(prompts, _other_lengths(groups, extra)), 1e-5, 1e-4, extra)
     # the graph with gradients is the second and last: the new length compiled nothing
     assert dict(counters["frames"]) == {"total": 2, "ok": 2} and not counters["graph_break"], dict(counters)
 
@@ -204,13 +208,7 @@ def test_compiled_flex_layers_on_gpu():
     prompts, groups = _flex_groups()
     for extra in (0, 5):
         mb = packed(prompts, _other_lengths(groups, extra)).to("cuda")
-        ref, _ = response_logprobs(sdpa, mb)
-        got, _ = response_logprobs(flex, mb)
-        assert torch.allclose(got, ref, atol=1e-4), (extra, (got - ref).abs().max())
-        g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
-        g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
-        for a, b in zip(g_got, g_ref):
-            assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+        _assert_same_logprobs_and_grads(flex, sdpa, mb, 1e-4, 1e-3, extra)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
@@ -220,11 +218,4 @@ def test_flex_attention_logprobs_and_gradients_on_gpu():
     cfg = {**TINY.__dict__, "dtype": "fp32"}
     sdpa = load_model(ModelConfig(**cfg), torch.float32, seed=3).cuda()
     flex = load_model(ModelConfig(**{**cfg, "attn_implementation": "flex_attention"}), torch.float32, seed=3).cuda()
-    mb = packed(*_flex_groups()).to("cuda")
-    ref, _ = response_logprobs(sdpa, mb)
-    got, _ = response_logprobs(flex, mb)
-    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
-    g_ref = torch.autograd.grad((ref * mb.response_mask).sum(), list(sdpa.parameters()))
-    g_got = torch.autograd.grad((got * mb.response_mask).sum(), list(flex.parameters()))
-    for a, b in zip(g_got, g_ref):
-        assert torch.allclose(a, b, atol=1e-4, rtol=1e-3)
+    _assert_same_logprobs_and_grads(flex, sdpa, packed(*_flex_groups()).to("cuda"), 1e-4, 1e-3)
