@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
+import torch
+
 from colo_rl import dist
 from colo_rl.loggers import LOGGERS
 
@@ -33,6 +35,47 @@ class Timer:
     def pop(self) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.seconds.items()}
         self.seconds = {}
+        return out
+
+
+class StepSums:
+    """A step's statistics added up over its micro-batches where they are computed, read once.
+
+    `add` takes 0-d device tensors or floats and keeps tensors on their device (float64, detached):
+    nothing inside the micro-batch loop waits for the device. `totals` then reads every tensor to
+    the host in one transfer and reduces over ranks: keys named in `maxima` take the largest value
+    (statistics >= 0), the others are summed. Every rank calls `totals` with the same keys
+    (collectives): `keys` and `maxima` start at 0, so a rank whose micro-batches add nothing to
+    them still has them.
+    """
+
+    def __init__(self, keys: Iterable[str] = (), maxima: Iterable[str] = ()) -> None:
+        self.maxima = frozenset(maxima)
+        self.values: dict[str, object] = dict.fromkeys([*keys, *maxima], 0.0)
+
+    def add(self, values: Optional[dict] = None, prefix: str = "", **named) -> None:
+        """Add `values` (and `named`) under `prefix` + their key."""
+        for key, value in {**(values or {}), **named}.items():
+            if isinstance(value, torch.Tensor):
+                value = value.detach().to(torch.float64)
+            key = prefix + key
+            old = self.values.get(key)
+            if old is None:
+                self.values[key] = value
+            elif key in self.maxima:
+                self.values[key] = torch.maximum(torch.as_tensor(old), torch.as_tensor(value)) if (
+                    isinstance(old, torch.Tensor) or isinstance(value, torch.Tensor)) else max(old, value)
+            else:
+                self.values[key] = old + value
+
+    def totals(self) -> dict[str, float]:
+        """Every key's sum (or maximum) over micro-batches and ranks, as floats."""
+        local = dist.host_floats(self.values)  # one device-to-host transfer
+        maxima = sorted(k for k in local if k in self.maxima)
+        sums = {k: v for k, v in local.items() if k not in self.maxima}
+        out = dist.all_reduce_sum(sums) if sums else {}
+        if maxima:
+            out.update(zip(maxima, dist.all_reduce_max([local[k] for k in maxima])))
         return out
 
 

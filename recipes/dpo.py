@@ -37,7 +37,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import Timer, plot_curves, read_jsonl
+from colo_rl.metrics import StepSums, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import empty_batch, equalise, pair_logps, pair_micro_batches, plan_steps, split_pair_logps
@@ -210,8 +210,11 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
     batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype,
                                              actor.micro_batch_tokens()),
                           pad_id, make=lambda: ([], empty_batch(pad_id)))
-    sums = dict.fromkeys(("loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs"), 0.0)
+    sums = StepSums(["loss", "chosen", "rejected", "correct", "logp_chosen", "logp_rejected", "pairs"])
     for j, (rows, batch) in enumerate(batches):
+        if rows and ref is None:  # the cached reference log-probs travel with the batch
+            batch.extras.update(zip(("ref_chosen", "ref_rejected"), (t[[indices[i] for i in rows]] for t in cached)))
+        batch = actor.to_device(batch)  # pinned, non-blocking on a GPU
         logp, _ = actor.response_logprobs(batch)
         ref_logp = ref.response_logprobs(batch, grad=False)[0] if ref is not None else None  # every rank: collectives
         if not rows:  # an empty micro-batch (this rank ran out): joins the collectives, adds zero
@@ -219,18 +222,17 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
             continue
         policy_chosen, policy_rejected = split_pair_logps(logp, batch, length_normalised)
         if ref_logp is None:
-            ref_chosen, ref_rejected = (t[[indices[i] for i in rows]].to(policy_chosen.device) for t in cached)
+            ref_chosen, ref_rejected = batch.extras["ref_chosen"], batch.extras["ref_rejected"]
         else:
             ref_chosen, ref_rejected = split_pair_logps(ref_logp, batch, length_normalised)
         losses, rc, rr = algos.dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, algo.beta,
                                         algo.dpo_loss, algo.label_smoothing)
         actor.backward(losses.sum() / n_pairs, last_micro_batch=j == len(batches) - 1)
-        for k, v in (("loss", losses.detach()), ("chosen", rc), ("rejected", rr), ("correct", (rc > rr).float()),
-                     ("logp_chosen", policy_chosen.detach()), ("logp_rejected", policy_rejected.detach())):
-            sums[k] += float(v.sum())
-        sums["pairs"] += len(rows)
+        sums.add({k: v.detach().sum() for k, v in (("loss", losses), ("chosen", rc), ("rejected", rr),
+                                                   ("correct", (rc > rr).float()), ("logp_chosen", policy_chosen),
+                                                   ("logp_rejected", policy_rejected))}, pairs=len(rows))
     stats = actor.step()
-    totals = dist.all_reduce_sum(sums)
+    totals = sums.totals()
     n = max(totals["pairs"], 1.0)
     return {"train/loss": totals["loss"] / n, "rewards/chosen": totals["chosen"] / n,
             "rewards/rejected": totals["rejected"] / n, "rewards/margins": (totals["chosen"] - totals["rejected"]) / n,

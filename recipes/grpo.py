@@ -31,7 +31,7 @@ from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported
-from colo_rl.metrics import MetricsLogger, Timer, plot_curves, read_jsonl
+from colo_rl.metrics import MetricsLogger, StepSums, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
@@ -361,13 +361,13 @@ class GRPORecipe:
             packed.attach("advantages", algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
                 rollout.total(), rollout.group_size, algo, table.response_mask, kl_penalty))
         per_step = len(plan) // cfg.trainer.mini_batches_per_step
-        # Statistics stay on the device (no sync per micro-batch) and travel once, after the loop
-        sums: dict = dict.fromkeys(("loss", "entropy", "kl", "tokens"), 0.0)  # + the policy loss's own stats
+        # summed on the device (no sync per micro-batch), read once after the loop; + the policy loss's own
+        # statistics (token means) and the engine-vs-trainer mismatch sums
+        sums = StepSums(["loss", "entropy", "kl", "tokens"], maxima=[f"mismatch:{k}" for k in algos.MISMATCH_MAX_KEYS])
         want_entropy = algo.entropy_coef > 0 or algo.log_entropy  # in the loss, or train/entropy
         step_stats: dict[str, float] = {}
         handoff_stats: dict[str, float] = {}  # the engine-vs-trainer check, kept past later optimizer steps
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
-        mismatch = None  # engine-vs-trainer sums (algos.mismatch_sums), tensors: no sync per micro-batch
         with self.timer("update"):
             for epoch in range(cfg.trainer.ppo_epochs):
                 for k in range(cfg.trainer.mini_batches_per_step):
@@ -389,23 +389,19 @@ class GRPORecipe:
                             ref_logp=mb.extras["ref_logp"] if ref is not None else None,
                             num_tokens=n_tok, num_seqs=n_seq, entropy=entropy)
                         actor.backward(loss, last_micro_batch=j == len(chunk) - 1)
-                        sums["loss"] += loss.detach()
-                        if entropy is not None:
-                            sums["entropy"] += (entropy.detach() * mb.response_mask).sum()
-                        sums["kl"] += stats.pop("kl_sum", 0.0)
-                        mismatch = algos.add_sums(mismatch, stats.pop("mismatch"))
-                        sums["tokens"] += m_tok
-                        for key, value in stats.items():  # clip_frac, dual_clip_frac, ratio_mean, ...: token means
-                            sums[key] = sums.get(key, 0.0) + value * m_tok
+                        sums.add(loss=loss, kl=stats.pop("kl_sum", 0.0), tokens=m_tok,
+                                 entropy=(entropy.detach() * mb.response_mask).sum() if entropy is not None else 0.0)
+                        sums.add(stats.pop("mismatch"), prefix="mismatch:")
+                        # clip_frac, dual_clip_frac, ratio_mean, ...: token means, weighed by the tokens
+                        sums.add({key: value * m_tok for key, value in stats.items()})
                     step_stats = actor.step()
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0 and agreement is not None:  # before any weight change: the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
-            # the statistics' one device-to-host transfer, the engine-vs-trainer mismatch sums with them; timed
-            # with the update: it waits for the device's queued work (the last backward, the optimizer step)
-            read = dist.host_floats({**sums, **{f"mismatch:{k}": v for k, v in (mismatch or {}).items()}})
-        mismatch = {k.split(":", 1)[1]: read.pop(k) for k in list(read) if k.startswith("mismatch:")} or None
-        totals = dist.all_reduce_sum(read)
+            # the statistics' one device-to-host transfer; timed with the update: it waits for the
+            # device's queued work (the last backward, the optimizer step)
+            totals = sums.totals()
+        mismatch = {k.split(":", 1)[1]: totals.pop(k) for k in list(totals) if k.startswith("mismatch:")}
         loss_sum, ent_sum, kl_sum, tok = (totals.pop(k) for k in ("loss", "entropy", "kl", "tokens"))
         n_steps = cfg.trainer.mini_batches_per_step * cfg.trainer.ppo_epochs
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch

@@ -31,7 +31,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.data.sft import load_sft_data
 from colo_rl.evaluation import check_held_out_size, held_out_accuracy
-from colo_rl.metrics import plot_curves, read_jsonl
+from colo_rl.metrics import StepSums, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import equalise, masked_token_count, plan_steps, sft_micro_batches
@@ -150,28 +150,27 @@ def sft_step(actor, batches: list, pad_id: int, examples: list) -> dict[str, flo
     local_tokens = masked_token_count(batches)
     batches, _ = equalise(batches, pad_id)
     n_tok, n_seq_tok = dist.all_reduce_sum([local_tokens, float(sum(len(ex) for ex in examples))])
-    loss_sum = 0.0
+    sums = StepSums(["loss"])  # on the device: no sync per micro-batch
     for j, mb in enumerate(batches):
+        mb = actor.to_device(mb)  # pinned, non-blocking on a GPU
         logp, _ = actor.response_logprobs(mb)
-        loss = algos.sft_loss(logp, mb.response_mask.to(logp.device), num_tokens=n_tok)
+        loss = algos.sft_loss(logp, mb.response_mask, num_tokens=n_tok)
         actor.backward(loss, last_micro_batch=j == len(batches) - 1)
-        loss_sum += float(loss.detach())
+        sums.add(loss=loss)
     stats = actor.step()
-    (loss_total,) = dist.all_reduce_sum([loss_sum])
-    return {"train/loss": loss_total, "train/grad_norm": stats["grad_norm"], "train/lr": stats["lr"],
+    return {"train/loss": sums.totals()["loss"], "train/grad_norm": stats["grad_norm"], "train/lr": stats["lr"],
             "train/completion_tokens": n_tok, "train/tokens": n_seq_tok, "train/micro_batches": len(batches)}
 
 
 def held_out_loss(actor, batches: list, pad_id: int) -> dict[str, float]:
     batches, _ = equalise(batches, pad_id)
-    nll = tok = 0.0
+    sums = StepSums(["nll", "tokens"])
     for mb in batches:
+        mb = actor.to_device(mb)
         logp, _ = actor.response_logprobs(mb, grad=False)
-        m = mb.response_mask.to(logp.device)
-        nll += float(-(logp * m).sum())
-        tok += float(m.sum())
-    nll, tok = dist.all_reduce_sum([nll, tok])
-    return {"eval/loss": nll / max(tok, 1.0), "eval/tokens": tok}
+        sums.add(nll=-(logp * mb.response_mask).sum(), tokens=mb.response_mask.sum())
+    t = sums.totals()
+    return {"eval/loss": t["nll"] / max(t["tokens"], 1.0), "eval/tokens": t["tokens"]}
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")

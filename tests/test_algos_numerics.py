@@ -11,6 +11,7 @@ import torch
 
 from colo_rl import algos
 from colo_rl.config import AlgoConfig, ConfigError
+from colo_rl.metrics import StepSums
 from conftest import WORKERS, read_json, run_torchrun
 from test_validation import _cfg
 
@@ -234,8 +235,10 @@ def test_rl_loss_applies_the_correction_and_reports_the_mismatch():
     a, b = (algos.rl_loss(logp, old, torch.tensor([1.0, -2.0]), MASK, algo(**kw), rollout_logp=torch.zeros(2, 3))
             for kw in ({"tis_cap": 2.0}, {"rollout_correction": "tis_token"}))
     assert a[0].item() == pytest.approx(b[0].item()) == pytest.approx((-(2 + 1 + 0.5) + 2 * (1.5 + 0.25)) / 5)
-    total = algos.add_sums(a[1]["mismatch"], b[1]["mismatch"])  # accumulated over two micro-batches
-    twice = algos.mismatch_metrics(total)
+    total = StepSums(maxima=algos.MISMATCH_MAX_KEYS)  # accumulated over two micro-batches
+    total.add(a[1]["mismatch"])
+    total.add(b[1]["mismatch"])
+    twice = algos.mismatch_metrics(total.totals())
     assert twice["mismatch/tokens_truncated_frac"] == pytest.approx(1 / 5)
     assert twice["mismatch/seqs_truncated_frac"] == pytest.approx(1 / 2)
     assert twice["mismatch/ratio_max"] == pytest.approx(3.0)

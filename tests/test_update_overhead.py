@@ -161,16 +161,70 @@ def test_update_reads_the_device_a_fixed_number_of_times_whatever_the_split(repo
         assert sorted(r["micro_batches"] for r in runs.values()) == [2, 2, 4, 4, 4]
         counts = {name: len(r["reads"]) for name, r in runs.items()}
         assert len(set(counts.values())) == 1 and counts["padded_mbs8"] <= 3, runs
+        assert all(not r["mixed"] for r in runs.values()), runs  # no host tensor meets a device one
         # the same statistics however the step is split (float tolerance)
         for key in ("loss", "entropy", "logprob_diff"):
             values = [r[key] for r in runs.values()]
             assert max(values) - min(values) <= 1e-5 * max(1.0, abs(values[0])), (key, values)
 
 
+@pytest.mark.slow
+def test_sft_and_dpo_steps_read_the_device_a_fixed_number_of_times(reports):
+    """One SFT or DPO optimizer step, packed or padded: the non-finite flag and the statistics
+    travel once each, however many micro-batches (before: a read per micro-batch, six for DPO), and
+    no host tensor meets a device one (DPO's padded layout masked device log-probs with the host
+    batch's mask: a device mismatch on a GPU)."""
+    for rep in reports:
+        runs = rep["offline_reads"]
+        for kind in ("sft_packed", "sft_padded", "dpo_packed", "dpo_padded"):
+            same = [r for name, r in runs.items() if name.startswith(kind + "_")]
+            assert len({r["micro_batches"] for r in same}) == 3, (kind, same)  # three different splits
+            assert {len(r["reads"]) for r in same} == {2}, (kind, same)
+            assert all(not r["mixed"] for r in same), (kind, same)
+            losses = [r["loss"] for r in same]
+            assert max(losses) - min(losses) <= 1e-5 * max(1.0, abs(losses[0])), (kind, losses)
+
+
 def test_host_floats_reads_every_tensor_at_once():
     values = {"a": torch.tensor(1.5), "b": 2.0, "c": torch.tensor([3.0])}
     assert dist.host_floats(values) == {"a": 1.5, "b": 2.0, "c": 3.0}
     assert list(dist.host_floats(values)) == ["a", "b", "c"]
+
+
+class CountedReads(torch.Tensor):
+    """A tensor whose host reads (float(), item(), ...) are counted."""
+
+    reads = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("item", "__float__", "__bool__", "tolist", "cpu"):
+            CountedReads.reads += 1
+        out = super().__torch_function__(func, types_, args, kwargs or {})
+        # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second read
+        return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, CountedReads) else out
+
+
+def test_step_sums_add_on_the_device_and_read_once():
+    from colo_rl.metrics import StepSums
+
+    CountedReads.reads = 0
+    sums = StepSums(["loss", "unused"], maxima=["max"])
+    for x in (1.0, 2.5, -0.5):
+        t = torch.tensor(x, requires_grad=True).as_subclass(CountedReads)
+        sums.add(loss=t * 2, tokens=3, max=t.abs())
+        sums.add({"ratio": t}, prefix="m:")
+    assert CountedReads.reads == 0  # nothing read inside the loop
+    assert not any(v.requires_grad for v in sums.values.values() if isinstance(v, torch.Tensor))
+    totals = sums.totals()
+    assert CountedReads.reads <= 1
+    assert totals == {"loss": 6.0, "unused": 0.0, "max": 2.5, "tokens": 9.0, "m:ratio": 3.0}
+    # a NaN stays a NaN in a maximum (torch.maximum), so checks on it fail as they should
+    nan = StepSums(maxima=["max"])
+    nan.add(max=torch.tensor(float("nan")))
+    nan.add(max=torch.tensor(1.0))
+    assert nan.totals()["max"] != nan.totals()["max"]
 
 
 def test_benchmark_runs_the_new_options_only_on_roots_that_know_them(tmp_path):

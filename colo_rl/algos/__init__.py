@@ -25,14 +25,15 @@ from colo_rl.algos.advantages import (GROUP_ESTIMATORS, KL_IN_REWARD_ESTIMATORS,
 from colo_rl.algos.core import (ADV_ESTIMATORS, DPO_LOSSES, KL_ESTIMATORS, LOSS_AGGREGATIONS, POLICY_LOSSES,
                                 ROLLOUT_CORRECTIONS, aggregate_loss, entropy_from_logits, logprobs_from_logits, masked,
                                 masked_mean)
+from colo_rl.algos.correction import MAX_KEYS as MISMATCH_MAX_KEYS
 from colo_rl.algos.correction import TWO_SIDED as TWO_SIDED_CORRECTIONS
-from colo_rl.algos.correction import Correction, add_sums, mismatch_metrics, mismatch_sums, rollout_correction
+from colo_rl.algos.correction import Correction, mismatch_metrics, mismatch_sums, rollout_correction
 from colo_rl.algos.policy import (GSPO_LOG_RATIO_MAX, K3_BOUND, cispo_loss, gspo_loss, kl_abs, kl_k1, kl_k1_plus, kl_k2,
                                   kl_k3, kl_k3_plus, kl_penalty, policy_loss, ppo_clip_loss, rl_loss)
 from colo_rl.algos.preference import dpo_loss, ipo_loss, sequence_logprobs, sft_loss
 
 __all__ = [
-    "ADV_ESTIMATORS", "DPO_LOSSES", "ROLLOUT_CORRECTIONS", "TWO_SIDED_CORRECTIONS", "Correction", "add_sums",
+    "ADV_ESTIMATORS", "DPO_LOSSES", "ROLLOUT_CORRECTIONS", "TWO_SIDED_CORRECTIONS", "Correction", "MISMATCH_MAX_KEYS",
     "mismatch_metrics", "mismatch_sums", "rollout_correction", "masked", "GSPO_LOG_RATIO_MAX", "kl_abs", "kl_k1_plus",
     "kl_k3_plus", "sequence_mean_kl", "GROUP_ESTIMATORS", "KL_IN_REWARD_ESTIMATORS", "kl_goes_in_reward", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
     "POLICY_LOSSES", "AdaptiveKLController", "aggregate_loss", "cispo_loss", "dpo_loss", "entropy_from_logits",

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import torch
 
-from colo_rl import dist
 from colo_rl.algos.core import ROLLOUT_CORRECTIONS, masked
 
 # exp() guard: a log-ratio beyond +-20 is a broken token, not a weight (exp(20) ~ 5e8).
@@ -144,33 +143,22 @@ def mismatch_sums(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torc
 MAX_KEYS = ("ratio_max", "seq_ratio_max")
 
 
-def add_sums(total: dict[str, torch.Tensor] | None, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Accumulate `mismatch_sums` over micro-batches: sums add, maxima take the max (tensors, no sync)."""
-    if total is None:
-        return dict(new)
-    return {k: torch.maximum(total[k], new[k]) if k in MAX_KEYS else total[k] + new[k] for k in total}
-
-
-def mismatch_metrics(total: dict[str, torch.Tensor | float] | None) -> dict[str, float]:
-    """The step's metrics from the accumulated sums (tensors, or the floats a caller already read
-    with the step's other statistics), reduced over ranks (every rank calls it):
+def mismatch_metrics(totals: dict[str, torch.Tensor | float] | None) -> dict[str, float]:
+    """The step's metrics from `mismatch_sums` added up over its micro-batches and ranks (the
+    maxima of MAX_KEYS, the sums of the others: colo_rl.metrics.StepSums(maxima=MAX_KEYS)):
 
         mismatch/kl_k1, mismatch/kl_k3          per-token means
         mismatch/tokens_masked_frac, ..._truncated_frac   shares of response tokens
         mismatch/seqs_masked_frac, ..._truncated_frac     shares of sequences
         mismatch/ratio_max, mismatch/seq_ratio_max        the largest rho_t and rho_i
     """
-    if total is None:
+    if not totals:
         return {}
-    sum_keys = sorted(k for k in total if k not in MAX_KEYS)
-    local = dist.host_floats({k: total[k] for k in (*sum_keys, *MAX_KEYS)})  # at most one device sync
-    local = [local[k] for k in (*sum_keys, *MAX_KEYS)]
-    sums = dict(zip(sum_keys, dist.all_reduce_sum(local[:len(sum_keys)])))
-    maxima = dict(zip(MAX_KEYS, dist.all_reduce_max(local[len(sum_keys):])))
-    tok, seq = max(sums["tokens"], 1.0), max(sums["seqs"], 1.0)
-    return {"mismatch/kl_k1": sums["k1"] / tok, "mismatch/kl_k3": sums["k3"] / tok,
-            "mismatch/tokens_masked_frac": sums["tokens_masked"] / tok,
-            "mismatch/tokens_truncated_frac": sums["tokens_truncated"] / tok,
-            "mismatch/seqs_masked_frac": sums["seqs_masked"] / seq,
-            "mismatch/seqs_truncated_frac": sums["seqs_truncated"] / seq,
-            "mismatch/ratio_max": maxima["ratio_max"], "mismatch/seq_ratio_max": maxima["seq_ratio_max"]}
+    t = {k: float(v) for k, v in totals.items()}
+    tok, seq = max(t["tokens"], 1.0), max(t["seqs"], 1.0)
+    return {"mismatch/kl_k1": t["k1"] / tok, "mismatch/kl_k3": t["k3"] / tok,
+            "mismatch/tokens_masked_frac": t["tokens_masked"] / tok,
+            "mismatch/tokens_truncated_frac": t["tokens_truncated"] / tok,
+            "mismatch/seqs_masked_frac": t["seqs_masked"] / seq,
+            "mismatch/seqs_truncated_frac": t["seqs_truncated"] / seq,
+            "mismatch/ratio_max": t["ratio_max"], "mismatch/seq_ratio_max": t["seq_ratio_max"]}

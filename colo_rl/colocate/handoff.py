@@ -21,11 +21,10 @@ import logging
 import time
 from typing import Optional
 
-import torch
-
 from colo_rl import dist
 from colo_rl.errors import HandoffError
 from colo_rl.lora import lora_enabled
+from colo_rl.metrics import StepSums
 from colo_rl.rollout.base import HandoffStats, capabilities_of
 from colo_rl.train.adapters import EngineWeights, adapter_names, base_names, gathered_external, sized_buckets
 
@@ -180,24 +179,18 @@ class LogprobAgreement:
     """
 
     def __init__(self) -> None:
-        # sums on the trainer's device, read once by `check` (no sync per micro-batch)
-        self.abs_sum: float | torch.Tensor = 0.0
-        self.count: float | torch.Tensor = 0.0
-        self.max: float | torch.Tensor = 0.0
+        self.sums = StepSums(["abs_sum", "count"], maxima=["max"])  # on the trainer's device, read once by `check`
 
     def add(self, rollout_logp, trainer_logp, mask) -> None:
         dev = trainer_logp.device  # the engine's log-probs and the mask may come from the CPU-side batch
         m = mask.float().to(dev)
         diff = (rollout_logp.float().to(dev) - trainer_logp.detach().float()).abs() * m
-        self.abs_sum = self.abs_sum + diff.sum()
-        self.count = self.count + m.sum()
-        if diff.numel():  # diff >= 0 (masked-out positions are 0): its max is never below the initial 0
-            self.max = diff.max() if not torch.is_tensor(self.max) else torch.maximum(self.max, diff.max())
+        # diff >= 0 (masked-out positions are 0): a max of 0 for an empty batch is neutral
+        self.sums.add(abs_sum=diff.sum(), count=m.sum(), max=diff.max() if diff.numel() else 0.0)
 
     def check(self, threshold: Optional[float]) -> dict[str, float]:
-        local = dist.host_floats({"abs_sum": self.abs_sum, "count": self.count, "max": self.max})
-        total, count = dist.all_reduce_sum([local["abs_sum"], local["count"]])
-        (mx,) = dist.all_reduce_max([local["max"]])
+        t = self.sums.totals()
+        total, count, mx = t["abs_sum"], t["count"], t["max"]
         mean = total / max(count, 1.0)
         if threshold is not None and not (mean <= threshold):  # NaN fails too
             raise HandoffError(

@@ -11,6 +11,7 @@ import sys
 import torch
 
 from colo_rl import algos, dist, process_exit
+from colo_rl.metrics import StepSums
 
 
 def main(out: str) -> None:
@@ -25,9 +26,10 @@ def main(out: str) -> None:
     reinforce = algos.reinforce_pp_advantages(torch.ones(1), 1, None, torch.ones(1, 8), klp)
     # mismatch metrics: rank 0 one token of ratio 3, rank 1 one of ratio 0.5
     old = torch.tensor([[math.log([3.0, 0.5][r]), 0.0]])
-    sums = algos.mismatch_sums(old, torch.zeros(1, 2), torch.ones(1, 2))
+    sums = StepSums(maxima=algos.MISMATCH_MAX_KEYS)  # the sums over ranks, the maxima's maximum
+    sums.add(algos.mismatch_sums(old, torch.zeros(1, 2), torch.ones(1, 2)))
     report = {"whitened": whitened[0].tolist(), "reinforce": reinforce[0].tolist(),
-              "mismatch": algos.mismatch_metrics(sums)}
+              "mismatch": algos.mismatch_metrics(sums.totals())}
     with open(f"{out}.rank{r}.json", "w") as fh:
         json.dump(report, fh)
     dist.cleanup()

@@ -20,7 +20,11 @@ asserts about the update's host-side costs.
 - "reads": GRPORecipe.update on one rollout batch split into 1, 2 and 4 micro-batches, packed and
   padded, with every tensor past `actor.to_device` standing for device memory: a host read of it
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
-  and is counted (torch.cuda.set_sync_debug_mode's job, emulated on the CPU).
+  and is counted (torch.cuda.set_sync_debug_mode's job, emulated on the CPU), and so is an
+  operation mixing such a tensor with a host one.
+- "offline_reads": the same counts for one SFT step (recipes/sft.py sft_step) and one DPO step
+  (recipes/dpo.py dpo_step, cached reference log-probs), packed and padded, in 1, 2 and 4
+  micro-batches.
 """
 
 from __future__ import annotations
@@ -38,10 +42,13 @@ import torch
 from colo_rl import dist, process_exit
 from colo_rl.algos import AdaptiveKLController
 from colo_rl.config import ModelConfig, RunConfig
+from colo_rl.data.preference import PreferencePair
+from colo_rl.data.sft import SFTExample
 from colo_rl.metrics import Timer
 from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
-from worker_support import load_recipe, scripted_batch, scripted_rollout
+from colo_rl.train.offline import pair_micro_batches, sft_micro_batches
+from worker_support import load_recipe, load_recipe_module, scripted_batch, scripted_rollout
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
 
@@ -243,10 +250,24 @@ def compile_report() -> dict:
 READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy"}
 
 
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors among an operation's arguments (in lists and tuples too)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += tensors_in(v)
+    return out
+
+
 class DeviceTensor(torch.Tensor):
-    """A tensor standing for device memory: every host read of it is counted."""
+    """A tensor standing for device memory: every host read of it is counted, and so is every
+    operation mixing it with a host tensor of more than one element (a device mismatch error on a
+    GPU, or a hidden blocking copy where torch moves the host operand itself)."""
 
     reads: list[str] = []
+    mixed: list[str] = []
 
     @classmethod
     def __torch_function__(cls, func, types_, args=(), kwargs=None):
@@ -256,6 +277,10 @@ class DeviceTensor(torch.Tensor):
         to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
         if name in READS or to_host:
             cls.reads.append(name)
+        operands = tensors_in([*args, *kwargs.values()])
+        if any(isinstance(t, DeviceTensor) for t in operands) and any(
+                not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
+            cls.mixed.append(name)
         out = super().__torch_function__(func, types_, args, kwargs)
         # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
         return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
@@ -307,11 +332,50 @@ def update_reads(packing: bool, micro_batch_size: int) -> dict:
     recipe.colo = types.SimpleNamespace(actor=actor, ref=None)
     rollout = rollout_of(G, groups)
     recipe.update(copy.deepcopy(rollout))  # warm-up (DeepSpeed's first step builds its buffers)
+    counted = counted_run(lambda: recipe.update(copy.deepcopy(rollout)))
+    out = counted.pop("out")
+    return {**counted, "micro_batches": int(out["train/micro_batches"]), "loss": out["train/loss"],
+            "entropy": out.get("train/entropy"), "logprob_diff": out["handoff/logprob_diff_mean"]}
+
+
+def counted_run(run) -> dict:
+    """`run()`'s result, with the device reads and mixed host / device operations it made."""
     DeviceTensor.reads.clear()
-    out = recipe.update(copy.deepcopy(rollout))
-    return {"micro_batches": int(out["train/micro_batches"]), "reads": list(DeviceTensor.reads),
-            "loss": out["train/loss"], "entropy": out.get("train/entropy"),
-            "logprob_diff": out["handoff/logprob_diff_mean"]}
+    DeviceTensor.mixed.clear()
+    out = run()
+    return {"out": out, "reads": list(DeviceTensor.reads), "mixed": list(DeviceTensor.mixed)}
+
+
+def offline_reads(recipe: str, packing: bool, micro_batch_size: int) -> dict:
+    """Device reads in one SFT / DPO step (recipes/sft.py sft_step, recipes/dpo.py dpo_step with the
+    cached reference log-probs) on 4 examples or pairs per rank, micro-batches of at most
+    `micro_batch_size` of them."""
+    g = torch.Generator().manual_seed(11 + dist.rank())
+    ids = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
+    cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size, batch_size=4 * dist.world_size())
+    cfg.trainer.micro_batch_tokens = "100000"  # the count cap decides the split
+    actor = DeepSpeedActor(cfg, torch.float32, total_steps=4)
+    instrument(actor)
+    module = load_recipe_module(recipe)
+    if recipe == "sft":
+        examples = [SFTExample(f"e{i}", ids(4 + i), ids(3 + i), [1] * (3 + i)) for i in range(4)]
+
+        def step():  # packed rows of at most 16 tokens: 3 rows of these examples
+            batches = sft_micro_batches(examples, micro_batch_size, 0, packing, max_len=16,
+                                        budget=actor.micro_batch_tokens())
+            return len(batches), module.sft_step(actor, batches, 0, examples)
+    else:
+        pairs = [PreferencePair(f"p{i}", ids(4), ids(2 + i), [1] * (2 + i), ids(3), [1] * 3) for i in range(4)]
+        cached = (-torch.rand(8, generator=g), -torch.rand(8, generator=g))  # the reference's, by pair index
+
+        def step():
+            n = len(pair_micro_batches(pairs, micro_batch_size, 0, packing, budget=actor.micro_batch_tokens()))
+            return n, module.dpo_step(cfg, actor, None, pairs, [2 * i for i in range(4)], cached, 0, False,
+                                      torch.float32)
+    step()  # warm-up (DeepSpeed's first step builds its buffers)
+    counted = counted_run(step)
+    n, out = counted.pop("out")
+    return {**counted, "micro_batches": n, "loss": out["train/loss"]}
 
 
 def head_run(fused: bool) -> tuple[list, dict, dict]:
@@ -356,7 +420,9 @@ def main() -> int:
     report = {"leaf": leaf_report(), "fused_head": fused_head_report(), "linear": linear_report(),
               "checkpointing": checkpointing_report(), "compile": compile_report(),
               "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
-              | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)}}
+              | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)},
+              "offline_reads": {f"{recipe}_{'packed' if packing else 'padded'}_mbs{m}": offline_reads(recipe, packing, m)
+                                for recipe in ("sft", "dpo") for packing in (True, False) for m in (4, 2, 1)}}
     Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
     return 0
 

@@ -1,5 +1,5 @@
-"""What several workers build the same way: the GRPO recipe class loaded from its file, a scripted
-padded batch and a scripted rollout. Workers run as scripts (torchrun puts this folder first on
+"""What several workers build the same way: a recipe (the GRPO recipe class) loaded from its
+file, a scripted padded batch and a scripted rollout. Workers run as scripts (torchrun puts this folder first on
 sys.path), so they import it as `worker_support`."""
 
 from __future__ import annotations
@@ -16,12 +16,17 @@ from colo_rl.train.batch import TokenBatch, build_batch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_recipe():
-    """recipes/grpo.py's GRPORecipe (the recipe is a script, not a package module)."""
-    spec = importlib.util.spec_from_file_location("grpo_recipe_under_test", ROOT / "recipes" / "grpo.py")
+def load_recipe_module(name: str):
+    """recipes/<name>.py as a module (a recipe is a script, not a package module)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_recipe_under_test", ROOT / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.GRPORecipe
+    return module
+
+
+def load_recipe():
+    """recipes/grpo.py's GRPORecipe."""
+    return load_recipe_module("grpo").GRPORecipe
 
 
 def scripted_batch(step: int) -> TokenBatch:
