@@ -260,13 +260,17 @@ class PackedRollout:
         return self.collect(out)
 
     def collect(self, per_micro: list[torch.Tensor]) -> torch.Tensor:
-        """Per-token values of each micro-batch ([rows, <= R]) back in the table's order, [N, R] (0 elsewhere)."""
-        device = per_micro[0].device if per_micro else "cpu"
-        out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32, device=device)
-        for rows, values in zip(self.rows, per_micro):
+        """Per-token values of each micro-batch ([rows, <= R]) back in the table's order, [N, R] (0
+        elsewhere), on the host: one device-to-host transfer for the whole pass, then placed on the
+        host (a list index into a device tensor would copy it there, blocking, once per micro-batch)."""
+        out = torch.zeros(self.table.response_mask.shape, dtype=torch.float32)
+        if not per_micro:
+            return out
+        flat = torch.cat([v.reshape(-1).float() for v in per_micro]).cpu()
+        for rows, values, part in zip(self.rows, per_micro, flat.split([v.numel() for v in per_micro])):
             if rows:
-                out[rows, :values.shape[1]] = values
-        return out.cpu()  # one device-to-host transfer for the whole pass
+                out[rows, :values.shape[1]] = part.view(values.shape)
+        return out
 
 
 def pack_rollout(rollout: Rollout, plan: list[list[int]], pad_id: int, dtype: torch.dtype,
