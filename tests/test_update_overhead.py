@@ -162,6 +162,10 @@ def test_update_reads_the_device_a_fixed_number_of_times_whatever_the_split(repo
         counts = {name: len(r["reads"]) for name, r in runs.items()}
         assert len(set(counts.values())) == 1 and counts["padded_mbs8"] <= 3, runs
         assert all(not r["mixed"] for r in runs.values()), runs  # no host tensor meets a device one
+        # two optimizer steps: the old log-probs' pass travels once too
+        off = rep["off_policy_reads"]
+        assert sorted(r["micro_batches"] for r in off.values()) == [2, 4], off
+        assert len({len(r["reads"]) for r in off.values()}) == 1 and not any(r["mixed"] for r in off.values()), off
         # the same statistics however the step is split (float tolerance)
         for key in ("loss", "entropy", "logprob_diff"):
             values = [r[key] for r in runs.values()]

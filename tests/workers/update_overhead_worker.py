@@ -22,6 +22,8 @@ asserts about the update's host-side costs.
   (item / bool / float / int / tolist / cpu / numpy / .to("cpu")) is what synchronises with a GPU,
   and is counted (torch.cuda.set_sync_debug_mode's job, emulated on the CPU), and so is an
   operation mixing such a tensor with a host one.
+- "off_policy_reads": the same with two optimizer steps (the old log-probs' pass first), in 2 and
+  4 micro-batches.
 - "offline_reads": the same counts for one SFT step (recipes/sft.py sft_step) and one DPO step
   (recipes/dpo.py dpo_step, cached reference log-probs), packed and padded, in 1, 2 and 4
   micro-batches.
@@ -261,10 +263,16 @@ def tensors_in(values) -> list[torch.Tensor]:
     return out
 
 
+def list_index(index) -> bool:
+    """Is a Python list part of this index (t[[1, 2]], t[rows, :n])?"""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+
+
 class DeviceTensor(torch.Tensor):
     """A tensor standing for device memory: every host read of it is counted, and so is every
-    operation mixing it with a host tensor of more than one element (a device mismatch error on a
-    GPU, or a hidden blocking copy where torch moves the host operand itself)."""
+    operation mixing it with a host tensor of more than one element or indexing it with a Python
+    list (a device mismatch error on a GPU, or a hidden blocking copy where torch moves the host
+    operand itself)."""
 
     reads: list[str] = []
     mixed: list[str] = []
@@ -278,9 +286,11 @@ class DeviceTensor(torch.Tensor):
         if name in READS or to_host:
             cls.reads.append(name)
         operands = tensors_in([*args, *kwargs.values()])
-        if any(isinstance(t, DeviceTensor) for t in operands) and any(
-                not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
+        on_device_ = any(isinstance(t, DeviceTensor) for t in operands)
+        if on_device_ and any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
             cls.mixed.append(name)
+        elif on_device_ and name in ("__getitem__", "__setitem__") and list_index(args[1]):
+            cls.mixed.append(name + " by a list")  # the index is copied to the device, blocking
         out = super().__torch_function__(func, types_, args, kwargs)
         # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
         return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
@@ -315,10 +325,11 @@ def rollout_of(G: int, groups: int) -> Rollout:
     return scripted_rollout(parts, torch.randint(0, 2, (groups * G,), generator=g).float().tolist(), -1.0)
 
 
-def update_reads(packing: bool, micro_batch_size: int) -> dict:
-    """Device reads in one update split into micro-batches of at most `micro_batch_size` sequences."""
+def update_reads(packing: bool, micro_batch_size: int, mini_batches: int = 1) -> dict:
+    """Device reads in one update split into micro-batches of at most `micro_batch_size` sequences
+    (`mini_batches` optimizer steps: the old log-probs' pass first)."""
     G, groups = 4, 4
-    cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size)
+    cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size, mini_batches_per_step=mini_batches)
     cfg.trainer.micro_batch_tokens = "100000"  # the sequence cap decides the split
     cfg.rollout.group_size, cfg.rollout.prompts_per_step = G, groups * dist.world_size()
     cfg.colocate.handoff_check_max_mean_abs = None
@@ -421,6 +432,7 @@ def main() -> int:
               "checkpointing": checkpointing_report(), "compile": compile_report(),
               "reads": {f"packed_mbs{m}": update_reads(True, m) for m in (8, 4)}
               | {f"padded_mbs{m}": update_reads(False, m) for m in (8, 4, 2)},
+              "off_policy_reads": {f"packed_mbs{m}": update_reads(True, m, mini_batches=2) for m in (8, 4)},
               "offline_reads": {f"{recipe}_{'packed' if packing else 'padded'}_mbs{m}": offline_reads(recipe, packing, m)
                                 for recipe in ("sft", "dpo") for packing in (True, False) for m in (4, 2, 1)}}
     Path(f"{out_prefix}.rank{dist.rank()}.json").write_text(json.dumps(report, indent=1))
