@@ -1,5 +1,6 @@
 """LoRA adapters (PEFT) on a causal LM: wrapping, the names they travel under, merging, and the
-fingerprint of the frozen base that a LoRA checkpoint keeps instead of the base itself.
+fingerprint of the frozen base that a LoRA checkpoint keeps instead of the base itself (and its check
+on resume).
 
 Three namings meet here:
 - PEFT's module names (what the trainer's and the HF engine's wrapped models hold):
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from colo_rl.errors import ConfigError
+from colo_rl import dist
+from colo_rl.errors import CheckpointError, ConfigError
 
 PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"  # PEFT's adapter name when none is given
@@ -179,3 +181,24 @@ def fingerprint_differences(saved: dict, current: dict) -> list[str]:
     """Names whose fingerprints differ, or that only one side has (sorted)."""
     saved = {n: tuple(v) for n, v in saved.items()}
     return sorted(n for n in set(saved) | set(current) if saved.get(n) != current.get(n))
+
+
+def check_frozen_base(saved: dict | None, named_parameters, model_cfg, directory: str) -> None:
+    """A LoRA checkpoint's base fingerprint `saved` against this rank's frozen parameters: every rank
+    compares its shards, one all-reduce makes every rank raise together (CheckpointError). A
+    checkpoint without a fingerprint (written before LoRA checkpoints left the base out) holds the
+    base itself: nothing to check."""
+    if saved is None:
+        return
+    current = frozen_fingerprint(named_parameters)
+    differing = fingerprint_differences(saved, current)
+    if dist.all_reduce_max([float(bool(differing))])[0] == 0:
+        return
+    where = (f"on rank {dist.rank()}: {len(differing)} of {len(current)} frozen tensors differ, the first "
+             f"{differing[0]}") if differing else "on another rank"
+    base = ("the seeded random base (model.random_init)" if model_cfg.random_init
+            else f"the base this run rebuilt from model.path={model_cfg.path!r}")
+    raise CheckpointError(
+        f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
+        f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
+        f"run started from (with the same model.dtype), or start a new run (resume=null).")

@@ -12,8 +12,8 @@ import torch
 
 from colo_rl import dist
 from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
-from colo_rl.errors import CheckpointError, ConfigError, NonFiniteError
-from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, fingerprint_differences, frozen_fingerprint, lora_enabled
+from colo_rl.errors import ConfigError, NonFiniteError
+from colo_rl.lora import FROZEN_BASE_KEY, apply_lora, check_frozen_base, frozen_fingerprint, lora_enabled
 from colo_rl.models import load_model
 from colo_rl.op_builds import check_no_interrupted_build
 from colo_rl.phase import Phase, PhaseGuard
@@ -233,7 +233,7 @@ class DeepSpeedActor:
         """DeepSpeed's checkpoint: every rank writes its shards (model, optimizer, scheduler). With
         LoRA the frozen base is left out (it is model.path's weights, rebuilt on resume): only the
         adapters, their optimizer state and a fingerprint of this rank's base shards are written."""
-        client = {FROZEN_BASE_KEY: self.frozen_base_fingerprint()} if self.lora else {}
+        client = {FROZEN_BASE_KEY: frozen_fingerprint(self.module.named_parameters())} if self.lora else {}
         with offload_buffers_set_aside(self._inner_optimizer()):  # host copies of Adam's moments: not state
             self.engine.save_checkpoint(directory, tag=tag, client_state=client, save_latest=False,
                                         exclude_frozen_parameters=self.lora)
@@ -250,31 +250,10 @@ class DeepSpeedActor:
         # loaded, they land on the device, and paging would then copy Adam's moments device to device.
         drop_offload_buffers(self._inner_optimizer())
         if self.lora:
-            self._check_frozen_base((client or {}).get(FROZEN_BASE_KEY), directory)
+            check_frozen_base((client or {}).get(FROZEN_BASE_KEY), self.module.named_parameters(), self.cfg.model,
+                              directory)
         if self.with_optimizer and self.engine.device.type == "cpu":
             replay_cpu_adam_steps(self._inner_optimizer())
-
-    def frozen_base_fingerprint(self) -> dict[str, tuple[int, int]]:
-        return frozen_fingerprint(self.module.named_parameters())
-
-    def _check_frozen_base(self, saved: Optional[dict], directory: str) -> None:
-        """Every rank compares its base shards with the checkpoint's fingerprint; one all-reduce
-        makes every rank raise together. A checkpoint without a fingerprint (written before LoRA
-        checkpoints left the base out) holds the base itself: nothing to check."""
-        if saved is None:
-            return
-        current = self.frozen_base_fingerprint()
-        differing = fingerprint_differences(saved, current)
-        if dist.all_reduce_max([float(bool(differing))])[0] == 0:
-            return
-        where = (f"on rank {dist.rank()}: {len(differing)} of {len(current)} frozen tensors differ, the first "
-                 f"{differing[0]}") if differing else "on another rank"
-        base = ("the seeded random base (model.random_init)" if self.cfg.model.random_init
-                else f"the base this run rebuilt from model.path={self.cfg.model.path!r}")
-        raise CheckpointError(
-            f"cannot resume from {directory}: a LoRA checkpoint holds the adapters, not the frozen base, and "
-            f"{base} is not the one the adapters were trained on ({where}). Point model.path at the weights the "
-            f"run started from (with the same model.dtype), or start a new run (resume=null).")
 
     def counters(self) -> dict[str, int]:
         """What a checkpoint keeps of the actor besides DeepSpeed's own state."""
