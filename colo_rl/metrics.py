@@ -63,8 +63,7 @@ class StepSums:
             if old is None:
                 self.values[key] = value
             elif key in self.maxima:
-                self.values[key] = torch.maximum(torch.as_tensor(old), torch.as_tensor(value)) if (
-                    isinstance(old, torch.Tensor) or isinstance(value, torch.Tensor)) else max(old, value)
+                self.values[key] = _maximum(old, value)
             else:
                 self.values[key] = old + value
 
@@ -77,6 +76,15 @@ class StepSums:
         if maxima:
             out.update(zip(maxima, dist.all_reduce_max([local[k] for k in maxima])))
         return out
+
+
+def _maximum(a, b):
+    """The larger of two floats or device tensors, NaN if either is (no host tensor joins a device one)."""
+    if isinstance(a, torch.Tensor):
+        return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)
+    if isinstance(b, torch.Tensor):
+        return b.clamp(min=a)
+    return a if (a != a or a >= b) else b
 
 
 class MetricsLogger:
