@@ -179,7 +179,7 @@ def test_sft_and_dpo_steps_read_the_device_a_fixed_number_of_times(reports):
     """One SFT or DPO optimizer step, packed or padded: the non-finite flag and the statistics
     travel once each, however many micro-batches (before: a read per micro-batch, six for DPO), and
     no host tensor meets a device one (DPO's padded layout masked device log-probs with the host
-    batch's mask: a device mismatch on a GPU)."""
+    batch's mask: a device mismatch on a GPU). DPO's pass of sequence log-probs reads once."""
     for rep in reports:
         runs = rep["offline_reads"]
         for kind in ("sft_packed", "sft_padded", "dpo_packed", "dpo_padded"):
@@ -189,6 +189,8 @@ def test_sft_and_dpo_steps_read_the_device_a_fixed_number_of_times(reports):
             assert all(not r["mixed"] for r in same), (kind, same)
             losses = [r["loss"] for r in same]
             assert max(losses) - min(losses) <= 1e-5 * max(1.0, abs(losses[0])), (kind, losses)
+            if kind.startswith("dpo"):  # the reference log-probs' pass: one transfer
+                assert all(r["logps_reads"] == ["cpu"] and not r["logps_mixed"] for r in same), (kind, same)
 
 
 def test_host_floats_reads_every_tensor_at_once():

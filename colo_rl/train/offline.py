@@ -120,15 +120,18 @@ def pair_logps(model, pairs: list, micro_batch_size: int, pad_id: int, average: 
                dtype: torch.dtype = torch.float32, budget: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Sequence log-probs (chosen, rejected) [len(pairs)] of this rank's pairs under `model`
     (a DeepSpeedActor: policy or frozen reference); every rank must call it (collectives)."""
-    chosen = torch.zeros(len(pairs))
-    rejected = torch.zeros(len(pairs))
     mbs, _ = equalise(pair_micro_batches(pairs, micro_batch_size, pad_id, packing, dtype, budget), pad_id,
                       make=lambda: ([], empty_batch(pad_id)))
+    order, values = [], []  # on the device until the end: one transfer, not one per micro-batch
     for idx, batch in mbs:
+        batch = model.to_device(batch)
         logp, _ = model.response_logprobs(batch, grad=False)
         if idx:
-            c, r = split_pair_logps(logp.cpu(), batch, average)
-            chosen[idx], rejected[idx] = c, r
+            order += idx
+            values.append(torch.stack(split_pair_logps(logp, batch, average)))
+    chosen, rejected = torch.zeros(len(pairs)), torch.zeros(len(pairs))
+    if values:
+        chosen[order], rejected[order] = torch.cat(values, dim=1).float().cpu()
     return chosen, rejected
 
 

@@ -26,7 +26,7 @@ asserts about the update's host-side costs.
   4 micro-batches.
 - "offline_reads": the same counts for one SFT step (recipes/sft.py sft_step) and one DPO step
   (recipes/dpo.py dpo_step, cached reference log-probs), packed and padded, in 1, 2 and 4
-  micro-batches.
+  micro-batches; and for DPO's pass of sequence log-probs (train/offline.pair_logps).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from colo_rl.data.sft import SFTExample
 from colo_rl.metrics import Timer
 from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
-from colo_rl.train.offline import pair_micro_batches, sft_micro_batches
+from colo_rl.train.offline import pair_logps, pair_micro_batches, sft_micro_batches
 from worker_support import load_recipe, load_recipe_module, scripted_batch, scripted_rollout
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
@@ -386,6 +386,10 @@ def offline_reads(recipe: str, packing: bool, micro_batch_size: int) -> dict:
     step()  # warm-up (DeepSpeed's first step builds its buffers)
     counted = counted_run(step)
     n, out = counted.pop("out")
+    if recipe == "dpo":  # the reference log-probs' pass (precomputed, and the held-out evaluation's)
+        scored = counted_run(lambda: pair_logps(actor, pairs, micro_batch_size, 0, False, packing,
+                                                budget=actor.micro_batch_tokens()))
+        counted.update(logps_reads=scored["reads"], logps_mixed=scored["mixed"])
     return {**counted, "micro_batches": n, "loss": out["train/loss"]}
 
 
