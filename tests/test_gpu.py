@@ -161,6 +161,53 @@ def test_auto_micro_batch_tokens_come_from_the_update_phases_free_memory(tmp_pat
     release(colo)
 
 
+# ------------------------------------------------------------------------------------- SFT, DPO
+def offline_step_losses(packing: bool) -> dict:
+    """One SFT step, one DPO step (cached reference log-probs) and DPO's pass of sequence log-probs
+    on the device, padded or packed: the losses (at the initial weights) and the log-probs."""
+    from workers.worker_support import load_recipe_module
+
+    from colo_rl.config import ModelConfig, RunConfig
+    from colo_rl.data.preference import PreferencePair
+    from colo_rl.data.sft import SFTExample
+    from colo_rl.train.actor import DeepSpeedActor
+    from colo_rl.train.offline import pair_logps, sft_micro_batches
+
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
+    examples = [SFTExample(f"e{i}", ids(4 + i), ids(3 + i), [1] * (3 + i)) for i in range(4)]
+    pairs = [PreferencePair(f"p{i}", ids(4), ids(2 + i), [1] * (2 + i), ids(3), [1] * 3) for i in range(4)]
+    cached = (-torch.rand(4, generator=g), -torch.rand(4, generator=g))
+    out = {}
+    for recipe in ("sft", "dpo"):
+        cfg = RunConfig(model=ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"))
+        cfg.trainer.packing, cfg.trainer.micro_batch_size, cfg.trainer.batch_size = packing, 2, 4
+        actor = DeepSpeedActor(cfg, torch.float32, total_steps=2)
+        module = load_recipe_module(recipe)
+        if recipe == "sft":
+            batches = sft_micro_batches(examples, 2, 0, packing, max_len=16, budget=actor.micro_batch_tokens())
+            out["sft_loss"] = module.sft_step(actor, batches, 0, examples)["train/loss"]
+        else:
+            out["dpo_logps"] = pair_logps(actor, pairs, 2, 0, False, packing, budget=actor.micro_batch_tokens())
+            out["dpo_loss"] = module.dpo_step(cfg, actor, None, pairs, list(range(4)), cached, 0, False,
+                                              torch.float32)["train/loss"]
+        del actor
+        gc.collect()
+    return out
+
+
+def test_sft_and_dpo_steps_run_on_the_device_padded_or_packed():
+    """The offline recipes' steps move each micro-batch to the device once and keep their statistics
+    there (tests/test_update_overhead.py counts it on CPU); here they meet a real device. Padded and
+    packed layouts give the same losses and sequence log-probs (fp32, the first step's weights)."""
+    padded, packed = offline_step_losses(False), offline_step_losses(True)
+    for key in ("sft_loss", "dpo_loss"):
+        assert padded[key] == pytest.approx(packed[key], rel=1e-4, abs=1e-5), (key, padded[key], packed[key])
+        assert padded[key] == padded[key] and padded[key] > 0.0  # finite, and a loss
+    for a, b in zip(padded["dpo_logps"], packed["dpo_logps"]):
+        assert a.device.type == "cpu" and torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------- SGLang
 # The SGLang checks run in a worker process (tests/workers/sglang_gpu_worker.py): an SGLang scheduler
 # failure signals its parent, and inside pytest that would end the whole suite.
