@@ -137,11 +137,11 @@ def table(result: dict) -> str:
         return ", ".join("n/a" if x is None else f"{x:.{d}f}" for x in xs)
 
     lines = [f"# {common.TITLES['race_learning']}", "",
-             f"benchmarks/race_trl.py's work on both sides (SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= 64 "
-             f"new tokens, temperature 1, lr 1e-5, one optimizer step per batch, no reference model, the same prompts "
-             f"at each step), per precision and seed. Figures are mean (std) over seeds. "
-             f"Accuracy: the share of the step's 64 sampled completions that are correct, on problems not trained "
-             f"on before."]
+             "benchmarks/race_trl.py's work on both sides (SmolLM2-135M-Instruct, 8 prompts x 8 completions, <= 64 "
+             "new tokens, temperature 1, lr 1e-5, one optimizer step per batch, no reference model, the same prompts "
+             "at each step), per precision and seed. Figures are mean (std) over seeds. "
+             "Accuracy: the share of the step's 64 sampled completions that are correct, on problems not trained "
+             "on before."]
     for dtype, b in result["comparison"].items():
         c, t = b["colo_rl"], b["trl"]
         lines += ["", f"### {dtype}, seeds {b['seeds']}, {b['steps']} steps", "",

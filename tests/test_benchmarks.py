@@ -77,6 +77,7 @@ def test_write_results_keeps_a_dot_in_the_name(tmp_path):
                           chart=lambda result, png: png.write_bytes(b"png"), readme=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"phase_switch_sglang_0.5b-gpu-2026-11-25{ext}" for ext in (".json", ".md", ".png")]
+    assert stem.name == "phase_switch_sglang_0.5b-gpu-2026-11-25"  # what the caller is told, dot kept
     assert json.loads((tmp_path / "phase_switch_sglang_0.5b-gpu-2026-11-25.json").read_text())["device"] == "gpu"
 
 def test_handoff_ratio_to_memcpy():
