@@ -286,10 +286,10 @@ class DeviceTensor(torch.Tensor):
         if name in READS or to_host:
             cls.reads.append(name)
         operands = tensors_in([*args, *kwargs.values()])
-        on_device_ = any(isinstance(t, DeviceTensor) for t in operands)
-        if on_device_ and any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
+        touches_device = any(isinstance(t, DeviceTensor) for t in operands)
+        if touches_device and any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
             cls.mixed.append(name)
-        elif on_device_ and name in ("__getitem__", "__setitem__") and list_index(args[1]):
+        elif touches_device and name in ("__getitem__", "__setitem__") and list_index(args[1]):
             cls.mixed.append(name + " by a list")  # the index is copied to the device, blocking
         out = super().__torch_function__(func, types_, args, kwargs)
         # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
