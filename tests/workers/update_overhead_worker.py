@@ -50,7 +50,8 @@ from colo_rl.metrics import Timer
 from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.offline import pair_logps, pair_micro_batches, sft_micro_batches
-from worker_support import load_recipe, load_recipe_module, scripted_batch, scripted_rollout
+from worker_support import (DeviceTensor, load_recipe, load_recipe_module, on_device, plain, scripted_batch,
+                            scripted_rollout)
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
 
@@ -249,61 +250,6 @@ def compile_report() -> dict:
 
 
 # ---------------------------------------------------------------------------------------- host reads
-READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy"}
-
-
-def tensors_in(values) -> list[torch.Tensor]:
-    """The tensors among an operation's arguments (in lists and tuples too)."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (list, tuple)):
-            out += tensors_in(v)
-    return out
-
-
-def list_index(index) -> bool:
-    """Is a Python list part of this index (t[[1, 2]], t[rows, :n])?"""
-    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
-
-
-class DeviceTensor(torch.Tensor):
-    """A tensor standing for device memory: every host read of it is counted, and so is every
-    operation mixing it with a host tensor of more than one element or indexing it with a Python
-    list (a device mismatch error on a GPU, or a hidden blocking copy where torch moves the host
-    operand itself)."""
-
-    reads: list[str] = []
-    mixed: list[str] = []
-
-    @classmethod
-    def __torch_function__(cls, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        # .to(device): on the CPU every "device" is the host, so only an explicit "cpu" string counts
-        to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
-        if name in READS or to_host:
-            cls.reads.append(name)
-        operands = tensors_in([*args, *kwargs.values()])
-        touches_device = any(isinstance(t, DeviceTensor) for t in operands)
-        if touches_device and any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
-            cls.mixed.append(name)
-        elif touches_device and name in ("__getitem__", "__setitem__") and list_index(args[1]):
-            cls.mixed.append(name + " by a list")  # the index is copied to the device, blocking
-        out = super().__torch_function__(func, types_, args, kwargs)
-        # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
-        return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
-
-
-def on_device(t: torch.Tensor) -> torch.Tensor:
-    return t if isinstance(t, DeviceTensor) else t.as_subclass(DeviceTensor)
-
-
-def plain(t):
-    return t.as_subclass(torch.Tensor) if isinstance(t, DeviceTensor) else t
-
-
 def instrument(actor: DeepSpeedActor) -> None:
     """What crosses to the device becomes a DeviceTensor; the engine itself sees plain tensors
     (DeepSpeed's own synchronisations are not the recipe's)."""

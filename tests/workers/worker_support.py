@@ -1,6 +1,7 @@
 """What several workers build the same way: a recipe (the GRPO recipe class) loaded from its
-file, a scripted padded batch and a scripted rollout. Workers run as scripts (torchrun puts this folder first on
-sys.path), so they import it as `worker_support`."""
+file, a scripted padded batch and a scripted rollout, and a CPU stand-in for device memory that
+counts host reads (`DeviceTensor`). Workers run as scripts (torchrun puts this folder first on
+sys.path), so they import it as `worker_support`; tests as `workers.worker_support`."""
 
 from __future__ import annotations
 
@@ -44,3 +45,59 @@ def scripted_rollout(groups: list[tuple[list[int], list[list[int]]]], rewards: l
     out.keep(groups_of([f"problem {j}" for j in range(len(groups))], len(groups[0][1]), {}, completions=completions,
                        rewards=rewards, correct=[False] * n, lenient=[False] * n, formatted=[False] * n, texts=[""] * n))
     return out
+
+
+# ---------------------------------------------------------------------------------------- host reads
+READS = {"item", "__bool__", "__float__", "__int__", "__index__", "tolist", "cpu", "numpy"}
+
+
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors among an operation's arguments (in lists and tuples too)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out += tensors_in(v)
+    return out
+
+
+def list_index(index) -> bool:
+    """Is a Python list part of this index (t[[1, 2]], t[rows, :n])?"""
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor standing for device memory: every host read of it is counted, and so is every
+    operation mixing it with a host tensor of more than one element or indexing it with a Python
+    list (a device mismatch error on a GPU, or a hidden blocking copy where torch moves the host
+    operand itself)."""
+
+    reads: list[str] = []
+    mixed: list[str] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        # .to(device): on the CPU every "device" is the host, so only an explicit "cpu" string counts
+        to_host = name == "to" and any(isinstance(a, str) and a == "cpu" for a in (*args[1:], kwargs.get("device")))
+        if name in READS or to_host:
+            cls.reads.append(name)
+        operands = tensors_in([*args, *kwargs.values()])
+        touches_device = any(isinstance(t, DeviceTensor) for t in operands)
+        if touches_device and any(not isinstance(t, DeviceTensor) and t.dim() > 0 for t in operands):
+            cls.mixed.append(name)
+        elif touches_device and name in ("__getitem__", "__setitem__") and list_index(args[1]):
+            cls.mixed.append(name + " by a list")  # the index is copied to the device, blocking
+        out = super().__torch_function__(func, types_, args, kwargs)
+        # what came to the host is a host tensor: reading it again (cpu().tolist()) is no second sync
+        return out.as_subclass(torch.Tensor) if name == "cpu" and isinstance(out, DeviceTensor) else out
+
+
+def on_device(t: torch.Tensor) -> torch.Tensor:
+    return t if isinstance(t, DeviceTensor) else t.as_subclass(DeviceTensor)
+
+
+def plain(t):
+    return t.as_subclass(torch.Tensor) if isinstance(t, DeviceTensor) else t
