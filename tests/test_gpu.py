@@ -165,19 +165,13 @@ def test_auto_micro_batch_tokens_come_from_the_update_phases_free_memory(tmp_pat
 def offline_step_losses(packing: bool) -> dict:
     """One SFT step, one DPO step (cached reference log-probs) and DPO's pass of sequence log-probs
     on the device, padded or packed: the losses (at the initial weights) and the log-probs."""
-    from workers.worker_support import load_recipe_module
+    from workers.worker_support import load_recipe_module, scripted_offline_data
 
     from colo_rl.config import ModelConfig, RunConfig
-    from colo_rl.data.preference import PreferencePair
-    from colo_rl.data.sft import SFTExample
     from colo_rl.train.actor import DeepSpeedActor
     from colo_rl.train.offline import pair_logps, sft_micro_batches
 
-    g = torch.Generator().manual_seed(3)
-    ids = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
-    examples = [SFTExample(f"e{i}", ids(4 + i), ids(3 + i), [1] * (3 + i)) for i in range(4)]
-    pairs = [PreferencePair(f"p{i}", ids(4), ids(2 + i), [1] * (2 + i), ids(3), [1] * 3) for i in range(4)]
-    cached = (-torch.rand(4, generator=g), -torch.rand(4, generator=g))
+    examples, pairs, cached = scripted_offline_data(3)
     out = {}
     for recipe in ("sft", "dpo"):
         cfg = RunConfig(model=ModelConfig(random_init=True, hidden_size=64, num_layers=2, dtype="fp32"))

@@ -44,14 +44,12 @@ import torch
 from colo_rl import dist, process_exit
 from colo_rl.algos import AdaptiveKLController
 from colo_rl.config import ModelConfig, RunConfig
-from colo_rl.data.preference import PreferencePair
-from colo_rl.data.sft import SFTExample
 from colo_rl.metrics import Timer
 from colo_rl.samples import Rollout
 from colo_rl.train.actor import DeepSpeedActor
 from colo_rl.train.offline import pair_logps, pair_micro_batches, sft_micro_batches
 from worker_support import (DeviceTensor, load_recipe, load_recipe_module, on_device, plain, scripted_batch,
-                            scripted_rollout)
+                            scripted_offline_data, scripted_rollout)
 
 TINY = dict(random_init=True, hidden_size=64, num_layers=3, dtype="fp32")
 
@@ -307,24 +305,18 @@ def offline_reads(recipe: str, packing: bool, micro_batch_size: int) -> dict:
     """Device reads in one SFT / DPO step (recipes/sft.py sft_step, recipes/dpo.py dpo_step with the
     cached reference log-probs) on 4 examples or pairs per rank, micro-batches of at most
     `micro_batch_size` of them."""
-    g = torch.Generator().manual_seed(11 + dist.rank())
-    ids = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
+    examples, pairs, cached = scripted_offline_data(11 + dist.rank(), ref_slots=8)  # cached: by pair index 2 i
     cfg = tiny_cfg(packing=packing, micro_batch_size=micro_batch_size, batch_size=4 * dist.world_size())
     cfg.trainer.micro_batch_tokens = "100000"  # the count cap decides the split
     actor = DeepSpeedActor(cfg, torch.float32, total_steps=4)
     instrument(actor)
     module = load_recipe_module(recipe)
     if recipe == "sft":
-        examples = [SFTExample(f"e{i}", ids(4 + i), ids(3 + i), [1] * (3 + i)) for i in range(4)]
-
         def step():  # packed rows of at most 16 tokens: 3 rows of these examples
             batches = sft_micro_batches(examples, micro_batch_size, 0, packing, max_len=16,
                                         budget=actor.micro_batch_tokens())
             return len(batches), module.sft_step(actor, batches, 0, examples)
     else:
-        pairs = [PreferencePair(f"p{i}", ids(4), ids(2 + i), [1] * (2 + i), ids(3), [1] * 3) for i in range(4)]
-        cached = (-torch.rand(8, generator=g), -torch.rand(8, generator=g))  # the reference's, by pair index
-
         def step():
             n = len(pair_micro_batches(pairs, micro_batch_size, 0, packing, budget=actor.micro_batch_tokens()))
             return n, module.dpo_step(cfg, actor, None, pairs, [2 * i for i in range(4)], cached, 0, False,

@@ -1,5 +1,5 @@
 """What several workers build the same way: a recipe (the GRPO recipe class) loaded from its
-file, a scripted padded batch and a scripted rollout, and a CPU stand-in for device memory that
+file, a scripted padded batch, rollout and SFT / DPO data, and a CPU stand-in for device memory that
 counts host reads (`DeviceTensor`). Workers run as scripts (torchrun puts this folder first on
 sys.path), so they import it as `worker_support`; tests as `workers.worker_support`."""
 
@@ -45,6 +45,20 @@ def scripted_rollout(groups: list[tuple[list[int], list[list[int]]]], rewards: l
     out.keep(groups_of([f"problem {j}" for j in range(len(groups))], len(groups[0][1]), {}, completions=completions,
                        rewards=rewards, correct=[False] * n, lenient=[False] * n, formatted=[False] * n, texts=[""] * n))
     return out
+
+
+def scripted_offline_data(seed: int, ref_slots: int = 4) -> tuple[list, list, tuple[torch.Tensor, torch.Tensor]]:
+    """4 SFT examples (prompts of 4-7 random tokens, completions of 3-6, all trained), 4 preference
+    pairs (4-token prompts, chosen of 2-5 tokens, rejected of 3) and cached reference log-probs
+    (chosen, rejected) for `ref_slots` pair indices, drawn from `seed`."""
+    from colo_rl.data.preference import PreferencePair
+    from colo_rl.data.sft import SFTExample
+
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, 400, (n,), generator=g).tolist()  # noqa: E731
+    examples = [SFTExample(f"e{i}", ids(4 + i), ids(3 + i), [1] * (3 + i)) for i in range(4)]
+    pairs = [PreferencePair(f"p{i}", ids(4), ids(2 + i), [1] * (2 + i), ids(3), [1] * 3) for i in range(4)]
+    return examples, pairs, (-torch.rand(ref_slots, generator=g), -torch.rand(ref_slots, generator=g))
 
 
 # ---------------------------------------------------------------------------------------- host reads
