@@ -176,12 +176,6 @@ def meta(argv: Optional[list[str]] = None) -> dict:
 
 
 # ----------------------------------------------------------------------------- writing results
-def child_python_path() -> str:
-    """PYTHONPATH for a child process: the repo root, then this process's PYTHONPATH (on the GPU
-    machine `make gpu-install` puts the carried packages there)."""
-    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-
-
 def today() -> str:
     return time.strftime("%Y-%m-%d")
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks import common  # noqa: E402
+from colo_rl.child_env import child_python_path  # noqa: E402
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as fh:
             cmd = [sys.executable, __file__, "--one", dtype, "--json", fh.name, "--n", str(args.n),
                    "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature)]
-            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": common.child_python_path()})
+            subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": child_python_path()})
             by_dtype[dtype] = json.loads(Path(fh.name).read_text())
     from test_sglang_cpu_embedded import QUESTIONS
 

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from colo_rl.child_env import child_python_path  # noqa: E402
 
 DIMS = dict(hidden_size=32, num_hidden_layers=28, intermediate_size=64, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; known: {', '.join(VARIANTS)}")
     runs: dict[str, list[dict]] = {n: [] for n in names}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": common.child_python_path()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_python_path()}
     for r in range(args.rounds):
         for name in names:
             print(f"host_overhead: round {r + 1}/{args.rounds}, {name} ...", flush=True)

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from colo_rl.child_env import child_python_path  # noqa: E402
 
 LR = 1e-5
 SEED = 42  # the default --seed: both sides' model init, sampling and prompt order
@@ -242,7 +243,7 @@ def trl_worker(args) -> None:
 
 # ----------------------------------------------------------------------------- helpers, report
 def _run(cmd: list[str], log: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": common.child_python_path(),
+    env = {**os.environ, "PYTHONPATH": child_python_path(),
            "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "w") as fh:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)

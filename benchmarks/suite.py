@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
+from colo_rl.child_env import child_python_path  # noqa: E402
 
 # The race's work (8 prompts x 8 completions, <= 64 new tokens) is also the step breakdown's.
 RACE_WORK = ["rollout.prompts_per_step=8", "rollout.group_size=8", "rollout.max_new_tokens=64",
@@ -102,7 +103,7 @@ def main(argv=None) -> int:
         only = [n for n in (only or PRESETS[args.preset]) if n != "race_trl"]
         only = only + ["step_breakdown"] if "step_breakdown" not in only else only
     steps = plan(args.preset, only, args.out)
-    env = {**os.environ, "PYTHONPATH": common.child_python_path(),
+    env = {**os.environ, "PYTHONPATH": child_python_path(),
            "PYTHONUNBUFFERED": "1"}
     failed, ran = [], 0
     t_all = time.perf_counter()

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from colo_rl.child_env import child_python_path  # noqa: F401  (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 # `make gpu-check` sets this: there a GPU test whose stack (SGLang) is missing fails instead of skipping,
 # so a wrong PYTHONPATH cannot turn the GPU run into a row of skips.
@@ -30,11 +32,6 @@ def child_env(**extra: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}, **extra}
 
 
-def python_path(*first: str) -> str:
-    """PYTHONPATH for a child: `first`, the repo root, then this process's PYTHONPATH."""
-    return os.pathsep.join(p for p in [*first, str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-
-
 def hydra_dict(d: dict) -> str:
     """A dict as a Hydra override value: {key:value,...} with JSON scalars ("triton", true, 16)."""
     return "{" + ",".join(f"{k}:{json.dumps(v)}" for k, v in d.items()) + "}"
@@ -48,7 +45,7 @@ def run_torchrun(script: Path | str, args: list[str], nproc: int = 2, timeout: i
            str(script), *args]
     # The inherited PYTHONPATH stays: on the GPU machine it is where `make gpu-install` put the carry.
     # PYTHONFAULTHANDLER: a rank that aborts prints every thread's Python stack.
-    full_env = child_env(**{"PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+    full_env = child_env(**{"PYTHONPATH": child_python_path(), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
                             **(env or {})})
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

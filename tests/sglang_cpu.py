@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import hydra_dict, python_path
+from conftest import child_python_path, hydra_dict
 
 SHIMS = Path(__file__).resolve().parent / "sglang_cpu_shims"
 # The releases these tests know, and whether each has the weight-update session
@@ -46,7 +46,7 @@ def hydra_kwargs() -> str:
 
 def env() -> dict[str, str]:
     """Environment additions for processes that run SGLang's CPU engine."""
-    return {"PYTHONPATH": python_path(str(SHIMS)), "SGLANG_USE_CPU_ENGINE": "1"}
+    return {"PYTHONPATH": child_python_path(str(SHIMS)), "SGLANG_USE_CPU_ENGINE": "1"}
 
 
 def require_sglang() -> None:

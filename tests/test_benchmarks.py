@@ -260,11 +260,11 @@ def test_engine_comparison_smoke_runs_end_to_end(tmp_path):
     import subprocess
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import child_env, python_path
+    from conftest import child_env, child_python_path
 
     proc = subprocess.run([sys.executable, "benchmarks/engine_compare.py", "--smoke", "--seeds", "7", "--engines", "hf",
                            "--work", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env=child_env(PYTHONPATH=python_path()))
+                          env=child_env(PYTHONPATH=child_python_path()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| hf | 7 |" in proc.stdout and "| sglang |" not in proc.stdout
     assert "Only one engine ran" in proc.stdout

@@ -22,7 +22,7 @@ from colo_rl.checkpoint import (COMPLETE, CheckpointError, CheckpointManager, ca
 from colo_rl.config import RunConfig, TrainerConfig
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.rollout.base import Capabilities
-from conftest import ROOT, child_env, python_path
+from conftest import ROOT, child_env, child_python_path
 
 
 class FakeActor:
@@ -236,7 +236,7 @@ def test_sigkill_in_the_middle_of_a_save(tmp_path):
     """A real process killed with SIGKILL while it writes checkpoint 4: resume picks checkpoint 2."""
     code = KILL_MID_SAVE.format(tests=str(ROOT / "tests"), run=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env=child_env(PYTHONPATH=python_path()))
+                            env=child_env(PYTHONPATH=child_python_path()))
     try:
         assert proc.stdout.readline().strip() == "SAVING"  # inside the save, shards half written
         assert (tmp_path / "checkpoints" / "step-000004.tmp" / "ds").is_dir()

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from colo_rl.checkpoint import is_complete, newest_checkpoint
-from conftest import ROOT, WORKERS, child_env, python_path, run_torchrun
+from conftest import ROOT, WORKERS, child_env, child_python_path, run_torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
     timings["uninterrupted"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    env = child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
+    env = child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1")
     with open(base / "killed.log", "w") as out:
         proc = subprocess.Popen(torchrun_cmd(OVERRIDES + PAGED + [f"run_dir={b_dir}", "trainer.save_every=1"]), cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -196,7 +196,7 @@ def test_resuming_with_a_config_that_changes_the_state_is_refused_by_key(runs):
     changed = [o for o in OVERRIDES if not o.startswith("rollout.group_size=")] + ["rollout.group_size=2",
                                                                                     "data.seed=8"]
     proc = subprocess.run(torchrun_cmd(changed + [f"run_dir={runs['b']}", "resume=auto", "trainer.save_every=1"]),
-                          cwd=ROOT, env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"),
+                          cwd=ROOT, env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr

@@ -36,7 +36,7 @@ def test_a_world_of_one_ignores_an_inherited_master_port_held_by_another_store()
     import subprocess
     import sys
 
-    from conftest import ROOT, child_env, python_path
+    from conftest import ROOT, child_env, child_python_path
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -44,7 +44,7 @@ def test_a_world_of_one_ignores_an_inherited_master_port_held_by_another_store()
         port = held.getsockname()[1]
         code = "from colo_rl import dist; import os; dist.init(); print('port', os.environ['MASTER_PORT'])"
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                              env=child_env(PYTHONPATH=python_path(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                              env=child_env(PYTHONPATH=child_python_path(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                             WORLD_SIZE="1", RANK="0"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"port {port}" not in proc.stdout and "port " in proc.stdout

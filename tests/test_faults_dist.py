@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from colo_rl.checkpoint import newest_checkpoint
-from conftest import ROOT, child_env, python_path
+from conftest import ROOT, child_env, child_python_path
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ class Run:
         self.log_path = run_dir.parent / f"{run_dir.name}.log"
         cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc_per_node=2",
                str(ROOT / "recipes" / "grpo.py"), *OVERRIDES, *extra, f"run_dir={run_dir}"]
-        env = child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1")
+        env = child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         self.launcher = psutil.Process(self.proc.pid)

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from conftest import GPU_STACK_REQUIRED, child_env, python_path  # noqa: E402
+from conftest import GPU_STACK_REQUIRED, child_env, child_python_path  # noqa: E402
 from benchmarks.phase_switch import EOS, PAD, bench_config, grpo_like_update, write_random_llama  # noqa: E402
 
 # conftest.py skips `gpu` tests without CUDA; the skipif keeps this module safe on its own too.
@@ -222,7 +222,7 @@ def sglang_report(tmp_path_factory):
     out, log = keep / "sglang_gpu_report.json", keep / "sglang_gpu_worker.log"
     out.unlink(missing_ok=True)  # never a previous run's
     # A world of its own: not this process's rendezvous port (dist.init put it in the environment).
-    env = child_env(PYTHONPATH=python_path())
+    env = child_env(PYTHONPATH=child_python_path())
     with open(log, "w") as fh:
         try:
             proc = subprocess.run([sys.executable, str(ROOT / "tests" / "workers" / "sglang_gpu_worker.py"), str(out),

@@ -2,7 +2,6 @@
 which keeps freed ones for reuse, instead of mapping each anew (fresh pages, faulted in and zeroed)."""
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import pytest
 
 from colo_rl.host_malloc import KEEP_HOST_MEMORY_ENV, keep_host_memory_wanted
-from conftest import python_path
+from conftest import child_env, child_python_path
 
 # After dist.init (a world of one, gloo): whether a 256 MiB tensor's memory lies in the heap
 # (glibc's [heap] mapping, which keeps freed blocks for reuse) or in a mapping of its own (unmapped
@@ -27,9 +26,7 @@ print(json.dumps(any(lo <= x.data_ptr() < hi for lo, hi in spans)))
 
 
 def in_heap(keep: str) -> bool:
-    env = {**os.environ, "PYTHONPATH": python_path(), KEEP_HOST_MEMORY_ENV: keep, "CUDA_VISIBLE_DEVICES": ""}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
-        env.pop(k, None)
+    env = child_env(PYTHONPATH=child_python_path(), CUDA_VISIBLE_DEVICES="", **{KEEP_HOST_MEMORY_ENV: keep})
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

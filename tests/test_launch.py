@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from colo_rl.launch import describe_failure, exit_code, root_cause
-from conftest import ROOT, WORKERS, child_env, python_path, wait_for_line
+from conftest import ROOT, WORKERS, child_env, child_python_path, wait_for_line
 
 
 def _failure(code, t=100, pid=7, error_file=""):
@@ -43,7 +43,7 @@ def _launch(*args):
     return subprocess.Popen([sys.executable, "-m", "colo_rl.launch", "--standalone", "--nproc_per_node=2",
                              str(WORKERS / "stop_worker.py"), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
-                            env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"))
+                            env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"))
 
 
 @pytest.mark.slow

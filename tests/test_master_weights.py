@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from tests.conftest import WORKERS, child_env, python_path
+from tests.conftest import WORKERS, child_env, child_python_path
 
 
 def test_bf16_masters_start_from_the_fp32_checkpoint(tmp_path):
@@ -24,7 +24,7 @@ def test_bf16_masters_start_from_the_fp32_checkpoint(tmp_path):
         shutil.copyfile(embedded_model_dir() / f, tmp_path / "model" / f)
     out = tmp_path / "out.json"
     proc = subprocess.run([sys.executable, str(WORKERS / "master_weights_worker.py"), str(tmp_path / "model"), str(out)],
-                          env=child_env(PYTHONPATH=python_path()), capture_output=True, text=True, timeout=300)
+                          env=child_env(PYTHONPATH=child_python_path()), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["checkpoint_off_grid_share"] > 0.9  # the check means something: most values lie between bf16 values

@@ -10,7 +10,7 @@ import pytest
 
 from colo_rl.errors import BuildLockError
 from colo_rl.op_builds import STALE_AFTER_S, check_no_interrupted_build, interrupted_builds
-from tests.conftest import ROOT, child_env, python_path
+from tests.conftest import ROOT, child_env, child_python_path
 
 
 def _lock(root, op, age_s):
@@ -52,6 +52,6 @@ def test_the_recipe_refuses_in_one_line_instead_of_hanging(tmp_path):
     lock = _lock(tmp_path / "ext", "deepspeed_shm_comm", STALE_AFTER_S + 5)
     proc = subprocess.run([sys.executable, "recipes/grpo.py", "model=tiny", f"output_root={tmp_path}/out"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=child_env(PYTHONPATH=python_path(), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")))
+                          env=child_env(PYTHONPATH=child_python_path(), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext")))
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"rm {lock}" in proc.stderr and "Traceback" not in proc.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from colo_rl.train.prebuilt_ops import build_manifest, manifest_mismatch, save_prebuilt_op
-from conftest import python_path
+from conftest import child_python_path
 
 
 def test_manifest_mismatch_names_what_differs():
@@ -59,7 +59,7 @@ def test_prebuilt_fused_adam_is_loaded_not_built(tmp_path, matching):
     save_prebuilt_op("fused_adam", _built_fused_adam(), tmp_path / "ops", build_manifest(version, torch.version.cuda, []))
     assert json.loads((tmp_path / "ops" / "fused_adam.json").read_text())["torch"] == version
     env = dict(os.environ, COLO_RL_PREBUILT_OPS=str(tmp_path / "ops"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
-               PYTHONPATH=python_path())
+               PYTHONPATH=child_python_path())
     if not matching:  # the mismatch falls back to DeepSpeed's own build: stop before it compiles for a minute
         code = PROBE.replace("op = FusedAdamBuilder().load()", "op = None")
     else:

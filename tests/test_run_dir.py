@@ -10,7 +10,7 @@ import sys
 import time
 
 
-from conftest import ROOT, child_env, python_path, wait_for_line
+from conftest import ROOT, child_env, child_python_path, wait_for_line
 
 # runtime.start as a recipe calls it, then the run "trains" until it is killed
 HOLD = """
@@ -31,7 +31,7 @@ def _start(run_dir, *args, hold_s=0):
     """runtime.start in a process of its own, which then holds the run for `hold_s` seconds."""
     return subprocess.Popen([sys.executable, "-c", HOLD, str(ROOT / "conf"), str(hold_s), f"run_dir={run_dir}", *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"))
+                            env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"))
 
 
 def _recipe(*args, timeout=120):

@@ -3,14 +3,13 @@ copies, so gloo's worker threads never start an OpenMP team of their own (which 
 spinning between the main thread's parallel ops: docs/update_overhead.md)."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
 from colo_rl.solo_gathers import LOCAL_GATHERS_ENV, local_gathers_wanted
-from conftest import python_path
+from conftest import child_env, child_python_path
 
 # A world of one on two intra-op threads: DeepSpeed's gather calls checked, then one ZeRO-3 update of
 # a tiny model; the threads named like gloo's workers counted after dist.init and after the update
@@ -59,9 +58,8 @@ print(json.dumps({"gathers_copy": gathers_copy, "gloo_threads": [before, after],
 
 
 def probe(local: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": python_path(), LOCAL_GATHERS_ENV: local, "CUDA_VISIBLE_DEVICES": ""}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"):
-        env.pop(k, None)
+    env = child_env(PYTHONPATH=child_python_path(), CUDA_VISIBLE_DEVICES="", **{LOCAL_GATHERS_ENV: local})
+    env.pop("OMP_NUM_THREADS", None)  # as in a plain run: a gloo thread's OpenMP team takes its default size
     proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

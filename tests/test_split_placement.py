@@ -150,13 +150,13 @@ def test_a_killed_split_run_resumes_where_its_checkpoint_left_the_data(tmp_path,
     from test_checkpoint_resume import kill_all, torchrun_cmd
 
     from colo_rl.checkpoint import is_complete
-    from conftest import ROOT, child_env, python_path
+    from conftest import ROOT, child_env, child_python_path
 
     split, a = SPLIT_K0, split_k0[1:]
     b = tmp_path / "b"
     with open(tmp_path / "killed.log", "w") as out:
         proc = subprocess.Popen(torchrun_cmd([*COMMON, *split, "trainer.save_every=1", f"run_dir={b}"]), cwd=ROOT,
-                                env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"), stdout=out,
+                                env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"), stdout=out,
                                 stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 600

@@ -15,7 +15,7 @@ import pytest
 from colo_rl import runtime
 from colo_rl.config import ConfigError
 from colo_rl.rollout.tp_group import engine_rank_layout
-from conftest import ROOT, WORKERS, child_env, python_path, run_torchrun
+from conftest import ROOT, WORKERS, child_env, child_python_path, run_torchrun
 
 ARGS = ["model=tiny", "trainer.total_steps=2", "data.eval_size=4", "data.train_size=64", "rollout.prompts_per_step=4",
         "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4", "trainer.micro_batch_size=2",
@@ -68,7 +68,7 @@ def test_two_agents_reach_the_one_agent_metrics_and_share_one_run_dir(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
          f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=colo-two-nodes", f"--node_rank={node}", "--max_restarts=0",
          str(WORKERS / "grpo_resume_worker.py"), *ARGS, f"output_root={root}"],
-        cwd=ROOT, env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+        cwd=ROOT, env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = [a.communicate(timeout=900)[0] for a in agents]
     for agent, out in zip(agents, outputs):

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from colo_rl.config import RECIPES, ConfigError, RunConfig, TrainerConfig, register_configs, to_object
 from colo_rl.data import load_problems
 from colo_rl.rollout.sglang.compat import NO_GPU, NOT_INSTALLED
-from conftest import ROOT, child_env, python_path
+from conftest import ROOT, child_env, child_python_path
 
 register_configs()
 NAMES = {"grpo": "config", "sft": "sft", "dpo": "dpo", "eval": "eval"}
@@ -231,7 +231,7 @@ def test_fresh_start_in_a_dead_runs_directory_moves_its_metrics_aside(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
     proc = subprocess.run([sys.executable, "-c", START, str(ROOT / "conf"), f"run_dir={tmp_path}", "trainer.seed=3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=child_env(PYTHONPATH=python_path(), OMP_NUM_THREADS="1"))
+                          env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # the new run starts a file of its own
     assert json.loads((tmp_path / "metrics.previous-1.jsonl").read_text())["step"] == 1

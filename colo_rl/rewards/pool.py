@@ -18,13 +18,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
+from colo_rl.child_env import child_python_path
 from colo_rl.errors import RewardError
 
 _HEADER = struct.Struct("<Q")
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding colo_rl/
 
 
 def send(fh, obj: Any) -> None:
@@ -69,8 +68,7 @@ class Outcome:
 
 class _Worker:
     def __init__(self, specs: list[str]):
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(PACKAGE_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+        env = {**os.environ, "PYTHONPATH": child_python_path()}
         self.proc = subprocess.Popen([sys.executable, "-m", "colo_rl.rewards.worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, env=env)
         self.fd = self.proc.stdout.fileno()
