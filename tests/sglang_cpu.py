@@ -5,7 +5,7 @@ detokenizer, torchrun's ranks) find the test shims in tests/sglang_cpu_shims/ (t
 operator schemas, a pure-torch sgl_kernel stand-in) and run SGLang's CPU engine
 (SGLANG_USE_CPU_ENGINE=1). `SGLANG_KWARGS` is what rollout.sglang_kwargs needs on CPU.
 
-These tests run in `make test` (tests/test_sglang_cpu.py) and `make test-sglang-e2e` (the recipe
+These tests run in `make test` (tests/test_sglang_cpu.py) and `make test-e2e` (the recipe
 and embedded-model files; CI runs both). The Makefile installs SGLang's CPU stack first: when SGLang
 is missing they fail, naming the install step, rather than skip.
 """

@@ -15,8 +15,8 @@ import torch
 import sglang_cpu
 from test_sglang_cpu import agreement, hf_engine_on_trainer_weights, record
 
-# the longest end-to-end files: not in `make test`, in `make test-sglang-e2e` (CI runs both)
-pytestmark = [pytest.mark.slow, pytest.mark.sglang_e2e]
+# the longest end-to-end files: not in `make test`, in `make test-e2e` (CI runs both)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 QUESTIONS = ["What is 7 + 5?", "Name a primary colour.", "Write the word cat backwards.", "What is 3 * 4?"]
 

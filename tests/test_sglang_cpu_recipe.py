@@ -14,8 +14,8 @@ from conftest import ROOT, WORKERS, hydra_dict, run_torchrun
 
 from colo_rl.metrics import read_jsonl
 
-# the longest end-to-end files: not in `make test`, in `make test-sglang-e2e` (CI runs both)
-pytestmark = [pytest.mark.slow, pytest.mark.sglang_e2e]
+# the longest end-to-end files: not in `make test`, in `make test-e2e` (CI runs both)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 STEPS = 3
 

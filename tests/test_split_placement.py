@@ -21,7 +21,8 @@ import torch
 
 from conftest import WORKERS, run_torchrun
 
-pytestmark = pytest.mark.slow
+# whole runs in split placement: in make test-e2e, not make test (CI runs both)
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 STEPS = 3
 COMMON = ["model=tiny", f"trainer.total_steps={STEPS}", "data.eval_size=8", "rollout.prompts_per_step=4",

@@ -58,6 +58,7 @@ def rows(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow  # two 4-rank DeepSpeed runs on 2 CPU cores (about 2-3 minutes)
+@pytest.mark.e2e  # in make test-e2e, not make test
 def test_two_agents_reach_the_one_agent_metrics_and_share_one_run_dir(tmp_path):
     one = tmp_path / "one-agent"
     run_torchrun(WORKERS / "grpo_resume_worker.py", [*ARGS, f"run_dir={one}"], nproc=4, timeout=900)
