@@ -154,7 +154,7 @@ class GRPORecipe:
         return out
 
     def train_step(self, step: int) -> dict[str, float]:
-        cfg, colo = self.cfg, self.colo
+        colo = self.colo
         if self.split is not None:
             return self.split_train_step(step)
         colo.switch.begin_step(step)  # the ledger's records name it; the phase timers start from zero
@@ -163,11 +163,7 @@ class GRPORecipe:
         with colo.switch.generation():
             rollout = self.rollout(policy_version=step)
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
-            if colo.reward_model is not None:  # its score joins the verifiers' before the advantages
-                with self.timer("reward_model"):
-                    self.add_reward_model_scores(rollout)
-            if cfg.algo.overlong_buffer_len:
-                self.add_overlong_shaping(rollout)
+            self.shape_rewards(rollout)
             train_metrics = self.update(rollout)
         return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
@@ -178,18 +174,12 @@ class GRPORecipe:
         rollout, flow = self.pool.receive(step)
         self.timer.seconds.update({k.removeprefix("time/"): v for k, v in flow.items()
                                    if k in ("time/generation", "time/reward")})
-        if self.colo.reward_model is not None:  # on the trainer ranks, as a colocated run's update phase
-            with self.timer("reward_model"):
-                self.add_reward_model_scores(rollout)
-        if self.cfg.algo.overlong_buffer_len:
-            self.add_overlong_shaping(rollout)
+        self.shape_rewards(rollout)  # on the trainer ranks, as a colocated run's update phase
         start = time.time()
         train_metrics = self.update(rollout, fresh=rollout.policy_version == step)
         sync = self.pool.after_update(step, (start, time.time()))
-        if "time/weight_sync" in sync:  # the broadcast's bytes and seconds, as a colocated handoff's
-            self.colo.ledger.append({"step": step, "transition": "weight sync", "rank": dist.rank(), "moves": [
-                {"what": "weights broadcast", "from": "trainer", "to": "generation ranks", "moved": True,
-                 "bytes": int(sync["split/weight_sync_bytes"]), "seconds": sync["time/weight_sync"]}]})
+        if "time/weight_sync" in sync:
+            self.colo.ledger.weight_sync(step, sync["split/weight_sync_bytes"], sync["time/weight_sync"])
         return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(), **flow, **sync}
 
     def generate_slot(self, version: int) -> tuple[Rollout, dict[str, float]]:
@@ -302,21 +292,22 @@ class GRPORecipe:
         out.fill(self.prompts_per_rank)
         return out
 
-    def add_reward_model_scores(self, rollout: Rollout) -> None:
-        """The reward model's score of each sample, a source weighted by reward.weights' last (update
-        phase: the reward model's partitions are back on the device)."""
-        rm, problems = self.colo.reward_model, rollout.problems
-        texts = rm.texts([self.builder.messages(p) for p in problems], [self.builder.text(p) for p in problems],
-                         rollout.flat("texts"))
-        rollout.add_source("model", rm.score(texts), model_weight(self.cfg.reward))
-
-    def add_overlong_shaping(self, rollout: Rollout) -> None:
-        """DAPO's soft overlong penalty (algo.overlong_buffer_len), shaping the rewards the advantages see."""
-        cfg = self.cfg
-        lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
-        limit = cfg.rollout.max_new_tokens if self.env is None else cfg.env.max_total_tokens
-        rollout.add_shaping("overlong", algos.overlong_penalty(lengths, limit, cfg.algo.overlong_buffer_len,
-                                                               cfg.algo.overlong_penalty))
+    def shape_rewards(self, rollout: Rollout) -> None:
+        """The update phase's additions to the verifiers' rewards, before the advantages: the reward
+        model's score of each sample (a source weighted by reward.weights' last; its partitions are
+        back on the device now), and DAPO's soft overlong penalty (algo.overlong_buffer_len)."""
+        cfg, rm = self.cfg, self.colo.reward_model
+        if rm is not None:
+            with self.timer("reward_model"):
+                problems = rollout.problems
+                texts = rm.texts([self.builder.messages(p) for p in problems], [self.builder.text(p) for p in problems],
+                                 rollout.flat("texts"))
+                rollout.add_source("model", rm.score(texts), model_weight(cfg.reward))
+        if cfg.algo.overlong_buffer_len:
+            lengths = torch.tensor([len(c.token_ids) for c in rollout.completions])
+            limit = cfg.rollout.max_new_tokens if self.env is None else cfg.env.max_total_tokens
+            rollout.add_shaping("overlong", algos.overlong_penalty(lengths, limit, cfg.algo.overlong_buffer_len,
+                                                                   cfg.algo.overlong_penalty))
 
     def rollout_metrics(self, rollout: Rollout) -> dict[str, float]:
         """Reward, response and sampling metrics of the step's training batch, over all ranks."""

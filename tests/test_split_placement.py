@@ -101,6 +101,15 @@ def test_k1_overlaps_generation_with_the_update_and_stays_within_one_version(tmp
     assert sum(r["split/overlap_seconds"] for r in rows) > 0
     # the engine-vs-trainer check ran on the fresh step (version 0 at step 1) and held
     assert rows[0]["handoff/logprob_diff_mean"] < 1e-3
+    # each weight sync is in the ledger as a colocated handoff is: its step, bytes and seconds
+    records = [json.loads(line) for line in (tmp_path / "k1" / "ledger.jsonl").read_text().splitlines()]
+    syncs = {r["step"]: r["moves"][0] for r in records if r["transition"] == "weight sync"}
+    # (the ledger names the loop's step index, as the colocated transitions' records do: row step - 1)
+    synced = {r["step"] - 1: r for r in rows if "split/weight_sync_bytes" in r}
+    assert syncs.keys() == synced.keys() and len(syncs) >= 1
+    for step, move in syncs.items():
+        assert move["what"] == "weights broadcast" and move["bytes"] == synced[step]["split/weight_sync_bytes"] > 0
+        assert move["seconds"] == synced[step]["time/weight_sync"]
 
 
 def test_drop_policy_counts_every_dropped_group(tmp_path):

@@ -91,6 +91,13 @@ class Ledger:
                 fh.flush()
                 os.fsync(fh.fileno())
 
+    def weight_sync(self, step: int, nbytes: int, seconds: float) -> None:
+        """Split placement's broadcast of the trainer's weights to the generation ranks, recorded as a
+        colocated handoff's move is (bytes, seconds)."""
+        self.append({"step": step, "transition": "weight sync", "rank": dist.rank(), "moves": [
+            {"what": "weights broadcast", "from": "trainer", "to": "generation ranks", "moved": True,
+             "bytes": int(nbytes), "seconds": seconds}]})
+
 
 class _Transition:
     def __init__(self, name: str, step: int):
