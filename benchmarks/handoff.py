@@ -159,11 +159,11 @@ def measure_size(name: str, dims: dict, dtype: torch.dtype, dtype_name: str, rep
 
 
 def run(args) -> dict:
-    from colo_rl import dist
+    from colo_rl import console, dist
     from colo_rl.models import resolve_dtype
 
     dist.init()
-    dist.setup_logging()
+    console.setup_logging()
     device = dist.device()
     dtype = resolve_dtype(args.dtype)
     nbytes = args.memcpy_mb << 20

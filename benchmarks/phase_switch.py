@@ -244,13 +244,13 @@ def markdown(result: dict) -> str:
 
 
 def run(args) -> dict:
-    from colo_rl import dist
+    from colo_rl import console, dist
     from colo_rl.colocate.setup import build_colocated
     from colo_rl.models import resolve_dtype
     from colo_rl.rollout.base import SamplingParams
 
     dist.init()
-    dist.setup_logging()
+    console.setup_logging()
     dims = MODELS["small" if args.small else args.model]
     dtype = resolve_dtype(args.dtype)
     work = Path(tempfile.mkdtemp(prefix="colo_rl-phase-switch-"))

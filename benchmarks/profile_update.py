@@ -102,10 +102,10 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=55)
     p.add_argument("--response-len", type=int, default=40)
     args = p.parse_args(argv)
-    from colo_rl import dist
+    from colo_rl import console, dist
 
     dist.init()
-    dist.setup_logging()
+    console.setup_logging()
     groups = packed_micro_batches(args.groups, 8, args.prompt_len, args.response_len, args.per_micro_batch)
     if args.plain:
         print(f"plain PyTorch + AdamW: {timed(plain_update(groups, args.layers)):.2f} s per update "

@@ -7,7 +7,6 @@ import datetime
 import inspect
 import logging
 import os
-import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -257,10 +256,10 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
 
 @contextlib.contextmanager
 def _deepspeed_startup_quiet(quiet: bool):
-    """DeepSpeed's start-up says the same on every rank before setup_logging can rank-filter it: its
+    """DeepSpeed's start-up says the same on every rank before console.setup_logging can rank-filter it: its
     accelerator choice (a WARNING on CPU, logged while `import deepspeed` creates its logger) and, on
     CPU, a bare print that its shared-memory collective op loaded. Quiet: that logger keeps only
-    errors (what setup_logging leaves another rank) and stdout is muted while the group starts.
+    errors (what console.setup_logging leaves another rank) and stdout is muted while the group starts.
     stdout is redirected only after the import: DeepSpeed's log handler binds sys.stdout as it is
     when the logger is created, and must not keep a stream that this block closes."""
     if not quiet:
@@ -354,50 +353,6 @@ def shard(items: list[Any]) -> list[Any]:
     n, r, w = len(items), rank(), world_size()
     start = r * n // w
     return items[start:(r + 1) * n // w]
-
-
-class CurrentStdout:
-    """Writes to whatever sys.stdout is at the time: while the progress bar runs, rich swaps it for a
-    proxy that prints above the bar; a handler bound to the original stream would glue each log
-    line onto the stale bar instead."""
-
-    def write(self, text: str) -> int:
-        return sys.stdout.write(text)
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-
-def setup_logging(debug: bool = False) -> None:
-    """Rank-aware logging: rank 0 logs at INFO; other ranks only warnings unless debugging."""
-    import warnings
-
-    if not debug:  # torch's per-call deprecation notices from DeepSpeed's collectives
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-    level = logging.INFO if (is_rank0() or debug) else logging.WARNING
-    fmt = f"[%(asctime)s r{rank()}] %(message)s" if debug else "[%(asctime)s] %(message)s"
-    logging.basicConfig(level=level, format=fmt, datefmt="%H:%M:%S", stream=CurrentStdout(), force=True)
-    log.setLevel(level)
-    # DeepSpeed and transformers are chatty on every rank.
-    for name in ("DeepSpeed", "deepspeed", "transformers", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.WARNING if is_rank0() or debug else logging.ERROR)
-    # SGLang's side of the engine in this process logs at its schedulers' level (log_level="error"): its
-    # start-up notes (server_args, model registrations, features it turned off) are not the run's news.
-    logging.getLogger("sglang").setLevel(logging.INFO if debug else logging.ERROR)
-    try:
-        from deepspeed.utils import logger as ds_logger
-
-        ds_logger.setLevel(logging.WARNING if is_rank0() or debug else logging.ERROR)
-    except Exception:
-        pass
-    try:
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-    except Exception:
-        pass
 
 
 def cleanup() -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl import dist
+from colo_rl import console, dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
 from colo_rl.config.validation import check_context_length, check_generation_fits
@@ -166,7 +166,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     check_input_paths(cfg)
     ENGINES.get(cfg.rollout.engine).check_runs_here(cfg)
     dist.init(debug=cfg.debug)
-    dist.setup_logging(cfg.debug)
+    console.setup_logging(cfg.debug)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     run_dir, made = choose_run_dir(cfg)  # the run's lock on it, or a refusal naming the run holding it
     try:

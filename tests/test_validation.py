@@ -479,9 +479,9 @@ def test_log_lines_follow_stdout_so_the_progress_bar_is_not_glued_in_front(monke
     import io
     import logging
 
-    from colo_rl import dist
+    from colo_rl import console
 
-    dist.setup_logging()
+    console.setup_logging()
     proxy = io.StringIO()  # what rich's live progress display puts in sys.stdout's place
     monkeypatch.setattr("sys.stdout", proxy)
     logging.getLogger("colo_rl").info("step 1 | loss=0.5")

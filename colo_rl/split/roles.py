@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from colo_rl import dist
+from colo_rl import console, dist
 from colo_rl.errors import PoolError
 from colo_rl.split.placement import SplitLayout, split_layout
 from colo_rl.split.wire import recv_beat, watch_peers
@@ -68,7 +68,7 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
         dist.set_scope(helper_group[0], helpers)
     else:
         dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
-    dist.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
+    console.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
     tp_group = dict(zip(layout.generation, tp_groups)).get(layout.owner_of(me))  # None: a trainer, or tp_size 1
     return SplitRole(layout, generates, weight_group, helps, tp_group)
 

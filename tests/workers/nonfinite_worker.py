@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from colo_rl import algos, dist, process_exit
+from colo_rl import algos, console, dist, process_exit
 from colo_rl.config import ModelConfig, RunConfig, TrainerConfig
 from colo_rl.train.actor import DeepSpeedActor, NonFiniteError
 from colo_rl.train.batch import build_batch
@@ -67,7 +67,7 @@ def run_stage(stage: int) -> dict:
 
 def main(out: str, stages: str) -> None:
     dist.init()
-    dist.setup_logging()
+    console.setup_logging()
     report = {int(s): run_stage(int(s)) for s in stages.split(",")}
     with open(f"{out}.rank{dist.rank()}.json", "w") as fh:
         json.dump(report, fh, indent=1)

@@ -58,7 +58,7 @@ def logprob_agreement(cfg, colo, completions) -> dict:
 def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
     from types import SimpleNamespace
 
-    from colo_rl import dist
+    from colo_rl import console, dist
     from colo_rl.colocate.handoff import HandoffError
     from colo_rl.colocate.setup import build_colocated
     from colo_rl.rollout.base import SamplingParams
@@ -70,7 +70,7 @@ def main(out_path: str, work: str, sglang_kwargs: dict) -> int:
         out.write_text(json.dumps(report, indent=1))
 
     dist.init()
-    dist.setup_logging()
+    console.setup_logging()
     model_dir = write_random_llama(Path(work) / "model", **DIMS)
     cfg = bench_config(model_dir, "sglang", "bf16", steps=8, seqs=8)
     cfg.trainer.lr = 1e-3  # weights move visibly between steps

@@ -14,12 +14,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from colo_rl import dist, process_exit
+from colo_rl import console, dist, process_exit
 
 
 def main(debug: bool) -> None:
     dist.init(debug=debug)
-    dist.setup_logging(debug)
+    console.setup_logging(debug)
     logging.getLogger("DeepSpeed").error("deepspeed error on rank %d", dist.rank())
     print(f"stdout after start-up on rank {dist.rank()}", flush=True)
     dist.barrier()

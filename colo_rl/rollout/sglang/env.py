@@ -198,7 +198,7 @@ def trainer_logging_kept(environ=None):
     `logging.basicConfig(force=True)`, which closes the root handlers and puts a stderr handler at the
     engine's log level in their place. In a trainer rank that changed every later line's format,
     dropped the rank tag of debug=true and sent the lines to stderr as it was then, past the stream the
-    progress bar redirects (dist.CurrentStdout). The root handlers are
+    progress bar redirects (console.CurrentStdout). The root handlers are
     kept aside while the engine starts (so none is closed) and put back after with the root level;
     whatever SGLang attached is closed. SGLang's ERROR that it uses colo_rl's own SIGQUIT handler is
     dropped: it is no error and came once per rank. A user's SGLANG_LOGGING_CONFIG_PATH stands."""
