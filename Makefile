@@ -163,7 +163,7 @@ GPU_SITE ?= /tmp/colo_rl-site
 CARRY ?= .whl
 GPU_STAGES ?=
 #   make gpu-perf (the GPU performance run, two device calls, after gpu-install):
-#   here:            make gpu-perf-carry         -> .whl/part1 (stack), .whl/ops (FusedAdam, sm_90), .whl/models (toy)
+#   here:            make gpu-perf-carry         -> .whl/part1 (stack), .whl/ops (FusedAdam, DeepCompile's dc: sm_90), .whl/models (toy)
 #                    make gpu-perf-dry-run       -> the same stages on CPU, tiny shapes, HF engine
 #   on the GPU:      make gpu-install gpu-perf, then gpu-perf-ab   (carry .whl/part1 .whl/ops .whl/models)
 .PHONY: gpu-wheels gpu-wheels-check gpu-compile-check gpu-stack-test gpu-install gpu-perf gpu-perf-ab gpu-perf-carry gpu-perf-dry-run
@@ -173,7 +173,7 @@ gpu-wheels:
 gpu-wheels-check:
 	python3 benchmarks/gpu/check_imports.py
 
-# DeepSpeed's FusedAdam and SGLang's JIT kernels compiled for Hopper with nvcc 13.0 (about 1 minute; no GPU needed).
+# DeepSpeed's FusedAdam and dc ops and SGLang's JIT kernels compiled for Hopper with nvcc 13.0 (no GPU needed).
 gpu-compile-check:
 	python3 benchmarks/gpu/check_compile.py
 

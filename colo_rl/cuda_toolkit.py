@@ -1,5 +1,5 @@
-"""The CUDA toolkit that JIT builds compile with: DeepSpeed's FusedAdam (torch's cpp_extension) and
-SGLang's tvm-ffi kernels, both built on first use on a GPU machine. Two traps, both seen with an
+"""The CUDA toolkit that JIT builds compile with: DeepSpeed's FusedAdam and dc (torch's cpp_extension)
+and SGLang's tvm-ffi kernels, all built on first use on a GPU machine. Two traps, both seen with an
 nvcc 13.0 toolkit installed from NVIDIA's wheels (`make gpu-compile-check`):
 
 - torch (`torch.utils.cpp_extension.CUDA_HOME`, fixed when that module is imported), tvm-ffi and
@@ -12,7 +12,8 @@ nvcc 13.0 toolkit installed from NVIDIA's wheels (`make gpu-compile-check`):
   cuSOLVER headers that a compiler-only toolkit lacks ("cusparse.h: No such file or directory").
   pip-installed torch brings them in its nvidia-* wheels (nvidia/cu13/include): that directory is
   appended to CPLUS_INCLUDE_PATH, which gcc and nvcc search after every include path they are given,
-  so it only fills the gap.
+  so it only fills the gap. The same for NCCL's header, which torch's c10d NCCLUtils.hpp includes
+  (DeepSpeed's DeepCompile op `dc`): no CUDA toolkit has it, the nvidia-nccl wheel does.
 
 Both reach this process and those it starts (SGLang's schedulers); nothing changes where the builds
 would work as they are.
@@ -42,8 +43,12 @@ TOOLKIT_FILES = (os.path.join("bin", "nvcc"), os.path.join("include", "cuda_runt
                  os.path.join("lib64", "libcudart.so"))
 # Included by torch's ATen/cuda/CUDAContextLight.h (every CUDA extension that includes ATen/cuda).
 ATEN_LIBRARY_HEADERS = ("cublas_v2.h", "cublasLt.h", "cusparse.h", "cusolverDn.h")
-# Where NVIDIA's wheels put headers: CUDA 13 one folder, CUDA 12 one per library.
-PIP_INCLUDE_SUBDIRS = ("cu13/include", "cublas/include", "cusparse/include", "cusolver/include")
+# Included by torch's torch/csrc/distributed/c10d/NCCLUtils.hpp (DeepCompile's `dc` op).
+NCCL_HEADERS = ("nccl.h",)
+# Where NVIDIA's wheels put headers: CUDA 13 one folder, CUDA 12 one per library; NCCL its own.
+PIP_INCLUDE_SUBDIRS = ("cu13/include", "cublas/include", "cusparse/include", "cusolver/include", "nccl/include")
+# The compiler's own search path: a header found there (a distribution's libnccl-dev) needs nothing.
+SYSTEM_INCLUDE_DIRS = ("/usr/include", "/usr/local/include")
 
 
 def is_toolkit(path: Optional[str]) -> bool:
@@ -68,10 +73,12 @@ def default_nvidia_roots() -> list[str]:
 
 
 def build_env_changes(environ: Mapping[str, str], nvcc_on_path: Optional[str], candidates: Iterable[str],
-                      nvidia_roots: Iterable[str]) -> dict[str, str]:
+                      nvidia_roots: Iterable[str], system_includes: Iterable[str] = SYSTEM_INCLUDE_DIRS
+                      ) -> dict[str, str]:
     """The variables to set for JIT builds (empty when the builders' own choice works). CUDA_HOME
     only when no variable names a toolkit (the user's choice stands) and the guess is not one;
-    CPLUS_INCLUDE_PATH only when the toolkit lacks a header ATen includes and a wheel has it."""
+    CPLUS_INCLUDE_PATH only when the toolkit (or, for NCCL's, the system) lacks a header torch's
+    CUDA headers include and a wheel has it."""
     changes: dict[str, str] = {}
     users = environ.get("CUDA_HOME") or environ.get("CUDA_PATH")
     home = users or (os.path.dirname(os.path.dirname(nvcc_on_path)) if nvcc_on_path else "/usr/local/cuda")
@@ -81,6 +88,8 @@ def build_env_changes(environ: Mapping[str, str], nvcc_on_path: Optional[str], c
             return changes  # no toolkit: the build fails with its own message, which names CUDA_HOME
         changes["CUDA_HOME"] = home = found
     missing = [h for h in ATEN_LIBRARY_HEADERS if not os.path.exists(os.path.join(home, "include", h))]
+    missing += [h for h in NCCL_HEADERS
+                if not any(os.path.exists(os.path.join(d, h)) for d in (os.path.join(home, "include"), *system_includes))]
     present = [p for p in environ.get("CPLUS_INCLUDE_PATH", "").split(":") if p]
     added: list[str] = []
     for root in nvidia_roots:

@@ -66,6 +66,22 @@ def test_a_compiler_only_toolkit_gets_the_wheels_library_headers_after_the_users
     assert build_env_changes({}, str(full / "bin" / "nvcc"), [], roots) == {}  # a full toolkit: nothing added
 
 
+def test_nccls_header_comes_from_its_wheel_unless_the_system_has_it(tmp_path):
+    """torch's c10d NCCLUtils.hpp includes nccl.h (DeepCompile's `dc` op): no toolkit ships it, the
+    nvidia-nccl wheel beside torch does; a distribution's libnccl-dev in a system include dir wins."""
+    full = make_toolkit(tmp_path / "full")
+    nccl = tmp_path / "site" / "nvidia" / "nccl" / "include"
+    nccl.mkdir(parents=True)
+    (nccl / "nccl.h").write_text("")
+    roots = [str(tmp_path / "site" / "nvidia")]
+    system = tmp_path / "usr_include"
+    system.mkdir()
+    nvcc = str(full / "bin" / "nvcc")
+    assert build_env_changes({}, nvcc, [], roots, system_includes=[str(system)]) == {"CPLUS_INCLUDE_PATH": str(nccl)}
+    (system / "nccl.h").write_text("")
+    assert build_env_changes({}, nvcc, [], roots, system_includes=[str(system)]) == {}
+
+
 @pytest.mark.parametrize("var", ["CUDA_HOME", "CUDA_PATH"])
 def test_the_users_variable_stands(tmp_path, var):
     real = make_toolkit(tmp_path / "cuda")

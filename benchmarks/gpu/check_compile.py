@@ -1,7 +1,8 @@
 """`make gpu-compile-check`: the CUDA code the GPU machine compiles on first use, compiled here first.
 
 On its first GPU run colo_rl's path compiles CUDA sources with the image's nvcc 13.0: DeepSpeed's
-FusedAdam (torch's cpp_extension JIT, the optimizer every ZeRO-3 step runs) and SGLang 0.5.17's tvm-ffi
+FusedAdam (torch's cpp_extension JIT, the optimizer every ZeRO-3 step runs), DeepCompile's op `dc`
+(`make gpu-perf-ab`'s mfudc stage) and SGLang 0.5.17's tvm-ffi
 JIT kernels on the Llama path (SiLU-and-mul, fused RoPE, the KV-cache store, clamp_position). nvcc
 needs no GPU: here they are compiled for the H100/H200 (sm_90 for DeepSpeed, sm_90a for SGLang, as
 each picks on a Hopper GPU), against the check venv of `make gpu-wheels-check` (torch 2.11.0+cu130,
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -121,21 +123,27 @@ def probe(out: Path, keep_ops: Path | None = None) -> int:
                                    "results": results}, indent=1))
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
+    from deepspeed.ops.op_builder.dc import DeepCompileBuilder
 
     from colo_rl.cuda_toolkit import arch_list_for_deepspeed
 
-    def fused_adam():
-        with arch_list_for_deepspeed():  # as DeepSpeedActor builds it: DeepSpeed cannot parse the image's 9.0a
-            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-            op = FusedAdamBuilder().jit_load(verbose=False)
+    def deepspeed_op(builder):
+        # As on the GPU: DeepSpeed's JIT build is a CPU build where torch sees no device (build_for_cpu,
+        # set in jit_load), which leaves out the CUDA headers and libraries, DeepSpeed's nvcc flags
+        # (-DBF16_AVAILABLE, its -gencode) and, for an op of .cpp sources only as `dc`, CUDA altogether.
+        with arch_list_for_deepspeed(), mock.patch.object(torch.cuda, "is_available", return_value=True):
+            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")  # DeepSpeed's cannot parse the image's 9.0a
+            op = builder.jit_load(verbose=False)
         if keep_ops is not None:  # carried to the GPU machine: COLO_RL_PREBUILT_OPS loads it there, no nvcc
             from colo_rl.train.prebuilt_ops import build_manifest, save_prebuilt_op
-            kept = save_prebuilt_op("fused_adam", Path(op.__file__), keep_ops,
+            kept = save_prebuilt_op(builder.name, Path(op.__file__), keep_ops,
                                     build_manifest(torch.__version__, torch.version.cuda, [a for a in re.split(r"[ ;]+", archs) if a]))
             print(f"kept {kept} ({kept.stat().st_size / 2**20:.1f} MiB)", flush=True)
         return op
 
-    record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], fused_adam)
+    record("deepspeed.fused_adam", [os.environ["TORCH_CUDA_ARCH_LIST"]], lambda: deepspeed_op(FusedAdamBuilder()))
+    # DeepCompile's native op `dc` (its ZeRO-3 gathers and releases; update_mfu.py --deepcompile)
+    record("deepspeed.dc", [os.environ["TORCH_CUDA_ARCH_LIST"]], lambda: deepspeed_op(DeepCompileBuilder()))
 
     from sglang.kernels.jit.utils.arch import override_jit_cuda_arch
     with override_jit_cuda_arch(*HOPPER):
@@ -182,7 +190,7 @@ def main(argv=None) -> int:
                    help="system: this machine's nvcc, found the way colo_rl finds it on a GPU (colo_rl.cuda_toolkit); "
                         "wheels: nvcc 13.0.88 from NVIDIA's wheels, in the check venv; auto: system when nvcc is on PATH")
     p.add_argument("--keep-ops", type=Path, default=None,
-                   help="keep DeepSpeed's FusedAdam built here in this directory, for COLO_RL_PREBUILT_OPS on the GPU")
+                   help="keep DeepSpeed's ops built here (FusedAdam, dc) in this directory, for COLO_RL_PREBUILT_OPS on the GPU")
     p.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the part that runs in the venv
     args = p.parse_args(argv)
     if args.probe:
