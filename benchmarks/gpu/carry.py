@@ -67,8 +67,10 @@ SGLANG_STACK = [
     # fastapi >= 0.145 hard-imports opentelemetry; 0.135 is the newest without it
     "fastapi==0.135.0", "starlette==0.50.0", "uvicorn==0.54.0",
     "pydantic==2.14.3", "pydantic-core==2.50.4", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-    # IPython (sglang/utils.py imports it at module level) and its dependencies
-    "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "jedi==0.20.1", "parso==0.8.7", "traitlets==5.16.1",
+    # IPython (sglang/utils.py imports it at module level) and its dependencies; not jedi and parso, which
+    # IPython imports for tab completion only (JEDI_INSTALLED, core/completer.py): 4.8 MiB of wheels that
+    # pushed the perf carry with the working tree over a device call's 64 MiB
+    "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "traitlets==5.16.1",
     "prompt_toolkit==3.0.53", "wcwidth==0.9.4", "decorator==5.3.1", "matplotlib-inline==0.2.2",
     "pexpect==4.9.0", "ptyprocess==0.7.0", "stack_data==0.6.3", "executing==2.3.0", "asttokens==3.0.2",
     "pure_eval==0.2.4",
