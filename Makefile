@@ -194,10 +194,11 @@ gpu-check:
 # measures model.compile beside what it would replace, in pairs: toy / toycompile (the toy update's target),
 # mfuflexcompile / mfuflex (the MFU target; mfuflex last, as 2026-11-27 measured it: 2.579 s). The compile
 # adds tens of seconds to a stage, not yet timed on a GPU. The second call's stages are A/Bs: levers not yet
-# defaults (mfuckptcompile, mfuckpt, mfu / mfucompile, mfuflex4, mfupersist), the 0.5B recipe step (big),
+# defaults (mfuckptcompile; mfudc, DeepSpeed's DeepCompile, capped at 240 s; mfuckpt, mfu / mfucompile, mfuflex4,
+# mfupersist), the 0.5B recipe step (big),
 # DeepSpeed's linear (mfumel: the default until 2026-11-27), then the old switches.
 GPU_PERF_STAGES ?= versions toy toycompile mfuflexcompile mfuflex summary
-GPU_PERF_AB_STAGES ?= versions mfuckptcompile mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
+GPU_PERF_AB_STAGES ?= versions mfuckptcompile mfudc mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu.perf_models import MODEL_05B, derive, unpack
-from benchmarks.gpu.perf_summary import ledger_figures, llama_params
+from benchmarks.gpu.perf_summary import RUNS, ledger_figures, llama_params
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -91,10 +91,11 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
 def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     """`update_mfu.py --zero KEY=VALUE` (the mfupersist stage): the persistence thresholds make every
     parameter persistent in the actor it builds, and bad input is refused; `--linear on`,
-    `--checkpointing` and `--compile` (mfumel, mfuckpt, the *compile stages) reach it too."""
+    `--checkpointing` and `--compile` (mfumel, mfuckpt, the *compile stages) reach it too, and
+    `--deepcompile`'s config section (mfudc) reaches its engine."""
     import argparse
 
-    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, zero_override, zero_settings
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, ds_overrides, zero_override, zero_settings
     from colo_rl import dist
 
     assert zero_override("stage3_param_persistence_threshold=1e12") == ("stage3_param_persistence_threshold", 1e12)
@@ -104,19 +105,68 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     dist.init()
     args = arg_parser().parse_args(["--dry-run", "--sequences", "4", "--group-size", "2", "--prompt-len", "6",
                                     "--response-len", "8", "--groups-per-micro-batch", "1"])
-    persistent, linear, checkpointing, compiled = [], [], [], []
+    persistent, linear, checkpointing, compiled, deepcompile = [], [], [], [], []
+    sections = {}
     for overrides in ([], [("stage3_param_persistence_threshold", 1e12), ("stage3_model_persistence_threshold", 1e12)]):
-        with zero_settings(overrides):
+        with zero_settings(overrides, sections):
             actor, _, _ = build(args, MODEL_DRY, tmp_path / f"model{len(overrides)}")
         params = list(actor.module.parameters())
         persistent.append(sum(bool(p.ds_persist) for p in params) / len(params))
         linear.append(actor.memory_efficient_linear)
         checkpointing.append(actor.module.is_gradient_checkpointing)
         compiled.append(all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in actor.module.model.layers))
-        # the mfumel / mfuckpt / *compile stages' options, on the second
+        deepcompile.append(actor.engine.is_deepcompile_enabled())
+        # the mfumel / mfuckpt / *compile stages' options, and mfudc's DeepSpeed config section, on the second
         args.linear, args.checkpointing, args.compile = "on", True, True
+        sections = ds_overrides(arg_parser().parse_args(["--deepcompile"]))
     assert persistent[0] < 1.0 and persistent[1] == 1.0
     assert linear == [False, True] and checkpointing == [False, True] and compiled == [False, True]
+    assert deepcompile == [False, True]
+
+
+def test_update_mfu_deepcompile_options_are_checked_before_the_build():
+    """`update_mfu.py --deepcompile` (the mfudc stage) runs on a GPU only, not with the compiled layers
+    nor ZeRO-0, and warms up past the step where DeepCompile's prefetch passes start (a recompilation)."""
+    from benchmarks.gpu.update_mfu import DEEPCOMPILE_PASSES_FROM_STEP, arg_parser, check_args, warmup_updates
+
+    parse = arg_parser().parse_args
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        check_args(parse(["--deepcompile"]), on_gpu=False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        check_args(parse(["--deepcompile", "--dry-run"]), on_gpu=True)
+    with pytest.raises(SystemExit, match="drop --compile"):
+        check_args(parse(["--deepcompile", "--compile"]), on_gpu=True)
+    with pytest.raises(SystemExit, match="zero-stage 1, 2 or 3"):
+        check_args(parse(["--deepcompile", "--zero-stage", "0"]), on_gpu=True)
+    with pytest.raises(SystemExit, match="--warmup 0"):
+        check_args(parse(["--warmup", "0"]), on_gpu=True)
+    check_args(parse(["--deepcompile", "--attn", "flex_attention"]), on_gpu=True)
+    check_args(parse(["--compile"]), on_gpu=False)
+    assert warmup_updates(parse([])) == 1 and warmup_updates(parse(["--warmup", "3", "--deepcompile"])) == 3
+    assert warmup_updates(parse(["--deepcompile"])) == DEEPCOMPILE_PASSES_FROM_STEP + 1
+
+
+def test_summary_reports_warm_ups_and_an_agreement_that_could_not_run():
+    """perf_summary's update table: the first warm-up with the total of several (DeepCompile's two
+    compilations), and an agreement check that failed shows as not compared, never as a number."""
+    from benchmarks.gpu.perf_summary import markdown
+
+    def mfu_run(warmups, agreement):
+        return {"mfu": 0.2, "update_seconds": [1.5, 1.25], "tflops_per_s": 198.0, "busy": {"busy_fraction": 0.9},
+                "first_update_seconds": warmups[0], "warmup_update_seconds": warmups, "compiled_vs_eager": agreement}
+
+    result = {"device": "d", "date": "x", "runs": {}, "mfu": {
+        "update_mfu_deepcompile": mfu_run([60.0, 2.0, 2.0, 2.0, 2.0, 30.0], {"error": "RuntimeError: no"}),
+        "update_mfu_compile": mfu_run([20.0], {"max_abs": 0.0078, "mean_abs": 0.001}),
+        "update_mfu": mfu_run([3.0], None)}}
+    result["runs"] = {name: {"missing": "-"} for name in RUNS}
+    rows = {line.split(" | ")[0]: line for line in markdown(result).splitlines() if line.startswith("| ")}
+    dc = next(line for label, line in rows.items() if "DeepCompile" in label)
+    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared |")
+    compiled = next(line for label, line in rows.items() if label.endswith("decoder layers compiled (model.compile)")
+                    and "flex" not in label and "checkpointing" not in label)
+    assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 |")
+    assert rows["| sdpa, leaf modules on"].endswith("| 3.0 | - |")
 
 
 def test_update_mfu_checks_the_compiled_layers_against_eager(tmp_path):

@@ -83,15 +83,17 @@ pack() {
 
 # A Python command with what is left of this call's budget (timeout kills its whole process group;
 # RESERVE (40 s) is kept: up to 15 s of kill grace, then copying the run's files and packing).
+# RUN_CAP_S (set by a stage around its call): at most that many seconds for this one command.
 run_py() {
   local left=$((BUDGET - RESERVE - SECONDS))
   if [ "$left" -lt "$MIN_LEFT" ]; then
     echo "SKIPPED, ${left} s left of CHECK_BUDGET_S=$BUDGET in this call: $*" >&2
     return 124
   fi
+  if [ -n "${RUN_CAP_S:-}" ] && [ "$RUN_CAP_S" -lt "$left" ]; then left=$RUN_CAP_S; fi
   timeout -k 15 "$left" "$PY" "$@"
   local rc=$?
-  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo "KILLED after ${left} s (the rest of CHECK_BUDGET_S=$BUDGET): $*" >&2
+  { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && echo "KILLED after ${left} s (the rest of CHECK_BUDGET_S=$BUDGET, or the stage's RUN_CAP_S): $*" >&2
   return $rc
 }
 
@@ -252,6 +254,14 @@ stage_mfuflexcompile() {
 stage_mfuckptcompile() {
   if [ "$DRY" = 1 ]; then mfu --name update_mfu_ckpt_mb16_compile --checkpointing --compile; return; fi
   mfu --name update_mfu_ckpt_mb16_compile --attn flex_attention --checkpointing --groups-per-micro-batch 16 --compile
+}
+# DeepSpeed's DeepCompile: the whole model compiled with ZeRO-3's gathers and releases as graph operations
+# instead of module hooks (docs/update_overhead.md). Whole logits: the chunked head installs a new LM-head
+# forward at each call, which a whole-model graph guards on. Capped: it compiles the whole model twice (at
+# steps 0 and 5, when its prefetch passes start), for a time not yet measured, and must not take the call.
+stage_mfudc() {
+  if [ "$DRY" = 1 ]; then echo "DeepCompile runs on a GPU only: skipped in the dry run"; return 0; fi
+  COLO_RL_CHUNKED_LM_HEAD=0 RUN_CAP_S=${MFUDC_CAP_S:-240} mfu --name update_mfu_deepcompile --deepcompile
 }
 stage_toy() { breakdown perf_toy 2 "${PERF_ENGINE[@]}" "${TOY[@]}"; }
 stage_toycompile() { breakdown perf_toy_compile 2 "${PERF_ENGINE[@]}" "${TOY[@]}" model.compile=true; }

@@ -4,13 +4,15 @@ wall time the GPU is busy (a torch.profiler trace of one update). A stage of `ma
 
     python benchmarks/gpu/update_mfu.py                           # GPU: 128 x 768, 0.5B-class, bf16
     python benchmarks/gpu/update_mfu.py --attn flex_attention     # FlexAttention block masks
+    python benchmarks/gpu/update_mfu.py --deepcompile             # DeepSpeed's DeepCompile (GPU only)
     python benchmarks/gpu/update_mfu.py --dry-run                 # CPU rehearsal: tiny shapes, fp32
 
 Work: `--sequences` responses of `--response-len` tokens in groups of `--group-size` sharing a
 `--prompt-len`-token prompt, packed one group per row (`pack_groups`), `--groups-per-micro-batch`
 rows per forward/backward, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per
-`--leaf`). A warm-up update, then `--repeats` timed ones (cuda-synchronised); then one more under
-the profiler. FLOPs counted (per token, training = 3 x forward):
+`--leaf`). `--warmup` updates (each timed and reported: the compilations land there), then
+`--repeats` timed ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per
+token, training = 3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
     the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
 MFU = FLOPs / seconds / peak (--peak-tflops, default by device: H100/H200 989 bf16 dense).
@@ -39,6 +41,9 @@ MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096,
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=512)
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}  # bf16 dense
+# DeepCompile (DeepSpeed 0.19.8, deepspeed/compile/init_z3.py WARMUP) applies its ZeRO-3 prefetch and
+# selective-gather passes from the optimizer step 5 on, recompiling then: the timed updates come after.
+DEEPCOMPILE_PASSES_FROM_STEP = 5
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -135,6 +140,48 @@ def build(args, dims: dict, model_dir: Path):
     return actor, mbs, groups
 
 
+def warmup_updates(args) -> int:
+    """Updates before the timed ones: `--warmup`, else 1 (DeepSpeed's buffers, autotuning, the
+    compilation), and with --deepcompile enough to reach its final schedule."""
+    if args.warmup is not None:
+        return args.warmup
+    return DEEPCOMPILE_PASSES_FROM_STEP + 1 if args.deepcompile else 1
+
+
+def check_args(args, on_gpu: bool) -> None:
+    """Refuse combinations the run cannot measure, before the model is built."""
+    if args.warmup is not None and args.warmup < 1:
+        raise SystemExit(f"update_mfu: --warmup {args.warmup}: at least one update runs before the timed ones")
+    if args.deepcompile:
+        if not on_gpu or args.dry_run:
+            raise SystemExit("update_mfu: --deepcompile needs a CUDA device (DeepSpeed's is_deepcompile_supported: "
+                             "torch >= 2.6 and the cuda accelerator); it has no CPU rehearsal")
+        if args.compile:
+            raise SystemExit("update_mfu: --deepcompile compiles the whole model; drop --compile (the decoder layers)")
+        if args.zero_stage == 0:
+            raise SystemExit("update_mfu: --deepcompile needs --zero-stage 1, 2 or 3")
+
+
+def deepcompile(actor) -> None:
+    """`engine.compile()` with DeepCompile on: the whole model through DeepSpeed's backend, compiled at
+    its first forward. Its native op `dc` is loaded when prebuilt ($COLO_RL_PREBUILT_OPS, registered
+    with FusedAdam when the actor was built), else JIT-built here as FusedAdam is: the CUDA toolkit
+    found for it, and an architecture list DeepSpeed can parse."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
+
+    if "dc" not in OpBuilder._loaded_ops:
+        prepare_jit_builds()
+    with arch_list_for_deepspeed():
+        actor.engine.compile()
+
+
+def ds_overrides(args) -> dict:
+    """Top-level DeepSpeed config sections over colo_rl's (`--deepcompile`: its `compile` section)."""
+    return {"compile": {"deepcompile": True}} if args.deepcompile else {}
+
+
 def zero_override(text: str) -> tuple[str, float]:
     """KEY=VALUE of `--zero`: a DeepSpeed zero_optimization key and its number."""
     key, sep, value = text.partition("=")
@@ -147,10 +194,11 @@ def zero_override(text: str) -> tuple[str, float]:
 
 
 @contextlib.contextmanager
-def zero_settings(overrides: list[tuple[str, float]]):
-    """The actor built inside takes `overrides` into its zero_optimization section (benchmark only:
-    an experiment on DeepSpeed's knobs, e.g. every parameter persistent at world size 1, where each
-    fetch of a released layer ends in a stream synchronisation: NoGatherHandle.wait in 0.19.8)."""
+def zero_settings(overrides: list[tuple[str, float]], sections: Optional[dict] = None):
+    """The actor built inside takes `overrides` into its zero_optimization section and `sections`
+    (`ds_overrides`) at the top level of its DeepSpeed config (benchmark only: an experiment on
+    DeepSpeed's knobs, e.g. every parameter persistent at world size 1, where each fetch of a
+    released layer ends in a stream synchronisation: NoGatherHandle.wait in 0.19.8)."""
     from colo_rl.train import actor as actor_module
 
     built = actor_module.build_ds_config
@@ -158,6 +206,7 @@ def zero_settings(overrides: list[tuple[str, float]]):
     def with_overrides(*args, **kwargs):
         config = built(*args, **kwargs)
         config["zero_optimization"].update(overrides)
+        config.update(sections or {})
         return config
 
     actor_module.build_ds_config = with_overrides
@@ -180,6 +229,25 @@ def compiled_vs_eager(actor, mb) -> dict:
             eager, _ = actor.response_logprobs(mb, 1.0, grad=False)
     diff = (compiled - eager).abs() * mb.response_mask
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.sum() / mb.response_mask.sum())}
+
+
+def agreement_text(agreement: Optional[dict]) -> str:
+    if not agreement:
+        return ""
+    if "error" in agreement:
+        return f" Compiled vs eager log-probs: not compared ({agreement['error']})."
+    return (f" Compiled vs eager log-probs of the first micro-batch (no gradients): max |diff| "
+            f"{agreement['max_abs']:.2e}, mean {agreement['mean_abs']:.2e}.")
+
+
+def checked_agreement(actor, mb) -> dict:
+    """`compiled_vs_eager`, or why it could not run: DeepCompile removes ZeRO-3's module hooks, and
+    whether its eager fallback gathers every parameter of a forced-eager forward is for the GPU to
+    show; the figures already written stay either way."""
+    try:
+        return compiled_vs_eager(actor, mb)
+    except Exception as exc:  # reported in the results, not raised: the measurement is what the stage is for
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 def one_update(actor, mbs, n_tok: float) -> None:
@@ -208,6 +276,13 @@ def arg_parser() -> argparse.ArgumentParser:
                    help="model.gradient_checkpointing: activations recomputed, so far larger micro-batches fit")
     p.add_argument("--compile", action="store_true",
                    help="model.compile: each decoder layer's forward through torch.compile")
+    p.add_argument("--deepcompile", action="store_true",
+                   help="DeepSpeed's DeepCompile: compile.deepcompile=true, then engine.compile(): the whole model "
+                        "compiled with ZeRO-3's gathers and releases as graph operations instead of module hooks "
+                        "(CUDA only)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"updates before the timed ones (default 1; with --deepcompile "
+                        f"{DEEPCOMPILE_PASSES_FROM_STEP + 1}: its passes start at step {DEEPCOMPILE_PASSES_FROM_STEP})")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_override,
                    help="a zero_optimization setting over colo_rl's (repeatable), e.g. "
                         "stage3_param_persistence_threshold=1e12: every parameter persistent")
@@ -229,7 +304,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
 
     dims, groups, n_micro, seconds = m["dims"], m["groups"], m["micro_batches"], m["seconds"]
     busy, host_top, device_top = m["busy"], m["host_top"], m["device_top"]
-    linear_on, first_seconds, on_gpu = m["linear_on"], m["first_seconds"], m["on_gpu"]
+    linear_on, warmup_seconds, on_gpu = m["linear_on"], m["warmup_seconds"], m["on_gpu"]
     flops = update_flops(dims, args.prompt_len, args.response_len, args.group_size, groups)
     best = min(seconds)
     name = torch.cuda.get_device_name(0).lower() if on_gpu else "cpu"
@@ -238,8 +313,9 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": n_micro,
               "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
               "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
-              "compiled_layers": args.compile,
-              "update_seconds": seconds, "first_update_seconds": first_seconds, "compiled_vs_eager": agreement,
+              "compiled_layers": args.compile, "deepcompile": args.deepcompile, "chunked_lm_head": m["chunked_lm_head"],
+              "update_seconds": seconds, "first_update_seconds": warmup_seconds[0],
+              "warmup_update_seconds": warmup_seconds, "compiled_vs_eager": agreement,
               "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
@@ -253,13 +329,14 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
         f"{'on' if linear_on else 'off'} (--linear {args.linear})"
         f"{', gradient checkpointing' if args.checkpointing else ''}"
         f"{', decoder layers compiled (model.compile)' if args.compile else ''}"
+        f"{', DeepCompile (the whole model, ZeRO-3 in the graph)' if args.deepcompile else ''}"
+        f", LM head {'chunked' if m['chunked_lm_head'] else 'over whole logits'}"
         f"{''.join(f', zero_optimization.{k}={v:g}' for k, v in args.zero)}.", "",
         "| update s (best) | TFLOP/s | MFU | busy fraction | events |", "|---|---|---|---|---|",
         f"| {best:.3f} | {result['tflops_per_s']:.2f} | {mfu} | {100 * busy['busy_fraction']:.1f} % "
         f"({busy['category']}) | {busy['events']} |", "",
-        f"First update (warm-up{': the compilation included' if args.compile else ''}): {first_seconds:.2f} s."
-        + (f" Compiled vs eager log-probs of the first micro-batch (no gradients): max |diff| "
-           f"{agreement['max_abs']:.2e}, mean {agreement['mean_abs']:.2e}." if agreement else ""), "",
+        f"Warm-up updates{' (the compilations included)' if args.compile or args.deepcompile else ''}: "
+        f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s." + agreement_text(agreement), "",
         "Top host functions of the profiled update (self CPU time):", "",
         "| function | calls | self ms |", "|---|---|---|",
         *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
@@ -283,18 +360,23 @@ def main(argv=None) -> int:
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.dry_run:
         raise SystemExit("update_mfu: no CUDA device; --dry-run rehearses on the CPU with tiny shapes")
+    check_args(args, on_gpu)
     dist.init()
     dims = MODEL_DRY if args.dry_run else MODEL_05B
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="update_mfu-") as tmp:
-        with zero_settings(args.zero):
+        with zero_settings(args.zero, ds_overrides(args)):
             actor, mbs, groups = build(args, dims, Path(tmp) / "model")
+        if args.deepcompile:
+            deepcompile(actor)
         linear_on = bool(actor.memory_efficient_linear)
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
-        t0 = time.perf_counter()
-        one_update(actor, mbs, n_tok)  # warm-up: DeepSpeed's buffers, kernels' autotuning, compile
-        sync()
-        first_seconds = time.perf_counter() - t0
+        warmup_seconds = []
+        for _ in range(warmup_updates(args)):  # DeepSpeed's buffers, kernels' autotuning, compilations
+            t0 = time.perf_counter()
+            one_update(actor, mbs, n_tok)
+            sync()
+            warmup_seconds.append(time.perf_counter() - t0)
         seconds = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
@@ -312,11 +394,11 @@ def main(argv=None) -> int:
         host_top = top_ops(prof.key_averages(), "self_cpu_time_total")
         device_top = top_ops(prof.key_averages(), "self_device_time_total") if on_gpu else []
     measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "linear_on": linear_on, "seconds": seconds,
-                "first_seconds": first_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
-                "on_gpu": on_gpu}
+                "warmup_seconds": warmup_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
+                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head}
     write_results(args, measured, None)
-    if args.compile:  # after the figures are written: this compiles the graph without gradients (a budget may cut it)
-        write_results(args, measured, compiled_vs_eager(actor, mbs[0]))
+    if args.compile or args.deepcompile:  # after the figures are written: this compiles the graph without
+        write_results(args, measured, checked_agreement(actor, mbs[0]))  # gradients (a budget may cut it)
     return 0
 
 
