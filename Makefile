@@ -210,7 +210,7 @@ gpu-perf-carry:
 	python3 benchmarks/gpu/check_imports.py --without-model
 	python3 benchmarks/gpu/check_compile.py --keep-ops .whl/ops
 	$(PY) benchmarks/gpu/perf_models.py --out .whl/models --pack
-	@du -scm .whl/part1 .whl/ops .whl/models | tail -1 | awk '{print "carry: " $$1 " MiB (+ the working tree; a call takes 64)"}'
+	python3 benchmarks/gpu/carry.py size .whl/part1 .whl/ops .whl/models
 
 gpu-perf-dry-run: $(STAMP)
 	GPU_DRY_RUN=1 PERF_MODELS=/tmp/colo_rl-perf-models GPU_PY=$(PY) GPU_SITE=/nonexistent TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES) $(filter-out versions summary,$(GPU_PERF_AB_STAGES))

@@ -313,3 +313,30 @@ def test_a_failed_runs_whole_output_is_kept_under_gpu_check(tmp_path):
     assert log.name == "failed-tests_test_lora_gpu.py__test_sglang_lora_handoff_auto-contents0_.log"
     assert middle in log.read_text() and "err" in log.read_text() and str(log) in message
     assert "whole output" not in failure_report(proc, "w.py", None, test_id)  # elsewhere: the message alone
+
+
+def test_size_counts_the_tree_as_the_device_tool_copies_it_and_refuses_over_a_call(tmp_path, monkeypatch, capsys):
+    """`carry.py size` (make gpu-perf-carry's last line): the carried paths plus the working tree's
+    tracked and untracked-not-ignored files; ignored files do not travel. Over CALL_BYTES: exit 1."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / ".gitignore").write_text(".whl/\n")  # 6 bytes
+    (repo / "tracked.py").write_bytes(b"x" * 1000)
+    subprocess.run(git + ["add", "."], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "c"], check=True)
+    (repo / "untracked.txt").write_bytes(b"y" * 500)  # travels: git does not ignore it
+    ops = repo / ".whl" / "ops"
+    (ops / "tvm-ffi").mkdir(parents=True)
+    (ops / "dc.so").write_bytes(b"z" * 300)
+    (ops / "tvm-ffi" / "k.so").write_bytes(b"z" * 200)
+    (repo / ".whl" / "wheels.whl").write_bytes(b"w" * 4000)  # ignored and not carried: stays
+    assert carry.travel_bytes([ops], repo) == {"tree": 1506, "carried": 500, "total": 2006}
+    assert carry.report_size([ops], repo) == 0
+    assert "= 0.0 MiB of a device call's 64" in capsys.readouterr().out
+    monkeypatch.setattr(carry, "CALL_BYTES", 2000)
+    assert carry.report_size([ops], repo) == 1
+    assert "the call would be refused" in capsys.readouterr().err
+    assert carry.report_size([repo / ".whl" / "models"], repo) == 1
+    assert "not there" in capsys.readouterr().err

@@ -7,7 +7,7 @@ the working tree included):
 
     python benchmarks/gpu/carry.py build [--with-model]   # here: .whl/part1 .. .whl/partN + SHA256SUMS
     python benchmarks/gpu/carry.py install --from DIR     # GPU machine: reassemble, check sums, pip --target
-    python benchmarks/gpu/carry.py check                  # here: is the carry complete? (see check_imports.py)
+    python benchmarks/gpu/carry.py size PATH ...          # here: PATHs + the working tree within one call?
 
 Slim wheels (rewritten here, RECORD kept consistent): sglang-kernel without the FA3 library
 `flash_ops.abi3.so` (326 MiB compressed) and `sm100/` (Blackwell), so the engine runs with
@@ -47,6 +47,7 @@ except ImportError:  # a Python built without liblzma: install reads the stack t
 
 ROOT = Path(__file__).resolve().parents[2]
 PART_BYTES = 60 << 20
+CALL_BYTES = 64 << 20  # what one device call takes: the working tree and the carried paths together
 TARGET = dict(python="3.12", platforms=["manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
                                         "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64"])
 
@@ -344,6 +345,35 @@ def install(sources: list[Path], target: Path) -> None:
     print(f"installed {len(wheels)} wheels into {target}")
 
 
+def travel_bytes(paths: list[Path], root: Path = ROOT) -> dict[str, int]:
+    """What a device call run from `root` would take: the working tree as the device tool copies it
+    (tracked files and untracked ones git does not ignore) and the carried `paths`, in bytes."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    tree = sum((root / f).stat().st_size for f in listed if f and (root / f).is_file())
+    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("*"))]
+    carried = sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
+    return {"tree": tree, "carried": carried, "total": tree + carried}
+
+
+def report_size(paths: list[Path], root: Path = ROOT) -> int:
+    """Print what a call would take with `paths` carried; 1 when it is over CALL_BYTES."""
+    missing = [str(p) for p in paths if not p.exists()]
+    if missing:
+        print(f"not there: {', '.join(missing)} (make gpu-perf-carry builds them)", file=sys.stderr)
+        return 1
+    size = travel_bytes(paths, root)
+    mib = {k: v / 2**20 for k, v in size.items()}
+    print(f"carry {mib['carried']:.1f} MiB + working tree {mib['tree']:.1f} MiB = {mib['total']:.1f} MiB "
+          f"of a device call's {CALL_BYTES >> 20}")
+    if size["total"] > CALL_BYTES:
+        print(f"over by {(size['total'] - CALL_BYTES) / 2**20:.1f} MiB: the call would be refused. Carry less "
+              "(a wheel the path never imports, an op no stage loads) or move large untracked files out of "
+              "the tree", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -353,9 +383,13 @@ def main(argv=None) -> int:
     i = sub.add_parser("install")
     i.add_argument("--from", dest="sources", type=Path, nargs="+", required=True)
     i.add_argument("--target", type=Path, default=Path("/tmp/colo_rl-site"))
+    z = sub.add_parser("size")
+    z.add_argument("paths", type=Path, nargs="+")
     args = p.parse_args(argv)
     if args.cmd == "build":
         build(args.out, args.with_model)
+    elif args.cmd == "size":
+        return report_size(args.paths)
     else:
         install(args.sources, args.target)
     return 0
