@@ -41,9 +41,6 @@ MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096,
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=512)
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}  # bf16 dense
-# DeepCompile (DeepSpeed 0.19.8, deepspeed/compile/init_z3.py WARMUP) applies its ZeRO-3 prefetch and
-# selective-gather passes from the optimizer step 5 on, recompiling then: the timed updates come after.
-DEEPCOMPILE_PASSES_FROM_STEP = 5
 
 
 def union_seconds(intervals: list[tuple[float, float]]) -> float:
@@ -142,10 +139,15 @@ def build(args, dims: dict, model_dir: Path):
 
 def warmup_updates(args) -> int:
     """Updates before the timed ones: `--warmup`, else 1 (DeepSpeed's buffers, autotuning, the
-    compilation), and with --deepcompile enough to reach its final schedule."""
+    compilation), and with --deepcompile one past DeepCompile's WARMUP step, from which it adds its
+    ZeRO-3 prefetch and selective-gather passes and compiles again (5 in DeepSpeed 0.19.8)."""
     if args.warmup is not None:
         return args.warmup
-    return DEEPCOMPILE_PASSES_FROM_STEP + 1 if args.deepcompile else 1
+    if not args.deepcompile:
+        return 1
+    from deepspeed.compile.init_z3 import WARMUP
+
+    return WARMUP + 1
 
 
 def check_args(args, on_gpu: bool) -> None:
@@ -281,8 +283,8 @@ def arg_parser() -> argparse.ArgumentParser:
                         "compiled with ZeRO-3's gathers and releases as graph operations instead of module hooks "
                         "(CUDA only)")
     p.add_argument("--warmup", type=int, default=None,
-                   help=f"updates before the timed ones (default 1; with --deepcompile "
-                        f"{DEEPCOMPILE_PASSES_FROM_STEP + 1}: its passes start at step {DEEPCOMPILE_PASSES_FROM_STEP})")
+                   help="updates before the timed ones (default 1; with --deepcompile one past the step from which "
+                        "DeepCompile adds its prefetch passes: 6 with DeepSpeed 0.19.8)")
     p.add_argument("--zero", action="append", default=[], metavar="KEY=VALUE", type=zero_override,
                    help="a zero_optimization setting over colo_rl's (repeatable), e.g. "
                         "stage3_param_persistence_threshold=1e12: every parameter persistent")
