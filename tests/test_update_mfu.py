@@ -1,9 +1,10 @@
-"""benchmarks/gpu/update_mfu.py's arithmetic: the busy fraction from a trace and the FLOP count
-(the GPU run itself: `python benchmarks/gpu/update_mfu.py`; its CPU rehearsal: --dry-run)."""
+"""benchmarks/gpu/update_mfu.py's arithmetic: the busy fraction from a trace (trace_stats.py) and the
+FLOP count (the GPU run itself: `python benchmarks/gpu/update_mfu.py`; its CPU rehearsal: --dry-run)."""
 
 import pytest
 
-from benchmarks.gpu.update_mfu import MODEL_05B, busy_fraction, union_seconds, update_flops
+from benchmarks.gpu.trace_stats import busy_fraction, union_seconds
+from benchmarks.gpu.update_mfu import MODEL_05B, update_flops
 
 
 def test_union_counts_overlaps_once():

@@ -35,51 +35,14 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu.trace_stats import busy_fraction, top_ops  # noqa: E402
+
 # 0.5B class: ~0.46B parameters, 32k vocabulary, tied embeddings, GQA 4:1 (benchmarks/phase_switch.py's).
 MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096, num_attention_heads=16,
                  num_key_value_heads=4, vocab_size=32000)
 MODEL_DRY = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=2,
                  num_key_value_heads=1, vocab_size=512)
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0}  # bf16 dense
-
-
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by [start, end) intervals (overlaps counted once)."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
-
-
-def busy_fraction(trace: dict, category: str) -> dict:
-    """From a chrome trace (torch.profiler export): the union of `category` events ("kernel" on a
-    GPU) over the span of the "update" record_function range."""
-    events = trace.get("traceEvents", [])
-    spans = [e for e in events if e.get("name") == "update" and e.get("ph") == "X"]
-    if not spans:
-        raise ValueError("no 'update' range in the trace")
-    t0 = min(e["ts"] for e in spans)
-    t1 = max(e["ts"] + e["dur"] for e in spans)
-    inside = [(max(e["ts"], t0), min(e["ts"] + e["dur"], t1)) for e in events
-              if e.get("cat") == category and e.get("ph") == "X" and e["ts"] < t1 and e["ts"] + e["dur"] > t0]
-    busy = union_seconds(inside)
-    return {"category": category, "events": len(inside), "busy_us": busy, "wall_us": t1 - t0,
-            "busy_fraction": busy / max(t1 - t0, 1e-9)}
-
-
-def top_ops(averages, key: str, n: int = 12) -> list[dict]:
-    """The profiler's `n` largest entries by `key` (self_cpu_time_total / self_device_time_total,
-    microseconds), as {name, calls, self_ms}."""
-    rows = sorted(averages, key=lambda e: getattr(e, key, 0.0), reverse=True)[:n]
-    return [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key, 0.0) / 1e3} for e in rows
-            if getattr(e, key, 0.0) > 0]
 
 
 def llama_params(config: dict) -> dict:
