@@ -131,8 +131,9 @@ def probe(out: Path, keep_ops: Path | None = None) -> int:
         # As on the GPU: DeepSpeed's JIT build is a CPU build where torch sees no device (build_for_cpu,
         # set in jit_load), which leaves out the CUDA headers and libraries, DeepSpeed's nvcc flags
         # (-DBF16_AVAILABLE, its -gencode) and, for an op of .cpp sources only as `dc`, CUDA altogether.
+        # arch_list_for_deepspeed: as DeepSpeedActor builds them (DeepSpeed cannot parse the image's 9.0a).
         with arch_list_for_deepspeed(), mock.patch.object(torch.cuda, "is_available", return_value=True):
-            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")  # DeepSpeed's cannot parse the image's 9.0a
+            archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
             op = builder.jit_load(verbose=False)
         if keep_ops is not None:  # carried to the GPU machine: COLO_RL_PREBUILT_OPS loads it there, no nvcc
             from colo_rl.train.prebuilt_ops import build_manifest, save_prebuilt_op
