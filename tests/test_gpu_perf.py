@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.gpu.perf_models import MODEL_05B, derive, unpack
 from benchmarks.gpu.perf_summary import RUNS, ledger_figures, llama_params
+from colo_rl.train.activation_memory import CPU_MICRO_BATCH_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -83,7 +84,10 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     assert "missing" in result["runs"]["perf_big"]  # not run: listed as missing, never filled in
     assert toy["phases_s"]["update"] > 0 and toy["micro_batches"] >= 1
     assert toy["ledger"]["paging_plan"]["mode"] == "auto"
-    assert result["mfu"]["update_mfu"]["dry_run"] is True
+    mfu = result["mfu"]["update_mfu"]
+    assert mfu["dry_run"] is True
+    # planned as GRPO plans a step: the trainer's CPU budget, whole rows, every row once
+    assert mfu["micro_batch_tokens"] == CPU_MICRO_BATCH_TOKENS and sum(mfu["rows_per_micro_batch"]) == 2
     md = summary.with_suffix(".md").read_text()
     assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
 

@@ -35,3 +35,24 @@ def test_flops_follow_six_n_per_token_when_context_is_short():
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * dims["intermediate_size"]
     no_attention = 6 * (dims["num_hidden_layers"] * per_layer * 2 + h * V) * 1000
     assert flops == pytest.approx(no_attention, rel=1e-3)
+
+
+def test_micro_batches_are_planned_as_a_grpo_step_plans_them():
+    """`--groups-per-micro-batch auto` (the default): whole rows up to the trainer's token budget,
+    by the recipe's own planner; a count: that many rows each; anything else is refused."""
+    import argparse
+
+    from benchmarks.gpu.update_mfu import micro_batch_plan, rows_per_micro_batch
+
+    class Budget:  # the one thing the plan reads from the actor
+        def micro_batch_tokens(self) -> int:
+            return 2500
+
+    rows = [150 + 8 * 96] * 16  # 918 tokens a row: two fit in 2,500, three do not
+    auto = micro_batch_plan("auto", rows, Budget())
+    assert [len(b) for b in auto] == [2] * 8 and sorted(i for b in auto for i in b) == list(range(16))
+    assert micro_batch_plan(3, rows, Budget()) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14], [15]]
+    assert rows_per_micro_batch("auto") == "auto" and rows_per_micro_batch("4") == 4
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--groups-per-micro-batch"):
+            rows_per_micro_batch(bad)

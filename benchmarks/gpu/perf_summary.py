@@ -149,13 +149,13 @@ def markdown(result: dict) -> str:
                      f"{f(h['device_copy_ms'], '.2f')} | {h['zero_copy']} | {h['buckets']} |")
     lines += ["", "Update alone (benchmarks/gpu/update_mfu.py: 0.5B-class, 128 x 768, 150-token prompts, one "
               "optimizer step, profiled once):", "",
-              "| update | s (best) | TFLOP/s | MFU | GPU busy | first update s (all warm-ups) | "
+              "| update | micro-batches | s (best) | TFLOP/s | MFU | GPU busy | first update s (all warm-ups) | "
               "compiled vs eager, max abs |",
-              "|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|"]
     for name, label in MFU_RUNS.items():
         m = result["mfu"].get(name)
         if m is None:
-            lines.append(f"| {label} | not run | | | | | |")
+            lines.append(f"| {label} | not run | | | | | | |")
             continue
         mfu = "-" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"
         first = m.get("first_update_seconds")  # the warm-up update, with the compilation (older results: none)
@@ -164,7 +164,9 @@ def markdown(result: dict) -> str:
         agreement = m.get("compiled_vs_eager")
         agreement = ("-" if agreement is None else "not compared" if "error" in agreement
                      else format(agreement["max_abs"], ".1e"))
-        lines.append(f"| {label} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
+        budget = m.get("micro_batch_tokens")  # auto plans (older results: fixed rows per micro-batch)
+        micro = f"{m.get('micro_batches', '-')}" + (f" (<= {budget / 1000:.1f}k tokens)" if budget else "")
+        lines.append(f"| {label} | {micro} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
                      f"{100 * m['busy']['busy_fraction']:.1f} % | {first} | {agreement} |")
     return "\n".join(lines) + "\n"
 

@@ -8,9 +8,10 @@ wall time the GPU is busy (a torch.profiler trace of one update). A stage of `ma
     python benchmarks/gpu/update_mfu.py --dry-run                 # CPU rehearsal: tiny shapes, fp32
 
 Work: `--sequences` responses of `--response-len` tokens in groups of `--group-size` sharing a
-`--prompt-len`-token prompt, packed one group per row (`pack_groups`), `--groups-per-micro-batch`
-rows per forward/backward, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per
-`--leaf`). `--warmup` updates (each timed and reported: the compilations land there), then
+`--prompt-len`-token prompt, packed one group per row (`pack_groups`), micro-batches planned as a
+GRPO step plans them (`--groups-per-micro-batch auto`: whole rows up to the trainer's token budget,
+`trainer.micro_batch_tokens=auto`, sized from the device memory free once the actor is built) or N
+rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`). `--warmup` updates (each timed and reported: the compilations land there), then
 `--repeats` timed ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per
 token, training = 3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
@@ -86,8 +87,7 @@ def build(args, dims: dict, model_dir: Path):
     cfg.model.gradient_checkpointing = args.checkpointing
     cfg.model.compile = args.compile
     groups = args.sequences // args.group_size
-    n_micro = -(-groups // args.groups_per_micro_batch)
-    actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=n_micro)
+    actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=1)  # as GRPO's: boundaries set per micro-batch
     g = torch.Generator().manual_seed(0)
     V = dims["vocab_size"]
     parts = []
@@ -95,9 +95,28 @@ def build(args, dims: dict, model_dir: Path):
         prompt = torch.randint(3, V, (args.prompt_len,), generator=g).tolist()
         rs = [torch.randint(3, V, (args.response_len,), generator=g).tolist() for _ in range(args.group_size)]
         parts.append((prompt, rs, build_batch([prompt] * args.group_size, rs, 0).select(list(range(args.group_size)))))
-    mbs = [actor.to_device(pack_groups(parts[k:k + args.groups_per_micro_batch], dtype))
-           for k in range(0, groups, args.groups_per_micro_batch)]
+    plan = micro_batch_plan(args.groups_per_micro_batch, [len(p) + sum(map(len, rs)) for p, rs, _ in parts], actor)
+    mbs = [actor.to_device(pack_groups([parts[i] for i in rows], dtype)) for rows in plan]
     return actor, mbs, groups
+
+
+def micro_batch_plan(setting, row_tokens: list[int], actor) -> list[list[int]]:
+    """The rows of each micro-batch: `auto` as a GRPO step plans its groups (recipes/grpo.py `pack`:
+    whole rows up to `actor.micro_batch_tokens()`, the trainer's budget), or `setting` rows each."""
+    from colo_rl.train.batch import agreed_micro_batches
+
+    if setting == "auto":
+        return agreed_micro_batches(row_tokens, actor.micro_batch_tokens())
+    return [list(range(k, min(k + setting, len(row_tokens)))) for k in range(0, len(row_tokens), setting)]
+
+
+def rows_per_micro_batch(text: str):
+    """--groups-per-micro-batch: `auto` or a positive count."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--groups-per-micro-batch {text!r}: expected `auto` or a positive count")
+    return int(text)
 
 
 def warmup_updates(args) -> int:
@@ -230,7 +249,9 @@ def arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=150)
     p.add_argument("--response-len", type=int, default=768)
-    p.add_argument("--groups-per-micro-batch", type=int, default=2, help="packed rows per forward/backward")
+    p.add_argument("--groups-per-micro-batch", type=rows_per_micro_batch, default="auto",
+                   help="packed rows per forward/backward, or `auto` (default): as a GRPO step plans them, up to "
+                        "the trainer's token budget (trainer.micro_batch_tokens=auto)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
     p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
                    help="trainer.zero_leaf_modules (true/false)")
@@ -259,6 +280,13 @@ def arg_parser() -> argparse.ArgumentParser:
     return p
 
 
+def plan_text(m: dict) -> str:
+    """How the micro-batches were cut, e.g. `3, 3, 2 rows (auto: up to 24,700 tokens each)`."""
+    rows = ", ".join(map(str, m["rows_per_micro_batch"]))
+    budget = m["micro_batch_tokens"]
+    return f"{rows} rows" + (f" (auto: up to {budget:,} tokens each)" if budget is not None else "")
+
+
 def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     """The results (JSON + Markdown) of main's measurements `m`, with `compiled_vs_eager`'s
     figures when there are some."""
@@ -276,6 +304,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
     result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": n_micro,
+              "micro_batch_tokens": m["micro_batch_tokens"], "rows_per_micro_batch": m["rows_per_micro_batch"],
               "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
               "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
               "compiled_layers": args.compile, "deepcompile": args.deepcompile, "chunked_lm_head": m["chunked_lm_head"],
@@ -289,7 +318,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     table = "\n".join([
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
         f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
-        f"{args.prompt_len}-token prompt), {n_micro} micro-batches, attention {args.attn}, "
+        f"{args.prompt_len}-token prompt), {n_micro} micro-batches of {plan_text(m)}, attention {args.attn}, "
         f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
         f"{'on' if linear_on else 'off'} (--linear {args.linear})"
         f"{', gradient checkpointing' if args.checkpointing else ''}"
@@ -316,7 +345,7 @@ def main(argv=None) -> int:
     args = arg_parser().parse_args(argv)
     if args.dry_run:
         args.sequences, args.group_size, args.prompt_len, args.response_len = 4, 2, 6, 8
-        args.groups_per_micro_batch, args.repeats = 1, 1
+        args.repeats = 1
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -358,7 +387,10 @@ def main(argv=None) -> int:
         busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
         host_top = top_ops(prof.key_averages(), "self_cpu_time_total")
         device_top = top_ops(prof.key_averages(), "self_device_time_total") if on_gpu else []
-    measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "linear_on": linear_on, "seconds": seconds,
+    budget = actor.micro_batch_tokens() if args.groups_per_micro_batch == "auto" else None  # the plan's (cached)
+    measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "micro_batch_tokens": budget,
+                "rows_per_micro_batch": [int(mb.input_ids.shape[0]) for mb in mbs],
+                "linear_on": linear_on, "seconds": seconds,
                 "warmup_seconds": warmup_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
                 "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head}
     write_results(args, measured, None)
