@@ -164,15 +164,18 @@ def test_summary_reports_warm_ups_and_an_agreement_that_could_not_run():
     result = {"device": "d", "date": "x", "runs": {}, "mfu": {
         "update_mfu_deepcompile": mfu_run([60.0, 2.0, 2.0, 2.0, 2.0, 30.0], {"error": "RuntimeError: no"}),
         "update_mfu_compile": mfu_run([20.0], {"max_abs": 0.0078, "mean_abs": 0.001}),
-        "update_mfu": mfu_run([3.0], None)}}
+        "update_mfu": {**mfu_run([3.0], None), "micro_batches": 6, "micro_batch_tokens": 18_900,
+                       "memory": {"mb_per_token": 2.1, "measured_over_estimate": 1.31}}}}
     result["runs"] = {name: {"missing": "-"} for name in RUNS}
     rows = {line.split(" | ")[0]: line for line in markdown(result).splitlines() if line.startswith("| ")}
     dc = next(line for label, line in rows.items() if "DeepCompile" in label)
-    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared |")
+    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared | - |")
     compiled = next(line for label, line in rows.items() if label.endswith("decoder layers compiled (model.compile)")
                     and "flex" not in label and "checkpointing" not in label)
-    assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 |")
-    assert rows["| sdpa, leaf modules on"].endswith("| 3.0 | - |")
+    assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 | - |") and "| - | 1.250 |" in compiled
+    # an auto plan names its budget; the memory column is above the states per token, and over the estimate
+    assert rows["| sdpa, leaf modules on"].endswith("| 6 (<= 18.9k tokens) | 1.250 | 198.0 | 20.0 % | 90.0 % | 3.0 | - "
+                                                    "| 2.10 (1.31x) |")
 
 
 def test_update_mfu_checks_the_compiled_layers_against_eager(tmp_path):
@@ -197,3 +200,31 @@ def test_update_mfu_checks_the_compiled_layers_against_eager(tmp_path):
     # aten's SiLU, dispatched by each layer's MLP in the eager pass only (inductor's kernel fuses it)
     assert sum(e.count for e in prof.key_averages() if e.key == "aten::silu") == MODEL_DRY["num_hidden_layers"]
     assert 0 <= agreement["mean_abs"] <= agreement["max_abs"] <= 1e-5, agreement
+
+
+def test_update_mfu_memory_figures_read_the_actor_as_the_budget_does(tmp_path, monkeypatch):
+    """`update_mfu.device_memory` (GPU runs): the estimate it compares with is the budget's own
+    (`activation_bytes` with the actor's config, dtype, checkpointing and head) for the largest
+    micro-batch. The CUDA counters are stood in for; the actor and its micro-batches are real."""
+    import torch
+
+    from benchmarks.gpu.mfu_memory import device_memory
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build
+    from colo_rl import dist
+    from colo_rl.train.activation_memory import activation_bytes
+
+    dist.init()
+    args = arg_parser().parse_args(["--dry-run", "--sequences", "6", "--group-size", "2", "--prompt-len", "6",
+                                    "--response-len", "8", "--groups-per-micro-batch", "2", "--checkpointing"])
+    actor, mbs, _ = build(args, MODEL_DRY, tmp_path / "model")
+    assert [int(mb.input_ids.shape[0]) for mb in mbs] == [2, 1]
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * gib}))
+    mem = device_memory(actor, mbs, base=gib)
+    tokens = int(mbs[0].input_ids.numel())
+    assert mem["largest_micro_batch_tokens"] == tokens and mem["over_states_gib"] == 2
+    estimate = activation_bytes(actor.config, tokens, 4, True, actor.chunked_lm_head)
+    assert estimate < activation_bytes(actor.config, tokens, 4, False, actor.chunked_lm_head)  # checkpointing counted
+    assert mem["estimate_gib"] == pytest.approx(estimate / gib)

@@ -56,3 +56,18 @@ def test_micro_batches_are_planned_as_a_grpo_step_plans_them():
     for bad in ("0", "-1", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="--groups-per-micro-batch"):
             rows_per_micro_batch(bad)
+
+
+def test_memory_figures_compare_the_micro_batch_with_the_budget_estimate():
+    """What the timed updates allocated above the states, per token of the largest micro-batch and
+    against the estimate the token budget is sized by (GPU runs only; the arithmetic here)."""
+    from benchmarks.gpu.mfu_memory import memory_figures, memory_text
+
+    gib = 1 << 30
+    m = memory_figures(base=10 * gib, peak=40 * gib, reserved=48 * gib, total=80 * gib, tokens=15_000,
+                       estimate=20 * gib)
+    assert m["over_states_gib"] == 30 and m["measured_over_estimate"] == pytest.approx(1.5)
+    assert m["mb_per_token"] == pytest.approx(30 * gib / 15_000 / 1e6)
+    text = memory_text(m)
+    assert "peak allocated 40.0 GiB (30.0 above the states: 2.15 MB per token" in text and "estimate 1.50" in text
+    assert memory_text(None) == ""

@@ -150,12 +150,12 @@ def markdown(result: dict) -> str:
     lines += ["", "Update alone (benchmarks/gpu/update_mfu.py: 0.5B-class, 128 x 768, 150-token prompts, one "
               "optimizer step, profiled once):", "",
               "| update | micro-batches | s (best) | TFLOP/s | MFU | GPU busy | first update s (all warm-ups) | "
-              "compiled vs eager, max abs |",
-              "|---|---|---|---|---|---|---|---|"]
+              "compiled vs eager, max abs | MB per token (measured / estimate) |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, label in MFU_RUNS.items():
         m = result["mfu"].get(name)
         if m is None:
-            lines.append(f"| {label} | not run | | | | | | |")
+            lines.append(f"| {label} | not run | | | | | | | |")
             continue
         mfu = "-" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"
         first = m.get("first_update_seconds")  # the warm-up update, with the compilation (older results: none)
@@ -167,8 +167,17 @@ def markdown(result: dict) -> str:
         budget = m.get("micro_batch_tokens")  # auto plans (older results: fixed rows per micro-batch)
         micro = f"{m.get('micro_batches', '-')}" + (f" (<= {budget / 1000:.1f}k tokens)" if budget else "")
         lines.append(f"| {label} | {micro} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
-                     f"{100 * m['busy']['busy_fraction']:.1f} % | {first} | {agreement} |")
+                     f"{100 * m['busy']['busy_fraction']:.1f} % | {first} | {agreement} | {memory_cell(m.get('memory'))} |")
     return "\n".join(lines) + "\n"
+
+
+def memory_cell(mem) -> str:
+    """update_mfu's device memory above the states per token of its largest micro-batch, and that
+    over the token budget's estimate (what a larger budget share would need to know)."""
+    if not mem:
+        return "-"
+    ratio = mem.get("measured_over_estimate")
+    return f"{mem['mb_per_token']:.2f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
 
 
 def main(argv=None) -> int:

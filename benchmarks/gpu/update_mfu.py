@@ -36,6 +36,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu.mfu_memory import device_memory, device_memory_start, memory_text  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_fraction, top_ops  # noqa: E402
 
 # 0.5B class: ~0.46B parameters, 32k vocabulary, tied embeddings, GQA 4:1 (benchmarks/phase_switch.py's).
@@ -309,7 +310,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
               "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
               "compiled_layers": args.compile, "deepcompile": args.deepcompile, "chunked_lm_head": m["chunked_lm_head"],
               "update_seconds": seconds, "first_update_seconds": warmup_seconds[0],
-              "warmup_update_seconds": warmup_seconds, "compiled_vs_eager": agreement,
+              "warmup_update_seconds": warmup_seconds, "compiled_vs_eager": agreement, "memory": m["memory"],
               "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
@@ -331,6 +332,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
         f"({busy['category']}) | {busy['events']} |", "",
         f"Warm-up updates{' (the compilations included)' if args.compile or args.deepcompile else ''}: "
         f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s." + agreement_text(agreement), "",
+        *([memory_text(m["memory"]), ""] if m["memory"] else []),
         "Top host functions of the profiled update (self CPU time):", "",
         "| function | calls | self ms |", "|---|---|---|",
         *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
@@ -371,12 +373,14 @@ def main(argv=None) -> int:
             one_update(actor, mbs, n_tok)
             sync()
             warmup_seconds.append(time.perf_counter() - t0)
+        base = device_memory_start(on_gpu)
         seconds = []
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             one_update(actor, mbs, n_tok)
             sync()
             seconds.append(time.perf_counter() - t0)
+        memory = device_memory(actor, mbs, base) if on_gpu else None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
             with record_function("update"):
@@ -392,7 +396,7 @@ def main(argv=None) -> int:
                 "rows_per_micro_batch": [int(mb.input_ids.shape[0]) for mb in mbs],
                 "linear_on": linear_on, "seconds": seconds,
                 "warmup_seconds": warmup_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
-                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head}
+                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head, "memory": memory}
     write_results(args, measured, None)
     if args.compile or args.deepcompile:  # after the figures are written: this compiles the graph without
         write_results(args, measured, checked_agreement(actor, mbs[0]))  # gradients (a budget may cut it)
