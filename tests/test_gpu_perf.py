@@ -88,6 +88,10 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     assert mfu["dry_run"] is True
     # planned as GRPO plans a step: the trainer's CPU budget, whole rows, every row once
     assert mfu["micro_batch_tokens"] == CPU_MICRO_BATCH_TOKENS and sum(mfu["rows_per_micro_batch"]) == 2
+    # where the stage's time went, part by part, in the order the run takes them
+    assert list(mfu["stage_seconds"]) == ["imports and process group", "model, actor and batches", "warm-up updates",
+                                          "timed updates", "profiled update", "trace analysis"]
+    assert all(v >= 0 for v in mfu["stage_seconds"].values())
     md = summary.with_suffix(".md").read_text()
     assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
 

@@ -288,6 +288,20 @@ def plan_text(m: dict) -> str:
     return f"{rows} rows" + (f" (auto: up to {budget:,} tokens each)" if budget is not None else "")
 
 
+class StageClock:
+    """Seconds of each part of the run (`mark` ends a part): where a stage's device time goes
+    beside the updates it measures."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = round(now - self._last, 2)
+        self._last = now
+
+
 def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     """The results (JSON + Markdown) of main's measurements `m`, with `compiled_vs_eager`'s
     figures when there are some."""
@@ -311,6 +325,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
               "compiled_layers": args.compile, "deepcompile": args.deepcompile, "chunked_lm_head": m["chunked_lm_head"],
               "update_seconds": seconds, "first_update_seconds": warmup_seconds[0],
               "warmup_update_seconds": warmup_seconds, "compiled_vs_eager": agreement, "memory": m["memory"],
+              "stage_seconds": m["stage_seconds"],
               "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
@@ -333,6 +348,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
         f"Warm-up updates{' (the compilations included)' if args.compile or args.deepcompile else ''}: "
         f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s." + agreement_text(agreement), "",
         *([memory_text(m["memory"]), ""] if m["memory"] else []),
+        "Seconds of this run by part: " + ", ".join(f"{k} {v:.1f}" for k, v in m["stage_seconds"].items()) + ".", "",
         "Top host functions of the profiled update (self CPU time):", "",
         "| function | calls | self ms |", "|---|---|---|",
         *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in host_top],
@@ -344,6 +360,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    clock = StageClock()
     args = arg_parser().parse_args(argv)
     if args.dry_run:
         args.sequences, args.group_size, args.prompt_len, args.response_len = 4, 2, 6, 8
@@ -358,6 +375,7 @@ def main(argv=None) -> int:
         raise SystemExit("update_mfu: no CUDA device; --dry-run rehearses on the CPU with tiny shapes")
     check_args(args, on_gpu)
     dist.init()
+    clock.mark("imports and process group")
     dims = MODEL_DRY if args.dry_run else MODEL_05B
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="update_mfu-") as tmp:
@@ -365,6 +383,7 @@ def main(argv=None) -> int:
             actor, mbs, groups = build(args, dims, Path(tmp) / "model")
         if args.deepcompile:
             deepcompile(actor)
+        clock.mark("model, actor and batches")
         linear_on = bool(actor.memory_efficient_linear)
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
         warmup_seconds = []
@@ -373,6 +392,7 @@ def main(argv=None) -> int:
             one_update(actor, mbs, n_tok)
             sync()
             warmup_seconds.append(time.perf_counter() - t0)
+        clock.mark("warm-up updates")
         base = device_memory_start(on_gpu)
         seconds = []
         for _ in range(args.repeats):
@@ -381,22 +401,27 @@ def main(argv=None) -> int:
             sync()
             seconds.append(time.perf_counter() - t0)
         memory = device_memory(actor, mbs, base) if on_gpu else None
+        clock.mark("timed updates")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
         with profile(activities=activities) as prof:
             with record_function("update"):
                 one_update(actor, mbs, n_tok)
                 sync()
+        clock.mark("profiled update")
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
         busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
-        host_top = top_ops(prof.key_averages(), "self_cpu_time_total")
-        device_top = top_ops(prof.key_averages(), "self_device_time_total") if on_gpu else []
+        averages = prof.key_averages()
+        host_top = top_ops(averages, "self_cpu_time_total")
+        device_top = top_ops(averages, "self_device_time_total") if on_gpu else []
+        clock.mark("trace analysis")
     budget = actor.micro_batch_tokens() if args.groups_per_micro_batch == "auto" else None  # the plan's (cached)
     measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "micro_batch_tokens": budget,
                 "rows_per_micro_batch": [int(mb.input_ids.shape[0]) for mb in mbs],
                 "linear_on": linear_on, "seconds": seconds,
                 "warmup_seconds": warmup_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
-                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head, "memory": memory}
+                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head, "memory": memory,
+                "stage_seconds": clock.seconds}
     write_results(args, measured, None)
     if args.compile or args.deepcompile:  # after the figures are written: this compiles the graph without
         write_results(args, measured, checked_agreement(actor, mbs[0]))  # gradients (a budget may cut it)
