@@ -11,9 +11,10 @@ Work: `--sequences` responses of `--response-len` tokens in groups of `--group-s
 `--prompt-len`-token prompt, packed one group per row (`pack_groups`), micro-batches planned as a
 GRPO step plans them (`--groups-per-micro-batch auto`: whole rows up to the trainer's token budget,
 `trainer.micro_batch_tokens=auto`, sized from the device memory free once the actor is built) or N
-rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`). `--warmup` updates (each timed and reported: the compilations land there), then
-`--repeats` timed ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per
-token, training = 3 x forward):
+rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`).
+`--warmup` updates (each timed and reported: the compilations land there), then `--repeats` timed
+ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per token, training =
+3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
     the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
 MFU = FLOPs / seconds / peak (--peak-tflops, default by device: H100/H200 989 bf16 dense).
