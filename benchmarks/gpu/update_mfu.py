@@ -387,20 +387,18 @@ def main(argv=None) -> int:
         clock.mark("model, actor and batches")
         linear_on = bool(actor.memory_efficient_linear)
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
-        warmup_seconds = []
-        for _ in range(warmup_updates(args)):  # DeepSpeed's buffers, kernels' autotuning, compilations
+
+        def timed_update() -> float:
             t0 = time.perf_counter()
             one_update(actor, mbs, n_tok)
             sync()
-            warmup_seconds.append(time.perf_counter() - t0)
+            return time.perf_counter() - t0
+
+        # DeepSpeed's buffers, kernels' autotuning, compilations
+        warmup_seconds = [timed_update() for _ in range(warmup_updates(args))]
         clock.mark("warm-up updates")
         base = device_memory_start(on_gpu)
-        seconds = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            one_update(actor, mbs, n_tok)
-            sync()
-            seconds.append(time.perf_counter() - t0)
+        seconds = [timed_update() for _ in range(args.repeats)]
         memory = device_memory(actor, mbs, base) if on_gpu else None
         clock.mark("timed updates")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
