@@ -50,6 +50,7 @@ def run_variant(name: str, updates: int, warmup: int = 3) -> dict:
     """In this process: build the actor with `name`'s options, `warmup` updates, then `updates`
     timed ones."""
     from benchmarks.gpu import update_mfu
+    from benchmarks.gpu.ds_experiments import zero_settings
     from colo_rl import dist
 
     args = update_mfu.arg_parser().parse_args(["--dry-run", "--sequences", "32", "--prompt-len", "8",
@@ -58,7 +59,7 @@ def run_variant(name: str, updates: int, warmup: int = 3) -> dict:
         setattr(args, key, value)
     dist.init()
     with tempfile.TemporaryDirectory(prefix="host_overhead-") as tmp:
-        with update_mfu.zero_settings(args.zero):
+        with zero_settings(args.zero):
             actor, mbs, _ = update_mfu.build(args, DIMS, Path(tmp) / "model")
         n_tok = float(sum(mb.response_mask.sum() for mb in mbs))
         for _ in range(warmup):

@@ -103,7 +103,8 @@ def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):
     `--deepcompile`'s config section (mfudc) reaches its engine."""
     import argparse
 
-    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, ds_overrides, zero_override, zero_settings
+    from benchmarks.gpu.ds_experiments import ds_overrides, zero_override, zero_settings
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build
     from colo_rl import dist
 
     assert zero_override("stage3_param_persistence_threshold=1e12") == ("stage3_param_persistence_threshold", 1e12)

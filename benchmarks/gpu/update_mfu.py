@@ -26,7 +26,6 @@ the parsing only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu.ds_experiments import deepcompile, ds_overrides, zero_override, zero_settings  # noqa: E402
 from benchmarks.gpu.mfu_memory import device_memory, device_memory_start, memory_text  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_fraction, top_ops  # noqa: E402
 
@@ -146,60 +146,6 @@ def check_args(args, on_gpu: bool) -> None:
             raise SystemExit("update_mfu: --deepcompile compiles the whole model; drop --compile (the decoder layers)")
         if args.zero_stage == 0:
             raise SystemExit("update_mfu: --deepcompile needs --zero-stage 1, 2 or 3")
-
-
-def deepcompile(actor) -> None:
-    """`engine.compile()` with DeepCompile on: the whole model through DeepSpeed's backend, compiled at
-    its first forward. Its native op `dc` is loaded when prebuilt ($COLO_RL_PREBUILT_OPS, registered
-    with FusedAdam when the actor was built), else JIT-built here as FusedAdam is: the CUDA toolkit
-    found for it, and an architecture list DeepSpeed can parse."""
-    from deepspeed.ops.op_builder.builder import OpBuilder
-
-    from colo_rl.cuda_toolkit import arch_list_for_deepspeed, prepare_jit_builds
-
-    if "dc" not in OpBuilder._loaded_ops:
-        prepare_jit_builds()
-    with arch_list_for_deepspeed():
-        actor.engine.compile()
-
-
-def ds_overrides(args) -> dict:
-    """Top-level DeepSpeed config sections over colo_rl's (`--deepcompile`: its `compile` section)."""
-    return {"compile": {"deepcompile": True}} if args.deepcompile else {}
-
-
-def zero_override(text: str) -> tuple[str, float]:
-    """KEY=VALUE of `--zero`: a DeepSpeed zero_optimization key and its number."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--zero {text!r}: expected KEY=VALUE")
-    try:
-        return key, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--zero {text!r}: {value!r} is not a number") from None
-
-
-@contextlib.contextmanager
-def zero_settings(overrides: list[tuple[str, float]], sections: Optional[dict] = None):
-    """The actor built inside takes `overrides` into its zero_optimization section and `sections`
-    (`ds_overrides`) at the top level of its DeepSpeed config (benchmark only: an experiment on
-    DeepSpeed's knobs, e.g. every parameter persistent at world size 1, where each fetch of a
-    released layer ends in a stream synchronisation: NoGatherHandle.wait in 0.19.8)."""
-    from colo_rl.train import actor as actor_module
-
-    built = actor_module.build_ds_config
-
-    def with_overrides(*args, **kwargs):
-        config = built(*args, **kwargs)
-        config["zero_optimization"].update(overrides)
-        config.update(sections or {})
-        return config
-
-    actor_module.build_ds_config = with_overrides
-    try:
-        yield
-    finally:
-        actor_module.build_ds_config = built
 
 
 def compiled_vs_eager(actor, mb) -> dict:
