@@ -42,7 +42,7 @@ from colo_rl.split.pools import GenerationPool, TrainerPool
 from colo_rl.split.roles import EngineHelper, enter_split
 from colo_rl.split.position import generator_position, restore_generator_position
 from colo_rl.train.adapters import EngineWeights
-from colo_rl.train.batch import agreed_micro_batches
+from colo_rl.train.batch import agreed_mini_batches
 from colo_rl.train.packing import PackedRollout, pack_rollout
 
 log = logging.getLogger("colo_rl")
@@ -317,14 +317,16 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ update phase
     def pack(self, rollout: Rollout) -> PackedRollout:
-        """The rollout's micro-batches, built once for the whole update: whole groups, at most
-        trainer.micro_batch_tokens tokens (and trainer.micro_batch_size sequences) each, as many on
-        every rank, a multiple of trainer.mini_batches_per_step; groups of similar length together."""
+        """The rollout's micro-batches, built once for the whole update: trainer.mini_batches_per_step
+        mini-batches of as many groups each, in the rollout's order (a sample of the batch, not a band
+        of lengths); each cut into micro-batches of whole groups, at most trainer.micro_batch_tokens
+        tokens (and trainer.micro_batch_size sequences) each, groups of similar length together, as
+        many on every rank."""
         cfg, groups = self.cfg, rollout.groups
         cap = cfg.trainer.micro_batch_size and max(1, cfg.trainer.micro_batch_size // rollout.group_size)
-        plan = agreed_micro_batches([g.tokens for g in groups], self.colo.actor.micro_batch_tokens(), cap,
-                                    order=[sum(c.trained_tokens for c in g.completions) for g in groups],
-                                    multiple_of=cfg.trainer.mini_batches_per_step)
+        plan = agreed_mini_batches([g.tokens for g in groups], self.colo.actor.micro_batch_tokens(), cap,
+                                   order=[sum(c.trained_tokens for c in g.completions) for g in groups],
+                                   mini_batches=cfg.trainer.mini_batches_per_step)
         return pack_rollout(rollout, plan, self.tokenizer.pad_token_id, self.colo.actor.dtype, cfg.trainer.packing)
 
     def update(self, rollout: Rollout, fresh: bool = True) -> dict[str, float]:
@@ -336,8 +338,6 @@ class GRPORecipe:
         with self.timer("pack"):  # host work that grows with the rollout's tokens: timed, not lost in the step
             packed = self.pack(rollout)
         plan, table = packed.rows, packed.table
-        # as many on every rank (agreed when planned): ZeRO-3's gathers are collectives
-        assert len(plan) % cfg.trainer.mini_batches_per_step == 0, (len(plan), cfg.trainer.mini_batches_per_step)
         on_policy = cfg.trainer.mini_batches_per_step == 1 and cfg.trainer.ppo_epochs == 1
         agreement = LogprobAgreement() if fresh else None  # engine vs trainer on the same weights: did the handoff work?
         with self.timer("logprobs"):
@@ -351,7 +351,6 @@ class GRPORecipe:
                     kl_penalty = self.kl_ctl.coef * (table.extras["rollout_logp"] - ref_logp)
             packed.attach("advantages", algos.ADV_ESTIMATORS.get(algo.adv_estimator)(
                 rollout.total(), rollout.group_size, algo, table.response_mask, kl_penalty))
-        per_step = len(plan) // cfg.trainer.mini_batches_per_step
         # summed on the device (no sync per micro-batch), read once after the loop; + the policy loss's own
         # statistics (token means) and the engine-vs-trainer mismatch sums
         sums = StepSums(["loss", "entropy", "kl", "tokens"], maxima=[f"mismatch:{k}" for k in algos.MISMATCH_MAX_KEYS])
@@ -361,9 +360,9 @@ class GRPORecipe:
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
         with self.timer("update"):
             for epoch in range(cfg.trainer.ppo_epochs):
-                for k in range(cfg.trainer.mini_batches_per_step):
-                    chunk = packed.micro[k * per_step:(k + 1) * per_step]
-                    rows = [i for idx in plan[k * per_step:(k + 1) * per_step] for i in idx]
+                for k, span in enumerate(packed.steps):  # as many micro-batches on every rank: collectives
+                    chunk = packed.micro[span]
+                    rows = [i for idx in plan[span] for i in idx]
                     n_tok, n_seq = dist.all_reduce_sum([float(table.response_mask[rows].sum()) if rows else 0.0,
                                                         float(len(rows))])
                     for j, mb in enumerate(chunk):

@@ -12,7 +12,7 @@ from colo_rl.models import load_model
 from colo_rl.samples import Completion, Rollout, groups_of
 from colo_rl.train.activation_memory import (AUTO_MAX_TOKENS, AUTO_MIN_TOKENS, CPU_MICRO_BATCH_TOKENS, activation_bytes,
                                              micro_batch_token_budget)
-from colo_rl.train.batch import micro_batches, response_logprobs, spread
+from colo_rl.train.batch import agreed_mini_batches, micro_batches, response_logprobs, spread
 from colo_rl.train.packing import pack_groups, pack_rollout
 
 
@@ -76,6 +76,18 @@ def test_spread_reaches_the_agreed_count_by_halving_the_costliest_micro_batch():
     assert spread([[0], [1]], 4, costs) == [[0], [1], [], []]  # one unit each: empty passes after
 
 
+def test_mini_batches_take_equal_shares_in_the_given_order_not_bands_of_length():
+    """Mini-batch k is the k-th run of the units as given (a rollout's order): equal group counts,
+    every length in each; inside one, micro-batches sort by length and fill the budget."""
+    costs = [200, 5000, 210, 4000, 190, 220, 3000, 205]
+    plans = agreed_mini_batches(costs, budget=4096, mini_batches=2)
+    assert [sorted(i for mb in p for i in mb) for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plans == [[[0, 2], [3], [1]], [[4, 7, 5, 6]]]  # similar lengths together, up to the budget
+    assert agreed_mini_batches(costs, budget=4096) == [micro_batches(costs, 4096)]  # one mini-batch: the whole plan
+    with pytest.raises(ValueError, match="8 units do not split into 3 mini-batches"):
+        agreed_mini_batches(costs, budget=4096, mini_batches=3)
+
+
 # A small Llama by hand: per layer and token (8h + 4kv + 4f) x 2 bytes = (512 + 128 + 1024) x 2 = 3328
 SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)
@@ -131,8 +143,9 @@ def test_each_micro_batch_is_built_once_and_carries_its_columns():
     torch.manual_seed(0)
     r = rollout_of([[5, 6, 7], [8], [9, 10]], [[[11, 12], [13]], [[14], [15, 16, 17]], [[18, 19], [20]]],
                    [1.0, 0.0, 0.5, 0.2, 0.3, 0.9])
-    packed = pack_rollout(r, [[1], [0, 2], []], pad_id=0, dtype=torch.float32)
+    packed = pack_rollout(r, [[[1]], [[0, 2], []]], pad_id=0, dtype=torch.float32)  # 2 mini-batches
     assert packed.rows == [[2, 3], [0, 1, 4, 5], []]
+    assert packed.steps == [slice(0, 1), slice(1, 3)]
     direct = pack_groups([(g.prompt_ids, [c.token_ids for c in g.completions],
                            packed.table.select(rows)) for g, rows in ((r.groups[0], [0, 1]), (r.groups[2], [4, 5]))],
                          torch.float32)

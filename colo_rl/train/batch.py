@@ -156,15 +156,30 @@ def spread(bins: list[list[int]], n: int, costs: list[int]) -> list[list[int]]:
     return bins + [[] for _ in range(n - len(bins))]
 
 
-def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0, order: Optional[list[float]] = None,
-                         multiple_of: int = 1) -> list[list[int]]:
+def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0,
+                         order: Optional[list[float]] = None) -> list[list[int]]:
     """`micro_batches`, as many on every rank (ZeRO-3's gathers are collectives, so every rank runs
-    the same number of passes): the largest count over ranks, rounded up to `multiple_of`
-    (mini-batches of equal size), reached by `spread`. One all-reduce."""
-    bins = micro_batches(costs, budget, max_units, order)
-    (n,) = dist.all_reduce_max([float(len(bins))])
-    n = -(-int(n) // multiple_of) * multiple_of
-    return spread(bins, n, costs)
+    the same number of passes): the largest count over ranks, reached by `spread`. One all-reduce."""
+    return agreed_mini_batches(costs, budget, max_units, order)[0]
+
+
+def agreed_mini_batches(costs: list[int], budget: int, max_units: int = 0, order: Optional[list[float]] = None,
+                        mini_batches: int = 1) -> list[list[list[int]]]:
+    """The units cut into `mini_batches` runs of equal size in their given order (a rollout's: random
+    in length, so every optimizer step sees a sample of the batch, not a band of lengths), each run
+    planned as `micro_batches` and agreed over ranks as `agreed_micro_batches` (one all-reduce for
+    all runs). Mini-batch k holds units k n/M .. (k+1) n/M - 1 of the n."""
+    if mini_batches < 1 or len(costs) % mini_batches:
+        raise ValueError(f"{len(costs)} units do not split into {mini_batches} mini-batches of equal size")
+    size = len(costs) // mini_batches
+    plans = []
+    for k in range(mini_batches):
+        units = list(range(k * size, (k + 1) * size))
+        bins = micro_batches([costs[i] for i in units], budget, max_units,
+                             None if order is None else [order[i] for i in units])
+        plans.append([[units[i] for i in b] for b in bins])
+    counts = dist.all_reduce_max([float(len(p)) for p in plans])
+    return [spread(p, int(n), costs) for p, n in zip(plans, counts)]
 
 
 def response_logprobs(model, batch: TokenBatch, temperature: float = 1.0, with_entropy: bool = False,

@@ -231,10 +231,12 @@ class PackedRollout:
     `table`: every completion in the rollout's order, padded ([N, R]: response masks and per-token
     columns such as the engine's log-probs). `micro[j]`: micro-batch j, rows `rows[j]` of the table
     (whole groups, in order), packed or padded; what a micro-batch's forward needs plus the columns
-    attached to it (`attach`): old / reference log-probs, advantages."""
+    attached to it (`attach`): old / reference log-probs, advantages. `steps[k]`: the micro-batches
+    (a slice of `micro` and `rows`) of optimizer step k of a pass (a mini-batch)."""
     table: TokenBatch
     rows: list[list[int]]
     micro: list[TokenBatch]
+    steps: list[slice]
 
     def attach(self, name: str, column: torch.Tensor) -> None:
         """A column in the table's order ([N] per completion, or [N, R] per token) joins each
@@ -273,25 +275,29 @@ class PackedRollout:
         return out
 
 
-def pack_rollout(rollout: Rollout, plan: list[list[int]], pad_id: int, dtype: torch.dtype,
+def pack_rollout(rollout: Rollout, plan: list[list[list[int]]], pad_id: int, dtype: torch.dtype,
                  packing: bool = True) -> PackedRollout:
-    """The rollout's micro-batches, each built once: `plan` lists each micro-batch's groups (indices
-    into rollout.groups; [] = an empty pass that adds nothing, for ranks with fewer micro-batches).
-    Packed: one row per group [prompt | r_1 | ... | r_G] (`pack_groups`); else padded rows."""
+    """The rollout's micro-batches, each built once: `plan[k]` lists the micro-batches of mini-batch
+    (optimizer step) k, each micro-batch its groups (indices into rollout.groups; [] = an empty pass
+    that adds nothing, for ranks with fewer micro-batches). Packed: one row per group
+    [prompt | r_1 | ... | r_G] (`pack_groups`); else padded rows."""
     completions = rollout.completions
     masks = [c.policy_mask for c in completions]  # episodes: only the policy's tokens count
     table = build_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions], pad_id,
                         response_masks=None if all(m is None for m in masks) else masks,
                         per_token={"rollout_logp": [c.logprobs for c in completions]})
     group_rows = rollout.group_rows()
-    rows, micro = [], []
-    for groups in plan:
-        rows.append([i for g in groups for i in group_rows[g]])
-        if not groups:
-            micro.append(empty_batch(pad_id, per_token=("rollout_logp",)))
-        elif packing:
-            micro.append(pack_groups([(rollout.groups[g].prompt_ids, [c.token_ids for c in rollout.groups[g].completions],
-                                       table.select(group_rows[g])) for g in groups], dtype))
-        else:
-            micro.append(table.select(rows[-1]))
-    return PackedRollout(table, rows, micro)
+    rows, micro, steps = [], [], []
+    for mini_batch in plan:
+        steps.append(slice(len(micro), len(micro) + len(mini_batch)))
+        for groups in mini_batch:
+            rows.append([i for g in groups for i in group_rows[g]])
+            if not groups:
+                micro.append(empty_batch(pad_id, per_token=("rollout_logp",)))
+            elif packing:
+                micro.append(pack_groups([(rollout.groups[g].prompt_ids,
+                                           [c.token_ids for c in rollout.groups[g].completions],
+                                           table.select(group_rows[g])) for g in groups], dtype))
+            else:
+                micro.append(table.select(rows[-1]))
+    return PackedRollout(table, rows, micro, steps)
