@@ -42,8 +42,8 @@ VARIANTS: dict[str, tuple[list[str], str]] = {
     "rloo": (["algo.adv_estimator=rloo"], "RLOO: leave-one-out group baseline"),
     "reinforce_pp_baseline": (["algo.adv_estimator=reinforce_pp_baseline"],
                               "REINFORCE++ with group baseline, whitened over the global batch"),
-    "gspo": (["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
-             "GSPO: sequence-level length-normalised ratio, clip 3e-4 / 4e-4 (the paper's)"),
+    "gspo": (["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4", "algo.loss_agg=seq-mean-token-mean"],
+             "GSPO: sequence-level length-normalised ratio, clip 3e-4 / 4e-4, mean over sequences (the paper's)"),
     "cispo": (["algo.policy_loss=cispo"],
               "CISPO: stop-gradient IS weight, clipped to PPO's band [0.8, 1.2], times the log-prob: "
               "clipped tokens keep their gradient"),

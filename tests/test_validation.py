@@ -74,6 +74,15 @@ def test_out_of_range_value_is_refused_naming_the_key(override, message):
 @pytest.mark.parametrize("overrides,message", [
     (["algo.adv_estimator=ppo"], r"algo.adv_estimator='ppo' is not one of \['grpo', 'rloo', 'reinforce_pp'"),
     (["algo.policy_loss=gspo"], r"algo.policy_loss=gspo clips a sequence-level ratio"),
+    (["algo.policy_loss=gspo", "algo.clip_high=4e-4"], r"not 0.2 / 0.0004. Set algo.clip_low=3e-4"),
+    (["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
+     r"algo.loss_agg=token-mean would weigh sequences differently. Set algo.loss_agg=seq-mean-token-mean"),
+    (["algo.tis_cap=0.5"], r"algo.tis_cap=0.5 must be >= 1 \(a ratio of 1"),
+    (["algo.adv_estimator=reinforce_pp", "algo.kl_target=0.01"], r"algo.kl_target=0.01 adapts algo.kl_coef, which is 0"),
+    (["env=calculator", "rollout.max_new_tokens=512", "algo.overlong_buffer_len=300"],
+     r"algo.overlong_buffer_len=300 must be smaller than env.max_total_tokens="),
+    (["algo.adv_estimator=reinforce_pp", "rollout.group_size=1", "algo.dynamic_sampling=true"],
+     r"algo.dynamic_sampling=true keeps groups whose rewards differ; with rollout.group_size=1"),
     (["algo.clip_ratio_c=1.0"], r"algo.clip_ratio_c=1.0 must be > 1"),
     (["algo.kl_in_reward=true"], r"algo.kl_in_reward=true needs algo.kl_coef > 0"),
     (["algo.kl_target=0.1"], r"algo.kl_target adapts the KL-in-reward coefficient"),
@@ -88,7 +97,7 @@ def test_algorithm_options_are_checked_with_the_rest(overrides, message):
 
 def test_a_batch_baseline_estimator_accepts_groups_of_one():
     cfg = _cfg(["algo.adv_estimator=reinforce_pp", "rollout.group_size=1", "algo.policy_loss=gspo",
-                "algo.clip_low=3e-4", "algo.clip_high=4e-4"])
+                "algo.clip_low=3e-4", "algo.clip_high=4e-4", "algo.loss_agg=seq-mean-token-mean"])
     assert (cfg.algo.adv_estimator, cfg.rollout.group_size, cfg.algo.policy_loss) == ("reinforce_pp", 1, "gspo")
 
 

@@ -308,7 +308,9 @@ class AlgoConfig:
     # seq-mean-token-sum-norm's constant length L (e.g. rollout.max_new_tokens)
     loss_scale_factor: Optional[float] = opt(None, GRPO_ALGO, check=gt(0, "a length in tokens", or_null="other aggregations"))
     # truncated importance sampling vs the rollout engine (= rollout_correction tis_token)
-    tis_cap: Optional[float] = opt(None, GRPO_ALGO, check=gt(0, or_null="no truncated importance sampling"))
+    tis_cap: Optional[float] = opt(None, GRPO_ALGO, check=Check(
+        lambda v: v >= 1, "must be >= 1 (a ratio of 1, engine and trainer agreeing, must pass uncapped), or null "
+                          "for no truncated importance sampling", nullable=True))
     # Train-inference mismatch correction (colo_rl/algos/correction.py): null | tis_token | tis_seq |
     # mis_token | mis_seq | mis_geo | icepop, with the ratio's cap / band [lower, threshold].
     rollout_correction: Optional[str] = opt(None, GRPO_ALGO, choices=(None, *ROLLOUT_CORRECTIONS.names()))

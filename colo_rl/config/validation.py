@@ -150,10 +150,20 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
                           "reference model to measure it against)")
     if algo.kl_target is not None and not kl_goes_in_reward(algo):  # REINFORCE++ puts it there by definition
         raise ConfigError("algo.kl_target adapts the KL-in-reward coefficient: set algo.kl_in_reward=true too")
-    if algo.overlong_buffer_len >= cfg.rollout.max_new_tokens:
+    if algo.kl_target is not None and algo.kl_coef <= 0:  # and 0 would stay 0 under a multiplicative update
+        raise ConfigError(f"algo.kl_target={algo.kl_target} adapts algo.kl_coef, which is 0: no reference model is "
+                          f"loaded and nothing adapts. Set algo.kl_coef > 0 (the starting coefficient, e.g. 0.05)")
+    # the penalty's length limit: an episode's response tokens with an environment, else one completion's
+    limit_key = "env.max_total_tokens" if cfg.env.name != "none" else "rollout.max_new_tokens"
+    limit = cfg.env.max_total_tokens if cfg.env.name != "none" else cfg.rollout.max_new_tokens
+    if algo.overlong_buffer_len >= limit:
         raise ConfigError(f"algo.overlong_buffer_len={algo.overlong_buffer_len} must be smaller than "
-                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} (the penalty ramps over the last "
-                          f"overlong_buffer_len tokens)")
+                          f"{limit_key}={limit} (the penalty ramps over the last overlong_buffer_len tokens "
+                          f"before it)")
+    if algo.dynamic_sampling and cfg.rollout.group_size < 2:
+        raise ConfigError(f"algo.dynamic_sampling=true keeps groups whose rewards differ; with rollout.group_size="
+                          f"{cfg.rollout.group_size} no group can, so every round would be set aside. Use "
+                          f"rollout.group_size >= 2 or algo.dynamic_sampling=false")
     if algo.clip_ratio_c is not None and algo.policy_loss != "ppo_clip":
         raise ConfigError(f"algo.clip_ratio_c={algo.clip_ratio_c} (dual-clip) bounds ppo_clip's token loss; "
                           f"algo.policy_loss={algo.policy_loss} has no such term and would ignore it: remove "
@@ -166,9 +176,21 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
     check_rollout_correction(algo)
     if cfg.placement.mode == "split":
         check_split_rules(cfg)
-    if algo.policy_loss == "gspo" and algo.clip_high > 0.05:
+    if algo.policy_loss == "gspo":
+        check_gspo(algo)
+
+
+def check_gspo(algo: "AlgoConfig") -> None:
+    """GSPO's objective: a mean over sequences of a clipped sequence-level ratio (the paper's clip
+    range is ~1e3 times PPO's)."""
+    if max(algo.clip_low, algo.clip_high) > 0.05:
         raise ConfigError(f"algo.policy_loss=gspo clips a sequence-level ratio: algo.clip_low/clip_high of the "
-                          f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}")
+                          f"paper's order (3e-4 / 4e-4), not {algo.clip_low} / {algo.clip_high}. Set "
+                          f"algo.clip_low=3e-4 algo.clip_high=4e-4 algo.loss_agg=seq-mean-token-mean")
+    if algo.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(f"algo.policy_loss=gspo averages over sequences (each sequence's token mean, then the "
+                          f"mean over sequences); algo.loss_agg={algo.loss_agg} would weigh sequences differently. "
+                          f"Set algo.loss_agg=seq-mean-token-mean")
 
 
 def check_split_rules(cfg: "RunConfig") -> None:
