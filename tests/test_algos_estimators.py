@@ -78,6 +78,11 @@ def test_gspo_uses_one_length_normalised_ratio_per_sequence():
     s = math.exp(0.3)
     assert loss.item() == pytest.approx((-s * 1.0 + s * 2.0) / 2)
     assert stats["seq_ratio_mean"].item() == pytest.approx(s)
+    # a row without tokens (an empty pass's) adds nothing; sequences count by their tokens
+    ragged = torch.tensor([[0.2, 0.2, 0.0], [0.5, 0.5, 0.5], [0.0, 0.0, 0.0]])
+    _, stats = algos.POLICY_LOSSES.get("gspo")(ragged, torch.zeros(3, 3), torch.zeros(3),
+                                               torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), a)
+    assert stats["seq_ratio_mean"].item() == pytest.approx((2 * math.exp(0.2) + 3 * math.exp(0.5)) / 5)
     loss.backward()
     # d/d logp_t of -s_i A_i averaged over the sequence's tokens and the 2 sequences: -s A / (|y_i| * 2)
     assert logp.grad[0].tolist() == pytest.approx([-s / 4, -s / 4, 0.0])

@@ -163,7 +163,9 @@ def gspo_loss(logp, old_logp, advantages, mask, algo, is_weights=None, num_token
     loss = aggregate_loss(loss_mat, mask, algo.loss_agg, num_tokens, num_seqs, algo.loss_scale_factor)
     with torch.no_grad():
         stats = {"clip_frac": masked_mean((clipped < unclipped).float(), m),
-                 "seq_ratio_mean": torch.exp(seq_log_ratio).mean()}
+                 # weighed by the sequence's tokens: the update sums token means over micro-batches,
+                 # so a plain mean over rows (empty ones too) would move with the split
+                 "seq_ratio_mean": masked_mean(torch.exp(seq_log_ratio).unsqueeze(-1).expand_as(m), m)}
     return loss, stats
 
 
