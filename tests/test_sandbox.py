@@ -336,6 +336,21 @@ def test_an_output_flood_is_cut_and_killed_without_reaching_the_trainer(plant):
 
 
 @needs_bwrap
+def test_a_flood_on_the_runners_status_pipe_is_cut_and_killed_too(plant):
+    """The runner's status pipe is an open fd inside the sandbox: writing to every fd above 2 once
+    grew the trainer by ~7 GB in one 5-second call (read without a cap, then parsed)."""
+    before = plant.call("print(1)")["maxrss_kb"]
+    t0 = time.monotonic()
+    flood = ("import os\nfds = [int(f) for f in os.listdir('/proc/self/fd') if int(f) > 2]\nchunk = b'x' * (1 << 16)\n"
+             "while True:\n    for fd in fds:\n        try: os.write(fd, chunk)\n        except OSError: pass")
+    result = plant.call(flood, timeout=10.0)
+    assert not result["ok"]
+    assert time.monotonic() - t0 < 5.0
+    assert result["maxrss_kb"] - before < 20 * 1024, "the trainer's memory grew with the status pipe's bytes"
+    assert_trainer_fine(plant)
+
+
+@needs_bwrap
 def test_code_goes_on_stdin_not_argv_and_has_no_size_limit(plant):
     marker = f"CODEMARK{time.time_ns()}"
     big = "x = 0\n" + "x += 1\n" * 40000  # ~280 KB: over the 128 KiB a single argv string may hold

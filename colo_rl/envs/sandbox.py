@@ -43,6 +43,7 @@ SANDBOX_KINDS = ("bwrap", "none")
 # As root, each concurrent call runs as a uid of its own from this range (no account needs to exist).
 CALL_UID_BASE, CALL_UID_SLOTS = 1_900_000_000, 4096
 TMP_BYTES = 16 << 20  # each of the call's /tmp and /dev/shm
+STATUS_MAX_BYTES = 1 << 20  # the runner's report (its error, the replay's failures): far less than this
 
 # Runs inside the sandbox before the policy's code (our code: argv is fine for it). Reads the job
 # from stdin, sets the per-process limits, replays earlier cells (env.python_keep_state) with their
@@ -291,7 +292,8 @@ class Sandbox:
                             reading -= 1
                             continue
                         (out if key.data == "out" else status).extend(chunk)
-                        if len(out) > limits.output_bytes:
+                        # the status pipe is open inside the sandbox too: the code can write to it
+                        if len(out) > limits.output_bytes or len(status) > STATUS_MAX_BYTES:
                             stopped = "output"
                             break
         finally:
@@ -300,7 +302,7 @@ class Sandbox:
         returncode = proc.poll() if stopped is None else None
         result = CallResult(bytes(out[:limits.output_bytes]), returncode, stopped=stopped)
         try:
-            parsed = json.loads(status.decode()) if status else {}
+            parsed = json.loads(status.decode()) if status and len(status) <= STATUS_MAX_BYTES else {}
             result.error = parsed.get("error") if isinstance(parsed.get("error"), str) else None
             result.replay_failed = [(int(k), str(e)) for k, e in parsed.get("replay_failed", [])]
         except (ValueError, TypeError, AttributeError):
