@@ -4,6 +4,7 @@ passed through; weights; the worker pool's timeout counted as a failure."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -65,6 +66,12 @@ def returns_short(completions, truths):
 
 def one_param(completion):
     return 0.0
+
+def exits_later(completion, truth):  # a library thread that ends the process after the call returned
+    import os, threading
+    if completion == "exit":
+        threading.Timer(0.2, os._exit, (9,)).start()
+    return 1.0
 
 def odd_names(a, b):
     return 0.0
@@ -217,6 +224,31 @@ def test_a_call_past_the_timeout_is_a_failure_and_the_pool_goes_on(user_file):
     with pytest.raises(RewardError, match="reward.max_failure_rate"):
         scorer(f"{user_file}:hangs", workers=1, timeout_s=0.5, max_failure_rate=0.2).score(["hang", "ok"], ["1"] * 2)
     s.close()
+
+
+def test_a_worker_that_died_between_calls_is_replaced_not_a_crash(user_file):
+    s = scorer(f"{user_file}:exits_later", workers=1)
+    assert s.score(["exit"], ["1"]).rewards == [1.0]
+    time.sleep(1.0)  # the worker is gone now, idle
+    res = s.score(["a", "b"], ["1", "1"])
+    assert res.rewards == [1.0, 1.0] and res.failures == 0
+    s.close()
+
+
+def test_the_pool_works_when_the_trainer_holds_over_1024_files(user_file):
+    """select(2) refuses fds above 1023; a trainer with many files and sockets open gets such fds."""
+    import resource
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("this machine's open-file limit is under 1200")
+    held = [os.pipe() for _ in range(550)]
+    try:
+        s = scorer(f"{user_file}:length", workers=1)
+        assert s.score(["ab", "c"], ["1", "1"]).rewards == [2.0, 1.0]
+        assert s.pool.workers[0].fd > 1023
+        s.close()
+    finally:
+        for r, w in held:
+            os.close(r), os.close(w)
 
 
 def test_pool_and_in_process_scores_agree(user_file):

@@ -5,14 +5,16 @@ A worker is a plain `python -m colo_rl.rewards.worker` subprocess (not a fork of
 a process group and CUDA state) that loads the user's files itself and answers one call at a time
 over a pipe. A call past its deadline gets its worker killed and replaced, and comes back as a
 timeout: the scorer counts it as a failure like an exception, so a hung verifier costs one
-timeout, never the run.
+timeout, never the run. A worker found dead between calls (the kernel's OOM killer, a thread of the
+user's library calling exit) is replaced before it is given one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
-import select
+import selectors
 import struct
 import subprocess
 import sys
@@ -22,6 +24,8 @@ from typing import Any, Optional
 
 from colo_rl.child_env import child_python_path
 from colo_rl.errors import RewardError
+
+log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<Q")
 
@@ -41,6 +45,15 @@ def read_exact(fd: int, n: int) -> Optional[bytes]:
         chunks.append(chunk)
         left -= len(chunk)
     return b"".join(chunks)
+
+
+def readable(fds: list[int], timeout: float) -> list[int]:
+    """The fds among `fds` with something to read within `timeout` seconds (epoll / poll: no
+    select(2), which refuses fds above 1023, common in a trainer holding many files and sockets)."""
+    with selectors.DefaultSelector() as sel:
+        for fd in fds:
+            sel.register(fd, selectors.EVENT_READ)
+        return [key.fd for key, _ in sel.select(timeout)]
 
 
 def receive(fd: int) -> Optional[Any]:
@@ -79,8 +92,7 @@ class _Worker:
 
     def wait_ready(self, timeout: float) -> None:
         """The worker's start-up answer (its files loaded), or RewardError."""
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        reply = receive(self.fd) if ready else None
+        reply = receive(self.fd) if readable([self.fd], timeout) else None
         if reply != "ready":
             self.kill()
             why = reply[1] if isinstance(reply, tuple) else f"no answer within {timeout:.0f}s"
@@ -124,14 +136,25 @@ class RewardPool:
         pending = list(range(len(calls)))[::-1]
         busy: dict[int, _Worker] = {}
         while pending or busy:
-            for i, w in enumerate(self.workers):
-                if w.call is None and pending:
-                    j = pending.pop()
+            for w in list(self.workers):
+                if w.call is not None or not pending:
+                    continue
+                if w.proc.poll() is not None:  # died while idle: no call of ours was lost
+                    log.warning("a reward worker (reward.workers) exited between calls (code %s): replaced",
+                                w.proc.returncode)
+                    w = self._replace(w)
+                j = pending.pop()
+                try:
                     w.start(j, calls[j], self.timeout_s)
-                    busy[w.fd] = w
+                except OSError:  # it died just now, before reading the call
+                    outcomes[j] = Outcome("died", message=f"the reward worker exited (code {w.proc.wait()})")
+                    self._replace(w)
+                    continue
+                busy[w.fd] = w
+            if not busy:
+                continue
             wait = max(0.0, min(w.deadline for w in busy.values()) - time.monotonic())
-            readable, _, _ = select.select(list(busy), [], [], wait)
-            for fd in readable:
+            for fd in readable(list(busy), wait):
                 w = busy.pop(fd)
                 reply = receive(fd)
                 j, w.call = w.call, None
@@ -149,9 +172,10 @@ class RewardPool:
                     self._replace(w)
         return outcomes  # type: ignore[return-value]
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        self.workers[self.workers.index(worker)] = self._spawn()
+        fresh = self.workers[self.workers.index(worker)] = self._spawn()
+        return fresh
 
     def close(self) -> None:
         for w in self.workers:
