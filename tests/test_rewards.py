@@ -16,6 +16,19 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("The answer is 3. No wait, the answer is 4.", "4"),
     ("I think it is 58.", None),
     ("The answer is 23 + 35.", None),  # an expression is not an answer
+    ("#### 23 + 35", None),
+    ("The answer is: 42", "42"),
+    ("Janet makes 18 dollars.\n#### 1,018", "1018"),  # GSM8K's own format
+    ("**Answer**: $42$", "42"),
+    ("The answer is **\\$42**.", "42"),
+    ("The answer is \\( 42 \\)", "42"),
+    ("\\boxed{72 \\text{ clips}}", "72"),
+    ("\\boxed{42\\%}", "42"),
+    ("\\boxed{72.}", "72"),
+    ("The answer is \u22127", "-7"),  # a Unicode minus
+    ("The answer is 7,2", None),  # not thousands: no literal
+    ("The answer is 7e2", None),  # not 7
+    ("The answer is 3.5.", "3.5"),
 ])
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
@@ -37,6 +50,16 @@ def test_correct_answer_scores_one_with_format_bonus():
     assert res.correct == [True, False, False]
     assert res.correct_lenient == [True, False, True]
     assert extract_last_number("a 1 b 2,000") == "2000"
+
+
+def test_number_search_is_linear_in_the_text():
+    """The lenient search runs on every completion in the trainer's thread: a run of '1,' pairs once
+    took 2.3 s for 16k characters (backtracking into a literal's comma groups)."""
+    import time
+    t0 = time.perf_counter()
+    assert extract_last_number("1," * 50_000 + "1.1.1") is None
+    assert extract_final_answer("The answer is " + "1," * 50_000) is None
+    assert time.perf_counter() - t0 < 1.0
 
 
 def test_numeric_equivalence_via_math_verify():

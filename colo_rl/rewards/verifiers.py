@@ -12,29 +12,36 @@ import re
 import threading
 from typing import Callable, Optional
 
-NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?![\d])(?![.,]\d)"  # a whole literal, never a prefix of one
-# A stated answer: "answer is 58", "Answer: 58", "answer = $58$", "\boxed{58}"; the number must
-# stand alone (a following operator means an expression, which does not count).
+# A whole literal, never a part of one: digits grouped by thousands ("1,234") or not, a decimal
+# part; not inside a longer literal ("12,34,5", "7e2", "1.2.3"); no backtracking to a prefix.
+NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+          r"(?![\d])(?![.,]\d)(?![eE][-+]?\d)")
+_MARKUP = r"\s*(?:(?:\*\*|\$\$|\$|\\\(|\\\$)\s*)*"  # before the literal: **, $, $$, \(, \$
+_NOT_AN_EXPRESSION = r"(?!\s*[-+*/^×x÷]\s*\d)"  # a following operator: an expression, which does not count
+# A stated answer: "answer is 58", "answer is: 58", "**Answer**: 58", "answer = $58$", "#### 58"
+# (GSM8K's), "\boxed{58}" (a unit, %, or a final period inside the box allowed).
 _STATED = re.compile(
-    r"(?:answer\s*(?:is|:|=)\s*(?:\*\*|\$)?\s*(" + NUMBER + r")(?!\s*[-+*/^×x÷]\s*\d))"
-    r"|(?:\\boxed\{\s*(" + NUMBER + r")\s*\})",
+    r"(?:answer(?:\*\*)?\s*(?:is\s*:?|:|=)" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
+    r"|(?:####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
+    r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\s*(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*\})",
     re.IGNORECASE,
 )
 _ANY_NUMBER = re.compile(NUMBER)
+_MINUS = str.maketrans({"\u2212": "-"})  # the Unicode minus sign
 
 
 def extract_final_answer(text: str) -> Optional[str]:
     """The last stated answer literal (commas removed), or None when none is stated."""
-    matches = list(_STATED.finditer(text))
+    matches = list(_STATED.finditer(text.translate(_MINUS)))
     if not matches:
         return None
     m = matches[-1]
-    return (m.group(1) or m.group(2)).replace(",", "")
+    return next(g for g in m.groups() if g is not None).replace(",", "")
 
 
 def extract_last_number(text: str) -> Optional[str]:
     """Lenient extraction (last number anywhere); reported as a metric, never rewarded."""
-    nums = _ANY_NUMBER.findall(text)
+    nums = _ANY_NUMBER.findall(text.translate(_MINUS))
     return nums[-1].replace(",", "") if nums else None
 
 
