@@ -146,11 +146,26 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def parse_rows(lines: list[str], path) -> list[Optional[dict]]:
+    """Each line of a metrics.jsonl as its row; None for a blank line and for a torn one (a write cut
+    by a full disk or a kill), which is logged, not raised: the rows around it stay readable."""
+    rows: list[Optional[dict]] = []
+    for n, line in enumerate(lines, 1):
+        row = None
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                log.warning("%s:%d: not a JSON row (a write cut short?), skipped: %.80s", path, n, line)
+        rows.append(row)
+    return rows
+
+
 def read_jsonl(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row for row in parse_rows(path.read_text().splitlines(), path) if row is not None]
 
 
 class Progress:

@@ -116,6 +116,44 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
 
 
+def test_a_torn_metrics_line_is_skipped_not_a_crash_on_resume(tmp_path, caplog):
+    """A full disk can cut a metrics row mid-write; the checkpoint code tells the user to resume=auto."""
+    save_steps(tmp_path, [2], keep_last=2)
+    rows = "".join(json.dumps({"step": s, "x": 0.5}) + "\n" for s in range(4))
+    (tmp_path / "metrics.jsonl").write_text(rows + '{"step": 4, "metric/1')
+    cfg = make_cfg(tmp_path, keep_last=2)
+    cfg.resume = "auto"
+    assert CheckpointManager(tmp_path, cfg).maybe_resume(FakeActor(), EpochSampler(10, seed=1)) == 2
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert "metrics.jsonl:5: not a JSON row" in caplog.text
+
+
+def test_resuming_an_older_checkpoint_beside_newer_ones_is_refused(tmp_path):
+    """Branching from step 2 with steps 4 and 6 in the same run dir would mix two runs: pruning would
+    keep the old run's higher steps and resume=auto would later pick them."""
+    save_steps(tmp_path, [2, 4, 6], keep_last=0)
+    root = tmp_path / "checkpoints"
+    cfg = make_cfg(tmp_path, keep_last=0)
+    cfg.resume = str(root / "step-000002")
+    with pytest.raises(CheckpointError, match=r"holds newer checkpoint\(s\) of the run that went on from it "
+                                              r"\(step-000004, step-000006\).*move the newer ones out"):
+        CheckpointManager(tmp_path, cfg)
+    cfg.resume = str(root / "step-000006")  # the newest: continuing is fine
+    assert CheckpointManager(tmp_path, cfg).checkpoint == (root / "step-000006").resolve()
+    for newer in ("step-000004", "step-000006"):  # moved aside: the branch may start
+        (root / newer).rename(tmp_path / newer)
+    cfg.resume = str(root / "step-000002")
+    assert CheckpointManager(tmp_path, cfg).checkpoint == (root / "step-000002").resolve()
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    mgr = save_steps(tmp_path, [2], keep_last=0)
+    mgr.last_saved_step = None  # a re-run of the same step
+    mgr.save(2, FakeActor(), EpochSampler(10, seed=1))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000002"]
+    assert (tmp_path / "checkpoints" / "step-000002" / COMPLETE).is_file()
+
+
 def test_existing_checkpoints_without_resume_are_not_overwritten(tmp_path):
     save_steps(tmp_path, [2])
     with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step-000002\).*resume=auto"):

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint.compat import capture_rng, compare_configs, config_container, restore_rng
 from colo_rl.errors import CheckpointError
+from colo_rl.metrics import parse_rows
 
 log = logging.getLogger("colo_rl")
 
@@ -41,7 +42,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and is_complete(p)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint directory (step-NNNNNN) holds."""
+    return int(_STEP_DIR.match(Path(path).name).group(1))
 
 
 def newest_checkpoint(root: Path) -> Optional[Path]:
@@ -166,8 +172,22 @@ class CheckpointManager:
                 f"run dir {self.run_dir} already holds checkpoints (newest: {existing.name}) and resume is "
                 f"not set: pass resume=auto to continue that run, or choose another run_dir (or delete "
                 f"{self.root}) to start from scratch")
+        self.check_branch(path)
         self.check_compatible(path)
         return str(path)
+
+    def check_branch(self, path: Path) -> None:
+        """Refuse to resume from a checkpoint older than one this run directory already holds: the
+        two timelines would mix (pruning keeps the highest steps, so the old run's would outlive the
+        new run's own, and resume=auto would later pick the old run's newest)."""
+        step = checkpoint_step(path)
+        newer = [c.name for c in complete_checkpoints(self.root) if checkpoint_step(c) > step]
+        if newer:
+            raise CheckpointError(
+                f"cannot resume from {path}: {self.root} holds newer checkpoint(s) of the run that went on "
+                f"from it ({', '.join(newer)}); continuing here would mix the two runs' checkpoints and "
+                f"metrics. To branch from {path.name}: move the newer ones out of {self.root} (or delete them), "
+                f"or start in a new run_dir with resume={path}. To continue the newest: resume=auto")
 
     def check_compatible(self, path: Path) -> None:
         state = json.loads((path / "state.json").read_text())
@@ -224,7 +244,7 @@ class CheckpointManager:
         if not path.exists():
             return
         lines = path.read_text().splitlines()
-        keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("step", 0) <= step]
+        keep = [ln for ln, row in zip(lines, parse_rows(lines, path)) if row is not None and row.get("step", 0) <= step]
         if len(keep) != len([ln for ln in lines if ln.strip()]):
             log.info("metrics.jsonl: dropping %d row(s) logged after step %d by the interrupted run",
                      len(lines) - len(keep), step)
@@ -273,10 +293,13 @@ class CheckpointManager:
         dist.barrier()  # every rank's files are on disk
         if dist.is_rank0():
             _write_file(tmp / COMPLETE, json.dumps({"step": step, "world_size": dist.world_size()}) + "\n")
-            if final.exists():  # a re-run of the same step (e.g. after a resume): replace it
-                shutil.rmtree(final)
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # a re-run of the same step: the old one stays whole until the new is in
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(final, old)
             os.rename(tmp, final)
             _fsync_path(self.root)
+            shutil.rmtree(old, ignore_errors=True)
             self._prune()
         dist.barrier()
         self.last_saved_step, self.last_saved = step, final
