@@ -305,6 +305,27 @@ def test_export_errors_speak_of_export_in_one_line(tmp_path, capsys):
         assert "resume=" not in err[0]
 
 
+def test_export_never_replaces_the_run_directory_or_a_folder_that_is_not_a_model(tmp_path):
+    """The export replaces its out_dir whole: `export <run> <run>` once left only the HF files."""
+    from colo_rl.checkpoint.export import check_out_dir
+
+    save_steps(tmp_path / "run", [2])
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000002"
+    for out in (tmp_path / "run", ckpt):
+        with pytest.raises(CheckpointError, match="holds the checkpoint"):
+            check_out_dir(ckpt, out)
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is not an HF model directory"):
+        check_out_dir(ckpt, notes)
+    model = tmp_path / "exported"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for fine in (model, tmp_path / "new", notes / "sub"):  # an earlier export, a new folder
+        check_out_dir(ckpt, fine)
+
+
 # ---- a full disk: said before the save, the last complete checkpoint kept
 @pytest.fixture
 def free(monkeypatch):

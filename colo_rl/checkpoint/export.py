@@ -54,6 +54,18 @@ def export_hf(actor, tokenizer, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_out_dir(checkpoint: Path, out_dir: Path) -> None:
+    """The export replaces `out_dir` whole: refuse one that holds the checkpoint (a run directory)
+    or anything but an earlier export (an HF model directory: config.json)."""
+    out, ckpt = out_dir.resolve(), checkpoint.resolve()
+    if out == ckpt or out in ckpt.parents:
+        raise CheckpointError(f"export: {out_dir} holds the checkpoint {checkpoint} (the export replaces its "
+                              f"out_dir whole); pass a new directory, e.g. {out_dir / 'exported'}")
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file()):
+        raise CheckpointError(f"export: {out_dir} exists and is not an HF model directory (the export replaces "
+                              f"its out_dir whole, and would delete what is there); pass a new or empty directory")
+
+
 def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
     """Export a saved checkpoint (any rank count, any ZeRO stage) to an HF model directory, in one
     process without torchrun: DeepSpeed consolidates the fp32 master weights from the shards."""
@@ -64,6 +76,7 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     if not is_complete(checkpoint):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {COMPLETE} marker)")
+    check_out_dir(checkpoint, out_dir)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
                                               OmegaConf.load(checkpoint / "config.yaml")))
     state = json.loads((checkpoint / "state.json").read_text())
