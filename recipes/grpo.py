@@ -136,7 +136,12 @@ class GRPORecipe:
         else:
             with self.colo.switch.update():  # DeepSpeed state, data position, RNGs (the engine's sampling RNG too)
                 step = ckpt.maybe_resume(self.colo.actor, self.sampler, self.colo.engine)
-        self.kl_ctl.coef = float(ckpt.extra.get("kl_in_reward_coef", self.kl_ctl.coef))
+        saved = ckpt.extra.get("kl_in_reward_coef")
+        if saved is not None and self.cfg.algo.kl_target is not None:  # adaptive: its state goes on
+            if float(saved) != self.cfg.algo.kl_coef:
+                log.info("KL-in-reward coefficient continues at the checkpoint's adapted %.4g (algo.kl_coef=%g "
+                         "is only its starting value)", float(saved), self.cfg.algo.kl_coef)
+            self.kl_ctl.coef = float(saved)
         return step
 
     def evaluate(self, step: int) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """GRPO's rollout (recipes/grpo.py GRPORecipe.rollout) on one rank with a scripted engine and scorer:
 how the G completions of each prompt stay together with their problem, rewards and sources, and
-what DAPO's dynamic sampling keeps and counts over its rounds. The recipe under torchrun with the
-real engine and verifiers: test_grpo_recipe.py."""
+what DAPO's dynamic sampling keeps and counts over its rounds; what its resume restores of the KL
+controller. The recipe under torchrun with the real engine and verifiers: test_grpo_recipe.py."""
 
 from __future__ import annotations
 
@@ -130,3 +130,26 @@ def one_rank(monkeypatch):
 
     monkeypatch.setattr(dist, "world_size", lambda: 1)
     monkeypatch.setattr(dist, "rank", lambda: 0)
+
+
+@pytest.mark.parametrize("kl_target,saved,expected", [
+    (None, 0.05, 0.5),  # a fixed coefficient: the config's (the user changed it on resume)
+    (1e-3, 0.0421, 0.0421),  # adaptive: its adapted state goes on
+    (1e-3, None, 0.5),  # a checkpoint without one
+])
+def test_resume_keeps_an_adapted_kl_coefficient_but_not_a_fixed_one(kl_target, saved, expected):
+    import contextlib
+    import types
+
+    from colo_rl.algos import AdaptiveKLController
+
+    cfg = RunConfig()
+    cfg.algo.kl_in_reward, cfg.algo.kl_coef, cfg.algo.kl_target = True, 0.5, kl_target
+    recipe = load_recipe().__new__(load_recipe())
+    recipe.cfg, recipe.split, recipe.sampler = cfg, None, None
+    recipe.kl_ctl = AdaptiveKLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+    recipe.colo = types.SimpleNamespace(switch=types.SimpleNamespace(update=contextlib.nullcontext), actor=None,
+                                        engine=None)
+    ckpt = types.SimpleNamespace(maybe_resume=lambda *a: 3, extra={} if saved is None else {"kl_in_reward_coef": saved})
+    assert recipe.resume(ckpt) == 3
+    assert recipe.kl_ctl.coef == expected
