@@ -154,6 +154,17 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert (tmp_path / "checkpoints" / "step-000002" / COMPLETE).is_file()
 
 
+def test_a_training_set_that_changed_size_is_refused_before_deepspeed_loads(tmp_path):
+    save_steps(tmp_path, [2], keep_last=2)  # 10 records
+    cfg = make_cfg(tmp_path, keep_last=2)
+    cfg.resume = "auto"
+    actor = FakeActor()
+    with pytest.raises(CheckpointError, match=r"its run trained on 10 records, this one has 14: the data file\(s\) "
+                                              r"changed.*Restore the data.*python -m colo_rl.checkpoint"):
+        CheckpointManager(tmp_path, cfg).maybe_resume(actor, EpochSampler(14, seed=1))
+    assert actor.loaded is None
+
+
 def test_existing_checkpoints_without_resume_are_not_overwritten(tmp_path):
     save_steps(tmp_path, [2])
     with pytest.raises(CheckpointError, match=r"already holds checkpoints \(newest: step-000002\).*resume=auto"):

@@ -220,11 +220,19 @@ class CheckpointManager:
             return 0
         path = self.checkpoint
         state = json.loads((path / "state.json").read_text())
+        if sampler is not None:  # before DeepSpeed's load: a different training set is said at once
+            saved = state["sampler"]
+            if saved["num_items"] != sampler.num_items:
+                raise CheckpointError(
+                    f"cannot resume from {path}: its run trained on {saved['num_items']} records, this one has "
+                    f"{sampler.num_items}: the data file(s) changed since (or how many are dropped as over-length), "
+                    f"so its data position means nothing here. Restore the data the run started with, or start a "
+                    f"new run from its weights (python -m colo_rl.checkpoint {path} <out_dir>, then "
+                    f"model.path=<out_dir>)")
+            sampler.load_state_dict(saved)
         actor.load_checkpoint(str(path), DS_TAG)  # DeepSpeed: model, optimizer, scheduler (this rank's shards)
         if hasattr(actor, "load_counters"):
             actor.load_counters(state.get("actor", {}))
-        if sampler is not None:
-            sampler.load_state_dict(state["sampler"])
         rank_file = path / f"rank{dist.rank():05d}.pt"
         notes = restore_rng(torch.load(rank_file, map_location="cpu", weights_only=False), engine)
         for note in notes:
