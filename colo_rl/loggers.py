@@ -85,21 +85,28 @@ class JsonlWriter:
 
 
 class TensorBoardWriter:
-    def __init__(self, run_dir: Path, config: dict):
-        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when listed
+    """Opened at the first row, with that row's step as TensorBoard's purge step: a resumed run's
+    first row is the step after its checkpoint, and the rows the interrupted run wrote from there
+    on (redone now, as metrics.jsonl's are cut back) are hidden from the older event files."""
 
-        self.writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        if config:  # indented: TensorBoard's text tab renders Markdown, and this keeps it a code block
-            text = "\n".join("    " + line for line in json.dumps(config, indent=2).splitlines())
-            self.writer.add_text("config", text, 0)
+    def __init__(self, run_dir: Path, config: dict):
+        self.dir, self.config, self.writer = Path(run_dir) / "tensorboard", config, None
 
     def write(self, step: int, row: dict[str, Any]) -> None:
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when listed
+
+            self.writer = SummaryWriter(str(self.dir), purge_step=step)
+            if self.config:  # indented: TensorBoard's text tab renders Markdown, and this keeps it a code block
+                text = "\n".join("    " + line for line in json.dumps(self.config, indent=2).splitlines())
+                self.writer.add_text("config", text, step)
         for k, v in scalars(row).items():
             self.writer.add_scalar(k, v, step)
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 def wandb_mode(environ: Optional[dict] = None, netrc_path: Optional[Path] = None) -> str:

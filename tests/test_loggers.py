@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,26 @@ def test_tensorboard_has_the_scalars_and_the_config(logged):
     (text,) = acc.Tensors("config/text_summary")
     shown = text.tensor_proto.string_val[0].decode()
     assert json.loads("\n".join(line[4:] for line in shown.splitlines())) == CONFIG
+
+
+def test_tensorboard_hides_the_rows_a_resumed_run_redoes(tmp_path):
+    """Steps 1-7 logged, the run resumed from its step-5 checkpoint: TensorBoard shows 1-5 of the
+    first run and 6-8 of the second, not both runs' 6 and 7."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = MetricsLogger(tmp_path, ["tensorboard"], config=CONFIG)
+    for step in range(1, 8):
+        first.log(step, {"train/loss": float(step)}, console=False)
+    first.close()
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    resumed = MetricsLogger(tmp_path, ["tensorboard"], config=CONFIG)
+    for step in range(6, 9):
+        resumed.log(step, {"train/loss": 100.0 + step}, console=False)
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 5.0), (6, 106.0), (7, 107.0), (8, 108.0)]
 
 
 def test_wandb_offline_run_holds_the_config_and_every_step(logged):
