@@ -22,8 +22,8 @@ from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.compiled_layers import check_compile, compile_decoder_layers
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
                                      drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
-                                     offload_buffers_set_aside, paged_state_bytes, paging_needed, set_zero3_hooks,
-                                     state_bytes_by_kind)
+                                     offload_buffers_set_aside, paged_state_bytes, paging_needed, schedule_rates,
+                                     set_zero3_hooks, state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 from colo_rl.train.lm_head import fusable_head
@@ -254,6 +254,12 @@ class DeepSpeedActor:
                               directory)
         if self.with_optimizer and self.engine.device.type == "cpu":
             replay_cpu_adam_steps(self._inner_optimizer())
+        # the next step's rate from this run's schedule (the saved one is the checkpoint's schedule's)
+        rates = schedule_rates(self.lr_scheduler)
+        if dist.is_rank0() and rates and rates[0] != rates[1]:
+            log.warning("resume: the learning-rate schedule differs from the checkpoint's (trainer.total_steps, "
+                        "epochs, max_steps, warmup_steps or lr_schedule changed): lr %.4g -> %.4g from this step, "
+                        "on this run's schedule", *rates)
 
     def counters(self) -> dict[str, int]:
         """What a checkpoint keeps of the actor besides DeepSpeed's own state."""

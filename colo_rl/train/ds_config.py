@@ -238,6 +238,21 @@ def lr_lambda(trainer_cfg, total_steps: int):
     return f
 
 
+def schedule_rates(scheduler) -> Optional[tuple[float, float]]:
+    """After a checkpoint's load: set the optimizer's rate from `scheduler`'s (a LambdaLR of
+    `lr_lambda`) own function at its restored position, and return (the saved rate, this one).
+    They differ when the run's length, warm-up or schedule changed; the same config gives the same
+    float (LambdaLR's formula). None without a LambdaLR."""
+    if scheduler is None or not hasattr(scheduler, "lr_lambdas"):
+        return None
+    groups = scheduler.optimizer.param_groups
+    saved = groups[0]["lr"]
+    for group, base, fn in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]
+    return saved, groups[0]["lr"]
+
+
 def paged_state_bytes(numel: int, param_dtype: torch.dtype, grad_dtype: torch.dtype, include_lp_params: bool) -> int:
     """Bytes `offload_states` moves for `numel` local parameter elements under ZeRO-3 + FusedAdam
     (DeepSpeed 0.19.8, stage3.py): fp32 master weights and Adam's two fp32 moments; the gradient
