@@ -256,7 +256,10 @@ def test_rng_states_round_trip_including_the_engine_and_tolerate_engines_without
     # an engine without rng_state (SGLang's): saved as None, restored with a note, no error
     no_rng = object()
     state = capture_rng(no_rng)
-    assert state["engine_sampling"] is None and restore_rng(state, no_rng) == []
+    assert state["engine_sampling"] is None
+    assert restore_rng(state, no_rng) == ["object keeps no sampling RNG state a checkpoint can hold: its sampling "
+                                          "restarts from its seed"]
+    assert restore_rng(state) == []  # no engine (a split run's trainer): nothing to say
     notes = restore_rng(capture_rng(engine), no_rng)
     assert notes and "no set_rng_state" in notes[0]
     wrapped = SimpleNamespace(inner=engine, capabilities=Capabilities(wraps_engine=True))  # as TPGroupEngine

@@ -84,4 +84,7 @@ def restore_rng(state: dict, engine=None) -> list[str]:
         notes.append(f"{type(engine).__name__} has no set_rng_state(): its sampling RNG restarts from its seed")
     elif saved is None and owner is not None:
         notes.append("the checkpoint holds no engine sampling state: sampling restarts from the engine's seed")
+    elif engine is not None and owner is None:  # SGLang's: seeded at start-up, its state not readable
+        notes.append(f"{type(engine).__name__} keeps no sampling RNG state a checkpoint can hold: its sampling "
+                     f"restarts from its seed")
     return notes

@@ -319,6 +319,7 @@ class CheckpointManager:
         if keep <= 0:
             return
         for old in complete_checkpoints(self.root)[:-keep]:
+            (old / COMPLETE).unlink(missing_ok=True)  # first: a half-deleted one must not look complete
             shutil.rmtree(old, ignore_errors=True)
 
     def _check_space(self) -> None:
@@ -342,5 +343,6 @@ class CheckpointManager:
         kept = (f"the last complete checkpoint, {newest.name}, is intact: resume=auto continues from it"
                 if newest is not None else "no complete checkpoint yet")
         needs = f"needs ~{_size(need)}, " if need else ""
-        return (f"no space left on {self.root}: {needs}{_size(free)} free; lower trainer.keep_last (now "
-                f"{self.keep_last}) or free space ({kept})")
+        lower = (f"lower trainer.keep_last (now {self.keep_last}) or " if self.keep_last > 1 else
+                 "keep fewer checkpoints (trainer.keep_last=1) or " if self.keep_last <= 0 else "")
+        return f"no space left on {self.root}: {needs}{_size(free)} free; {lower}free space ({kept})"
