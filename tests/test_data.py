@@ -54,6 +54,47 @@ def test_gsm8k_format_is_parsed(tmp_path):
     assert answers == [str(1000 + i) for i in range(5)]
 
 
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path):
+    good = json.dumps({"prompt": "What is 2+2?", "answer": "4"}).encode()
+    for name in ("bad.jsonl", "bad.json"):
+        p = tmp_path / name
+        p.write_bytes(good + b"\n" + good[:30] + b"\xff" + good[30:] + b"\n")
+        with pytest.raises(DataError, match=rf"{name}:2: not UTF-8 \(byte 0xff at column 31\); re-save the file as UTF-8"):
+            read_records(p)
+    bom = tmp_path / "bom.jsonl"  # a byte-order mark (Windows editors) is not an error
+    bom.write_bytes(b"\xef\xbb\xbf" + good + b"\n")
+    assert read_records(bom)[0].data["answer"] == "4"
+
+
+def test_a_gsm8k_solution_under_any_key_gives_its_last_final_number(tmp_path):
+    p = tmp_path / "d.jsonl"
+    rows = [{"problem": "Q?", "answer": "48/2 = 24\n#### 72"}, {"problem": "R?", "answer": "5\n#### 6\nno, #### 7"}]
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    train, _ = load_problems(DataConfig(path=str(p), eval_size=0, prompt_key="problem", shuffle=False))
+    assert sorted(pr.answer for pr in train) == ["7", "72"]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "What is 2+2?", "answer": "  "}, r"d\.jsonl:1: key 'answer' is empty"),
+    ({"prompt": ["What is 2+2?"], "answer": "4"}, r"d\.jsonl:1: prompt\[0\] must be an object with 'role'"),
+    ({"prompt": [{"role": "user"}], "answer": "4"}, r"d\.jsonl:1: prompt\[0\] is missing key 'content'"),
+    ({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "answer": "4"},
+     r"prompt\[0\]\.content must be a string or a list of"),
+])
+def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp_path, row, message):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=message):
+        load_problems(DataConfig(path=str(p), eval_size=0))
+
+
+def test_openai_style_text_parts_are_joined():
+    from colo_rl.data.chat import check_messages
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
+    assert check_messages(parts, "f:1", "messages") == [{"role": "user", "content": "What is 2+2?"}]
+
+
 def test_empty_prompt_is_an_error(tmp_path, tokenizer):
     p = tmp_path / "e.jsonl"
     p.write_text(json.dumps({"prompt": "  ", "answer": "1"}) + "\n" + json.dumps({"prompt": "x", "answer": "1"}))

@@ -56,7 +56,21 @@ def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, str]]
                 raise DataError(f"{origin}: {key}[{i}] is missing key {k!r}")
         if m["role"] not in ROLES:
             raise DataError(f"{origin}: {key}[{i}] has role {m['role']!r}; use one of {list(ROLES)}")
-    return [{"role": m["role"], "content": str(m["content"])} for m in messages]
+    return [{"role": m["role"], "content": content_text(m["content"], origin, f"{key}[{i}]")} for m in messages]
+
+
+def content_text(content: Any, origin: str, where: str) -> str:
+    """A message's content as text: a string (or a number), or OpenAI-style text parts joined; any
+    other part (an image) is refused, never trained on as its Python repr."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (int, float)) and not isinstance(content, bool):
+        return str(content)
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise DataError(f"{origin}: {where}.content must be a string or a list of {{\"type\": \"text\", \"text\": ...}} "
+                    f"parts, not {str(content)[:80]!r}; colo_rl trains on text only")
 
 
 def require_chat_template(tokenizer, data_cfg) -> None:

@@ -89,7 +89,7 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
     if suffix in (".jsonl", ".ndjson"):
         return list(_read_jsonl(p))
     if suffix == ".json":
-        text = p.read_text()
+        text = _utf8(p.read_bytes(), p)
         if text.lstrip().startswith("["):
             try:
                 rows = json.loads(text)
@@ -106,9 +106,22 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
                     ".parquet or a directory saved with datasets.save_to_disk")
 
 
+def _utf8(raw: bytes, p: Path, lineno: int = 0) -> str:
+    """`raw` (line `lineno` of `p`, or 0: the whole file) decoded as UTF-8, a leading byte-order
+    mark dropped; or DataError naming the file, line and byte."""
+    try:
+        return raw.decode("utf-8-sig" if lineno <= 1 else "utf-8")
+    except UnicodeDecodeError as e:
+        at = lineno or raw[:e.start].count(b"\n") + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(f"{p}:{at}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column}); re-save the file "
+                        f"as UTF-8") from None
+
+
 def _read_jsonl(p: Path) -> Iterable[Record]:
-    with open(p, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with open(p, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            line = _utf8(raw, p, lineno)
             if not line.strip():
                 continue
             try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
-from colo_rl.data.chat import render_chat, require_chat_template, user_turn
+from colo_rl.data.chat import check_messages, render_chat, require_chat_template, user_turn
 from colo_rl.data.files import DataError, Record, read_records
 
 log = logging.getLogger("colo_rl")
@@ -100,7 +100,16 @@ class PromptBuilder:
         return ids
 
 
-_GSM8K_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.S)
+_GSM8K_ANSWER = re.compile(r".*####\s*(.+?)\s*$", re.S)  # after the last '####'
+
+
+def gsm8k_final_answer(text: str, origin: str) -> str:
+    """The number after a GSM8K solution's last '####' (commas removed), or DataError."""
+    m = _GSM8K_ANSWER.match(text)
+    answer = m.group(1).replace(",", "").strip() if m else ""
+    if not answer:
+        raise DataError(f"{origin}: its answer has no final answer after '####'")
+    return answer
 
 
 PROMPT_KEYS = ("prompt", "question", "messages")
@@ -116,20 +125,21 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
     if not (prompt_key or answer_key) and "question" in d and isinstance(d.get("answer"), str) \
             and "####" in d["answer"]:
         (question,) = rec.require("question")
-        m = _GSM8K_ANSWER.search(d["answer"])
-        answer = m.group(1).replace(",", "").strip() if m else ""
-        if not answer:
-            raise DataError(f"{rec.origin}: key 'answer' has no final answer after '####'")
-        return Problem(id=str(d.get("id", index)), question=str(question), answer=answer, origin=rec.origin,
-                       fields=dict(d))
-    _, prompt = rec.first_of(*([prompt_key] if prompt_key else PROMPT_KEYS), option="data.prompt_key")
-    _, answer = rec.first_of(*([answer_key] if answer_key else ANSWER_KEYS), option="data.answer_key")
+        return Problem(id=str(d.get("id", index)), question=str(question),
+                       answer=gsm8k_final_answer(d["answer"], rec.origin), origin=rec.origin, fields=dict(d))
+    prompt_at, prompt = rec.first_of(*([prompt_key] if prompt_key else PROMPT_KEYS), option="data.prompt_key")
+    answer_at, answer = rec.first_of(*([answer_key] if answer_key else ANSWER_KEYS), option="data.answer_key")
+    # a GSM8K-style solution under any key: its final number is the truth (reward functions see it too)
+    answer = gsm8k_final_answer(answer, rec.origin) if isinstance(answer, str) and "####" in answer else str(answer)
+    if not answer.strip():
+        raise DataError(f"{rec.origin}: key {answer_at!r} is empty: the verifier has no truth to check against; "
+                        f"fill it in or remove the record")
     if isinstance(prompt, list):
-        return Problem(id=str(d.get("id", index)), question="", answer=str(answer), messages=prompt, origin=rec.origin,
-                       fields=dict(d))
+        return Problem(id=str(d.get("id", index)), question="", answer=answer,
+                       messages=check_messages(prompt, rec.origin, prompt_at), origin=rec.origin, fields=dict(d))
     if not str(prompt).strip():
         raise DataError(f"{rec.origin}: empty prompt; remove the record or fill it in")
-    return Problem(id=str(d.get("id", index)), question=str(prompt), answer=str(answer), origin=rec.origin,
+    return Problem(id=str(d.get("id", index)), question=str(prompt), answer=answer, origin=rec.origin,
                    fields=dict(d))
 
 
