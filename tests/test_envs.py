@@ -115,7 +115,11 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
     assert parsed.call.name == "calculator" and parsed.call.arguments == {"expression": "12*34"}
     assert fmt.observation("408", end_token=None) == "<result>408</result>"
     assert fmt.observation("408", end_token="<|im_end|>").startswith("\n<|im_start|>user\n<result>408</result>")
-    assert fmt.parse("no call here, <b>bold</b>?").error == "unknown tool <b>; available: ['calculator', 'python']"
+    assert fmt.parse("no call, <search>cats</search>?").error == "unknown tool <search>; available: ['calculator', 'python']"
+    # reasoning blocks and emphasis are prose: the call after them is found, the turn is not cut at them
+    thought = fmt.parse("<think>\nLet me compute.</think> It is <b>big</b>: <calculator>12*34</calculator>")
+    assert thought.call.name == "calculator" and thought.error is None
+    assert not fmt.parse("<think>easy</think> The answer is 408.").wants_tool
     assert not fmt.parse("plain text 1 < 2 > 0").wants_tool
     assert fmt.stop_strings() == ("</calculator>", "</python>")  # where a call ends: the engine may stop there
 

@@ -112,6 +112,10 @@ class TagCallFormat(JsonCallFormat):
     name = "tags"
     template_writes_tools = False
     _OPEN = re.compile(r"<([A-Za-z_][\w-]*)>")
+    # Tags a policy writes in prose, never a call: reasoning blocks (<think>), HTML emphasis. Any other
+    # unknown tag is a call of a tool that does not exist, and the policy is told so.
+    PROSE_TAGS = frozenset({"result", "think", "thinking", "reasoning", "answer", "b", "i", "u", "s", "em", "strong",
+                            "code", "pre", "br", "p", "sub", "sup", "li", "ul", "ol"})
 
     def instructions(self) -> str:
         uses = " or ".join(f"<{t.name}>{t.main_arg.upper()}</{t.name}>" for t in self.tools.values())
@@ -126,7 +130,7 @@ class TagCallFormat(JsonCallFormat):
     def parse(self, text: str) -> ParsedTurn:
         for m in self._OPEN.finditer(text):
             name = m.group(1)
-            if name == "result":
+            if name in self.PROSE_TAGS and name not in self.tools:
                 continue
             close = f"</{name}>"
             stop = text.find(close, m.end())
