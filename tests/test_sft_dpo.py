@@ -226,6 +226,22 @@ def test_malformed_jsonl_line_names_file_line_and_key(tmp_path, tokenizer):
         load_sft_data(tokenizer, DataConfig(path=str(m), eval_size=0))
 
 
+def test_a_response_with_nothing_before_it_is_refused_by_record(tmp_path, tokenizer):
+    """An empty prompt left a response's first token scored from padding, or (one row alone) from a
+    position that already sees it; two such rows crashed."""
+    opener = [{"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
+              {"role": "assistant", "content": "4"}]
+    f = _write_jsonl(tmp_path / "greet.jsonl", [{"messages": opener}])
+    with pytest.raises(DataError, match=r"greet.jsonl:1: the conversation opens with an assistant turn"):
+        load_sft_data(tokenizer, DataConfig(path=str(f), eval_size=0))
+    g = _write_jsonl(tmp_path / "empty.jsonl", [{"prompt": " ", "completion": "hi"}])
+    with pytest.raises(DataError, match=r"empty.jsonl:1: the prompt is empty"):
+        load_sft_data(tokenizer, DataConfig(path=str(g), eval_size=0, use_chat_template=False))
+    from colo_rl.train.batch import build_batch
+    with pytest.raises(ValueError, match="an empty prompt"):
+        build_batch([[5, 6], []], [[7], [8]], pad_id=0)
+
+
 def test_chat_messages_loss_only_on_assistant_turns(tmp_path, tokenizer):
     conv = [{"role": "system", "content": "Be brief."},
             {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},

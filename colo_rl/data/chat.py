@@ -163,6 +163,9 @@ class ChatEncoder:
         """SFT `messages`: loss on every assistant turn; the prompt is what precedes the first."""
         if not self.cfg.use_chat_template:
             raise DataError(f"{origin}: 'messages' records need a chat template (data.use_chat_template=true)")
+        if messages and messages[0]["role"] == "assistant":
+            raise DataError(f"{origin}: the conversation opens with an assistant turn: nothing precedes its first "
+                            f"token to predict it from. Start it with a system or user message")
         segs = self.segments(messages, 0, origin)
         first = next(i for i, (_, trained) in enumerate(segs) if trained)
         prompt = [t for text, _ in segs[:first] for t in self._ids(text)]
@@ -176,6 +179,9 @@ class ChatEncoder:
         if not self.cfg.use_chat_template:
             if not isinstance(prompt, str) or not all(isinstance(r, str) for _, r in responses):
                 raise DataError(f"{origin}: message lists need a chat template (data.use_chat_template=true)")
+            if not prompt.strip():
+                raise DataError(f"{origin}: the prompt is empty: nothing precedes the response's first token to "
+                                f"predict it from; fill it in or remove the record")
             eos = self.tokenizer.eos_token or ""
             out = []
             for key, r in responses:

@@ -84,6 +84,8 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
                 per_row: Optional[dict[str, list[float]]] = None) -> TokenBatch:
     """Collate sequences. `response_masks` (or a None entry in it) defaults to all response tokens counting;
     `per_token` values are aligned with the response tokens and padded with 0."""
+    if not all(prompts):  # its first response token would be scored from padding, or from itself
+        raise ValueError("build_batch: a sequence with an empty prompt; every response token needs a token before it")
     B = len(prompts)
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in responses))
