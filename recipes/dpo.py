@@ -9,7 +9,8 @@ draw (all of them once it covers an epoch), and cached for the whole run;
 with false a frozen ZeRO-3 reference model (no optimizer states) scores every micro-batch.
 
 One step (`DPORecipe.train_step`):
-    the next trainer.batch_size pairs (each rank takes its share)
+    the next trainer.batch_size pairs (each rank takes its share; an epoch's last batch is what
+    is left of it)
     micro-batches of [chosen; rejected] behind the shared prompt -> sequence log-probs
     -> algos.dpo_loss against the reference -> summed over pairs / pairs on all ranks -> step
 Held-out evaluation (trainer.eval_every, end): loss, implicit rewards of chosen and rejected,
@@ -93,7 +94,7 @@ class DPORecipe:
         timer = Timer()
         if algo.precompute_ref_logprobs:
             # only the pairs the run's steps draw (from step 0: a resume's actor holds the starting weights too)
-            used = self.sampler.planned(tr.batch_size, self.plan.total_steps)
+            used = self.sampler.planned(tr.batch_size, self.plan.total_steps, short_last=True)
             with self.update_phase(), timer("ref_precompute"):
                 self.cache["train"] = self.logps_all(self.actor, self.train, used)
                 self.cache["eval"] = self.logps_all(self.actor, self.held) if self.held else (torch.zeros(0),
@@ -153,11 +154,11 @@ class DPORecipe:
     def train_step(self, step: int) -> dict[str, float]:
         if self.colo is not None:
             self.colo.switch.begin_step(step)
-        indices = self.sampler.next_local(self.cfg.trainer.batch_size)
+        indices = self.sampler.next_local(self.cfg.trainer.batch_size, short_last=True)
         with self.update_phase():
             out = dpo_step(self.cfg, self.actor, self.ref, [self.train[i] for i in indices], indices,
                            self.cache.get("train"), self.pad, self.length_normalised, self.dtype)
-        out["train/epoch"] = (step + 1) * self.cfg.trainer.batch_size / len(self.train)
+        out["train/epoch"] = self.sampler.epochs_done()
         return out
 
     def save(self, ckpt, step: int) -> None:
@@ -206,7 +207,8 @@ def dpo_step(cfg, actor, ref, pairs: list, indices: list[int], cached, pad_id: i
     """One optimizer step over this rank's pairs; the loss is the sum of per-pair losses divided by
     the number of pairs on all ranks. `indices` are the pairs' places in the training set (for
     the cached reference log-probs)."""
-    algo, n_pairs = cfg.algo, float(cfg.trainer.batch_size)
+    # the step's pairs on all ranks (an epoch's last batch is short)
+    algo, (n_pairs,) = cfg.algo, dist.all_reduce_sum([float(len(pairs))])
     batches, _ = equalise(pair_micro_batches(pairs, cfg.trainer.micro_batch_size, pad_id, cfg.trainer.packing, dtype,
                                              actor.micro_batch_tokens()),
                           pad_id, make=lambda: ([], empty_batch(pad_id)))

@@ -4,7 +4,8 @@
     torchrun --nproc_per_node=8 recipes/sft.py data.path=my.jsonl model.path=/models/x
 
 One step (`SFTRecipe.train_step`):
-    the next trainer.batch_size examples (each rank takes its share)
+    the next trainer.batch_size examples (each rank takes its share; an epoch's last batch is
+    what is left of it)
     micro-batches (packed when trainer.packing) -> log-probs of the completion tokens
     -> NLL averaged over the step's completion tokens on all ranks -> backward -> optimizer step
 Evaluation (start, every trainer.eval_every steps, end): held-out loss; where the held-out
@@ -110,11 +111,11 @@ class SFTRecipe:
         tr = self.cfg.trainer
         if self.colo is not None:
             self.colo.switch.begin_step(step)
-        examples = [self.train[i] for i in self.sampler.next_local(tr.batch_size)]
+        examples = [self.train[i] for i in self.sampler.next_local(tr.batch_size, short_last=True)]
         with self.update_phase():
             out = sft_step(self.actor, self.micro(examples), self.pad, examples)
         out["throughput/tokens_per_s"] = out["train/tokens"] / (time.perf_counter() - t0)
-        out["train/epoch"] = (step + 1) * tr.batch_size / len(self.train)
+        out["train/epoch"] = self.sampler.epochs_done()
         return out
 
     def save(self, ckpt, step: int) -> None:

@@ -175,6 +175,26 @@ def test_sampler_is_seeded_and_resumable():
         EpochSampler(11, seed=3).load_state_dict(b.state_dict())
 
 
+def test_an_epoch_of_sft_or_dpo_sees_each_example_once_its_last_batch_short():
+    """Full batches ran on into the next epoch's shuffle: 33 examples in batches of 32 for one epoch
+    drew 64, 31 of them twice."""
+    from types import SimpleNamespace
+
+    from colo_rl.train.offline import plan_steps
+
+    cfg = SimpleNamespace(trainer=SimpleNamespace(batch_size=4, epochs=3, max_steps=0, micro_batch_size=2,
+                                                  packing=False), model=SimpleNamespace(attn_implementation="sdpa"))
+    plan = plan_steps(cfg, 10)
+    assert (plan.total_steps, plan.steps_per_epoch) == (9, 3)
+    s = EpochSampler(10, seed=3)
+    batches = [s.next_global(4, short_last=True) for _ in range(plan.total_steps)]
+    assert [len(b) for b in batches] == [4, 4, 2] * 3
+    for e in range(3):
+        assert sorted(i for b in batches[3 * e:3 * e + 3] for i in b) == list(range(10))
+    assert s.epochs_done() == 3.0
+    assert s.planned(4, 3, short_last=True) == list(range(10))  # the next epoch: each once
+
+
 def test_harder_arithmetic_keeps_the_default_splits_and_adds_operations_and_factors():
     from colo_rl.envs import safe_arithmetic
     # the defaults draw exactly as before max_operations / max_factor existed (values from main)

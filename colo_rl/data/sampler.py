@@ -25,8 +25,16 @@ class EpochSampler:
             random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
         return order
 
-    def next_global(self, batch_size: int) -> list[int]:
-        """The next `batch_size` indices (wrapping into a new, reshuffled epoch)."""
+    def next_global(self, batch_size: int, short_last: bool = False) -> list[int]:
+        """The next `batch_size` indices, wrapping into a new, reshuffled epoch; with `short_last` an
+        epoch's last batch is what is left of it (SFT / DPO: an epoch sees each item once)."""
+        if short_last:
+            if self.position >= self.num_items:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._make_order()
+            out = self._order[self.position:self.position + batch_size]
+            self.position += len(out)
+            return out
         out: list[int] = []
         while len(out) < batch_size:
             if self.position >= self.num_items:
@@ -38,19 +46,23 @@ class EpochSampler:
             self.position += take
         return out
 
-    def planned(self, batch_size: int, steps: int) -> list[int]:
+    def planned(self, batch_size: int, steps: int, short_last: bool = False) -> list[int]:
         """The distinct indices the next `steps` global batches draw, sorted (this sampler is not moved)."""
         replay = EpochSampler(self.num_items, self.seed, self.shuffle)
         replay.load_state_dict(self.state_dict())
         used: set[int] = set()
         for _ in range(steps):
-            used.update(replay.next_global(batch_size))
+            used.update(replay.next_global(batch_size, short_last))
             if len(used) == self.num_items:
                 break
         return sorted(used)
 
-    def next_local(self, global_batch_size: int) -> list[int]:
-        return dist.shard(self.next_global(global_batch_size))
+    def next_local(self, global_batch_size: int, short_last: bool = False) -> list[int]:
+        return dist.shard(self.next_global(global_batch_size, short_last))
+
+    def epochs_done(self) -> float:
+        """Epochs drawn so far, as a fraction (train/epoch)."""
+        return self.epoch + self.position / self.num_items
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": self.num_items}
