@@ -276,9 +276,27 @@ def test_prompt_completion_and_preference_formats(tmp_path, tokenizer):
     assert tokenizer.decode([t for t, m in zip(p.chosen_ids, p.chosen_mask) if m]) == "A<|im_end|>"
     assert tokenizer.decode([t for t, m in zip(p.rejected_ids, p.rejected_mask) if m]) == "B<|im_end|>"
 
-    # without a chat template: plain prompt + completion + EOS
-    (ex,), _, _ = load_sft_data(tokenizer, DataConfig(path=str(f), eval_size=0, use_chat_template=False))
-    assert tokenizer.decode(ex.prompt_ids) == "Say hi" and tokenizer.decode(ex.completion_ids) == "hi<|im_end|>"
+    # without a chat template: the plain prompt GRPO and the evaluation write (PromptBuilder.text),
+    # then completion + EOS
+    plain = DataConfig(path=str(f), eval_size=0, use_chat_template=False, system_prompt="Be brief.")
+    (ex,), _, _ = load_sft_data(tokenizer, plain)
+    assert tokenizer.decode(ex.prompt_ids) == "Be brief.\nSay hi\n" and tokenizer.decode(ex.completion_ids) == "hi<|im_end|>"
+    from colo_rl.data import PromptBuilder
+    from colo_rl.data.prompts import Problem
+    builder = PromptBuilder(tokenizer, DataConfig(use_chat_template=False, system_prompt="Be brief.", instruction=""))
+    assert builder.text(Problem(id="0", question="Say hi", answer="")) == tokenizer.decode(ex.prompt_ids)
+
+
+def test_data_train_size_caps_a_user_file_as_for_grpo(tmp_path, tokenizer):
+    from colo_rl.data import load_problems
+
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1}", "answer": str(i + 1)} for i in range(50)]
+    f = _write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(path=str(f), eval_size=5, train_size=10)
+    train, held, _ = load_sft_data(tokenizer, cfg)
+    assert len(train) == 10 and len(held) == 5
+    grpo_train, _ = load_problems(cfg)  # the same ten records
+    assert sorted(ex.answer for ex in train) == sorted(p.answer for p in grpo_train)
 
 
 def test_parquet_and_datasets_directory(tmp_path, tokenizer):

@@ -9,11 +9,14 @@ assistant turn up to and including its end-of-turn token; whitespace after it do
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
 from colo_rl.data.files import DataError, Record, read_records
+
+log = logging.getLogger("colo_rl")
 
 T = TypeVar("T")
 
@@ -189,7 +192,10 @@ class ChatEncoder:
                     raise DataError(f"{origin}: key {key!r} is empty")
                 ids = self._ids(r + eos)
                 out.append((ids, [1] * len(ids)))
-            return Encoded(self._ids(prompt), out)
+            # as GRPO's and the evaluation's plain prompts (PromptBuilder.text): the model trains on the
+            # text it is later prompted with, data.system_prompt included
+            text = "\n".join(m["content"] for m in user_turn(prompt, self.cfg.system_prompt)) + "\n"
+            return Encoded(self._ids(text), out)
         p_msgs = self.prompt_messages(prompt, origin)
         prompt_text = self._template(p_msgs, True, origin)
         prompt_ids = self._ids(prompt_text)
@@ -242,14 +248,18 @@ def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str)
 
 
 def split_records(records: list[Record], data_cfg) -> tuple[list[Record], list[Record]]:
-    """Seeded held-out split of a user file (data.eval_size records); the rest is trained on."""
+    """Seeded held-out split of a user file (data.eval_size records); the rest is trained on, or
+    data.train_size of it (the same records GRPO's `load_problems` picks), in the file's order."""
     if data_cfg.eval_size and len(records) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(records)} records, not more than "
                         f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
     order = list(range(len(records)))
     random.Random(data_cfg.split_seed).shuffle(order)
     held = [records[i] for i in order[:data_cfg.eval_size]]
-    train = [records[i] for i in sorted(order[data_cfg.eval_size:])]
+    rest = order[data_cfg.eval_size:]
+    train = [records[i] for i in sorted(rest[: data_cfg.train_size or None])]
+    if len(train) < len(rest):
+        log.info("data.path=%s: %d of %d records trained on (data.train_size)", data_cfg.path, len(train), len(rest))
     return train, held
 
 
