@@ -21,9 +21,9 @@ from colo_rl.train.activation_memory import agreed_token_budget
 from colo_rl.train.batch import TokenBatch, response_logprobs
 from colo_rl.train.compiled_layers import check_compile, compile_decoder_layers
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
-                                     drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, lr_lambda,
-                                     offload_buffers_set_aside, paged_state_bytes, paging_needed, schedule_rates,
-                                     set_zero3_hooks, state_bytes_by_kind)
+                                     drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, has_dropout,
+                                     lr_lambda, offload_buffers_set_aside, paged_state_bytes, paging_needed,
+                                     schedule_rates, set_zero3_hooks, state_bytes_by_kind)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 from colo_rl.train.lm_head import fusable_head
@@ -124,6 +124,7 @@ class DeepSpeedActor:
         else:
             self.engine.eval()
         self.module = self.engine.module
+        self._dropout = has_dropout(self.module)
         if cfg.model.compile:  # after DeepSpeed's hooks are in place: they stay outside the graph
             compile_decoder_layers(self.module, announce=dist.is_rank0() and with_optimizer)
         # DeepSpeed's offload_states maps every parameter's partition onto the buffer of the
@@ -162,8 +163,15 @@ class DeepSpeedActor:
         if self.guard is not None:
             self.guard.require(Phase.UPDATE, "trainer forward")
         batch = batch.to_device(self.engine.device)
-        with contextlib.nullcontext() if grad else torch.no_grad():
-            return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
+        scoring = not grad and self.module.training and self._dropout  # old / ref log-probs: no dropout noise
+        if scoring:
+            self.module.train(False)
+        try:
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
+        finally:
+            if scoring:
+                self.module.train(True)
 
     def to_device(self, batch: TokenBatch) -> TokenBatch:
         """`batch` on this actor's device (pinned and non-blocking from the host to a GPU)."""

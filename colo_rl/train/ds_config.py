@@ -238,6 +238,17 @@ def lr_lambda(trainer_cfg, total_steps: int):
     return f
 
 
+def has_dropout(model: torch.nn.Module) -> bool:
+    """Whether `model` drops anything in training mode: a Dropout module with p > 0, or a config
+    rate (HF: attention_dropout, hidden_dropout, resid_pdrop, ...) above 0. Llama, Qwen, SmolLM2: no."""
+    if any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()):
+        return True
+    config = getattr(model, "config", None)
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    return any(("dropout" in k or k.endswith("_pdrop")) and isinstance(v, (int, float)) and not isinstance(v, bool)
+               and v > 0 for k, v in fields.items())
+
+
 def schedule_rates(scheduler) -> Optional[tuple[float, float]]:
     """After a checkpoint's load: set the optimizer's rate from `scheduler`'s (a LambdaLR of
     `lr_lambda`) own function at its restored position, and return (the saved rate, this one).
