@@ -193,6 +193,8 @@ def check_wire(out):
     assert len(gen["first"]) == 4 and all(gen["first"].values()) and all(gen["second"].values())
     assert gen["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert trainer["part"] == {"slot": 3, "version": 1, "groups": ["g0", "g1"]} and trainer["end"]
+    # the next version's receive buffers replace the last one's: one copy of the weights at a time
+    assert gen["receive_peak_bytes"] == gen["one_copy_bytes"]
 
 
 def test_wire_carries_weights_and_rollouts_over_gloo(tmp_path):

@@ -249,9 +249,13 @@ class WeightReceiver:
         wait(self.works)
         version, stop, evaluate = (int(x) for x in self.header.cpu())
         self.evaluate = bool(evaluate)
+        self._load(engine)
+        if not stop:  # these buffers go first: one copy of the weights at a time (the start-up plan's)
+            self.header = self.flats = self.works = None
+            self._post()
+        return version, bool(stop)
+
+    def _load(self, engine) -> None:
         for bucket, flat in zip(self.buckets, self.flats):
             engine.load_weights(unpack(bucket, flat))
         engine.finish_weight_update()
-        if not stop:
-            self._post()
-        return version, bool(stop)

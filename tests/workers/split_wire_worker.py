@@ -8,13 +8,15 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
 from colo_rl import dist
-from colo_rl.split.wire import WeightReceiver, WeightSender, recv_object, send_object
+from colo_rl.split import wire
+from colo_rl.split.wire import WeightReceiver, WeightSender, bucket_bytes, recv_object, send_object
 
 
 def model(version: int) -> torch.nn.Module:
@@ -64,15 +66,25 @@ def main(out: Path) -> None:
         seen["end"] = recv_object(0) is None
     else:
         engine = Engine()
+        live, peak, allocate = [], [0], wire.on_wire  # the receive buffers alive as each one is allocated
+
+        def tracked(t):
+            t = allocate(t)
+            peak[0] = max(peak[0], sum(r().nbytes for r in live if r() is not None) + t.nbytes)
+            live.append(weakref.ref(t))
+            return t
+        wire.on_wire = tracked
         receiver = WeightReceiver(weight_group, leader=1)
         versions = [receiver.take(engine)]
         first = {n: bool(torch.equal(t, p.data)) for n, t in engine.loaded.items()
                  for m, p in model(0).named_parameters() if m == n}
         versions.append(receiver.take(engine))
+        wire.on_wire = allocate
         second = {n: bool(torch.equal(t, p.data)) for n, t in engine.loaded.items()
                   for m, p in model(1).named_parameters() if m == n}
         seen.update(versions=versions, first=first, second=second,
-                    dtypes=sorted({str(t.dtype) for t in engine.loaded.values()}))
+                    dtypes=sorted({str(t.dtype) for t in engine.loaded.values()}), receive_peak_bytes=peak[0],
+                    one_copy_bytes=sum(bucket_bytes(b) for b in receiver.buckets) + receiver.header.nbytes)
         for p in [send_object({"slot": 3, "version": 1, "groups": ["g0", "g1"]}, 1), send_object(None, 1)]:
             p.wait()
     (out / f"rank{dist.rank()}.json").write_text(json.dumps(seen))
