@@ -131,7 +131,7 @@ def measured_phases(source: Path) -> tuple[dict, int]:
 
 
 def resolve_generation_ranks(placement, world: int, tp_size: int, prompts_per_step: int,
-                             local_world: Optional[int] = None) -> int:
+                             local_world: Optional[int] = None, mini_batches_per_step: int = 1) -> int:
     """placement.generation_ranks as a number of ranks: the number given, or with `auto` the split
     balanced_generation_ranks finds for the colocated run named by placement.balance_from (every
     rank reads the same file, so every rank gets the same answer). ConfigError when it cannot be known."""
@@ -146,7 +146,7 @@ def resolve_generation_ranks(placement, world: int, tp_size: int, prompts_per_st
 
     def allowed(g: int) -> bool:
         try:
-            layout_of(world, g, tp_size, prompts_per_step, local_world)
+            layout_of(world, g, tp_size, prompts_per_step, local_world, mini_batches_per_step)
         except ConfigError:
             return False
         return True
@@ -200,6 +200,9 @@ def main(argv=None) -> int:
     if not metrics.is_file():
         p.error(f"{metrics}: no such file (a GRPO run directory holds metrics.jsonl)")
     rows = read_jsonl(metrics)
+    if any("split/policy_version" in r for r in rows):
+        p.error(f"{args.run_dir} is a split run: its pools run at once, so the phases' shares of a step mean "
+                f"nothing; its split/* and time/generation_idle metrics say where each pool waits")
     summary = args.run_dir / "summary.json"
     measured = json.loads(summary.read_text()).get("bottleneck", {}).get("gpus") if summary.is_file() else None
     gpus = args.gpus or measured

@@ -62,7 +62,7 @@ class GRPORecipe:
         # placement.mode=split: from here on this rank's world is its pool (generation or trainer ranks)
         self.split = None if ctx.cfg.placement.mode != "split" else enter_split(ctx.cfg, resolve_generation_ranks(
             ctx.cfg.placement, dist.world_size(), ctx.cfg.rollout.tp_size, ctx.cfg.rollout.prompts_per_step,
-            dist.local_world_size()))
+            dist.local_world_size(), ctx.cfg.trainer.mini_batches_per_step))
         if self.split is not None and self.split.helps:  # its GPU runs a TP rank of a generator's engine: no work here
             self.pool, self.metrics = EngineHelper(self.split), MetricsLogger(ctx.run_dir, (), CONSOLE)
             return
@@ -94,8 +94,8 @@ class GRPORecipe:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by the "
                               f"number of ranks ({world})")
         self.prompts_per_rank = cfg.rollout.prompts_per_step // world
-        # every mini-batch holds at least one whole group of every rank
-        if self.prompts_per_rank % cfg.trainer.mini_batches_per_step:
+        # every mini-batch holds at least one whole group of every rank (a split run's trainers: split_layout's)
+        if self.split is None and self.prompts_per_rank % cfg.trainer.mini_batches_per_step:
             raise ConfigError(f"trainer.mini_batches_per_step={cfg.trainer.mini_batches_per_step} must divide the "
                               f"{self.prompts_per_rank} prompt groups per rank (rollout.prompts_per_step / ranks)")
         self.total_steps = cfg.trainer.total_steps
@@ -244,7 +244,7 @@ class GRPORecipe:
                      last["eval/accuracy_lenient"])
         summary = {"recipe": "grpo", "steps": self.total_steps, "resumed_at_step": result.start_step,
                    "start": first, "end": last, "seconds": time.perf_counter() - self.t_start}
-        if any(r.get("time/step") for r in rows):
+        if self.split is None and any(r.get("time/step") for r in rows):  # colocated: phases in turn on every GPU
             summary["bottleneck"] = bottleneck_report(rows, dist.world_size())
             log.info("%s", format_report(summary["bottleneck"]))
         if dist.is_rank0():

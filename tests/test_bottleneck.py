@@ -73,6 +73,13 @@ def test_the_command_reports_a_run_directory_and_names_what_is_missing(tmp_path,
     with pytest.raises(SystemExit, match="2"):
         main([str(tmp_path / "nowhere")])
     assert "metrics.jsonl: no such file" in capsys.readouterr().err
+    split = tmp_path / "split"  # its pools overlap: the shares of one step would sum past 1
+    split.mkdir()
+    (split / "metrics.jsonl").write_text("\n".join(json.dumps({**r, "split/policy_version": 1}) for r in rows(
+        gen=6.0, logprobs=0.5, update=1.5, handoff=0.3, switch=0.2, reward=0.5)))
+    with pytest.raises(SystemExit, match="2"):
+        main([str(split), "--gpus", "8"])
+    assert "is a split run" in capsys.readouterr().err
 
 
 def test_other_is_the_rest_of_the_step_so_the_shares_sum_to_one():

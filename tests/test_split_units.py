@@ -29,6 +29,8 @@ def test_tp_groups_in_the_generation_pool_have_one_generator_each():
     assert [lay.owner_of(r) for r in lay.engine_helpers] == [0, 2]
     assert lay.generates(2) and not lay.generates(3) and not lay.generates(4)
     assert split_layout(world=3, generation_ranks=1, tp_size=1, prompts_per_step=2).engine_helpers == ()
+    # the trainers' mini-batch rule, not the generators': 2 generators of 1 prompt, 1 trainer of 2 groups
+    assert split_layout(world=3, generation_ranks=2, tp_size=1, prompts_per_step=2, mini_batches_per_step=2).trainers == (2,)
     # 2 generation ranks in TP + 1 trainer on one node of 3: no rank count divisible by 2 is needed
     assert split_layout(world=3, generation_ranks=2, tp_size=2, prompts_per_step=2).generation == (0,)
 
@@ -50,11 +52,12 @@ def test_a_resume_keeps_each_generators_position_or_is_refused():
     (4, 3, 2, 6, ["rollout.tp_size=2", "placement.generation_ranks=3", "cross the boundary"]),
     (3, 1, 1, 3, ["rollout.prompts_per_step=3", "2 trainer ranks"]),
     (3, 2, 1, 5, ["rollout.prompts_per_step=5", "2 generation ranks"]),
+    (3, 2, 1, 4, ["trainer.mini_batches_per_step=3", "4 prompt groups each of the 1 trainer ranks"]),
 ])
 def test_a_split_that_cannot_work_is_refused_naming_the_keys(world, g, tp, prompts, keys):
     with pytest.raises(ConfigError) as e:
         split_layout(world=world, generation_ranks=g, tp_size=tp, prompts_per_step=prompts,
-                     local_world=3 if world == 6 else None)
+                     local_world=3 if world == 6 else None, mini_batches_per_step=3 if prompts == 4 else 1)
     for key in keys:
         assert key in str(e.value)
 

@@ -55,7 +55,7 @@ class SplitLayout:
 
 
 def split_layout(world: int, generation_ranks: int, tp_size: int, prompts_per_step: int,
-                 local_world: int | None = None) -> SplitLayout:
+                 local_world: int | None = None, mini_batches_per_step: int = 1) -> SplitLayout:
     """The layout, or a ConfigError naming the keys of a split that cannot work."""
     g = generation_ranks
     if g >= world:
@@ -78,5 +78,9 @@ def split_layout(world: int, generation_ranks: int, tp_size: int, prompts_per_st
         if prompts_per_step % n:
             raise ConfigError(f"rollout.prompts_per_step={prompts_per_step} must be divisible by the {n} {who}: "
                               f"each gets whole prompt groups")
+    if (prompts_per_step // trainers) % mini_batches_per_step:  # every mini-batch holds whole groups of each
+        raise ConfigError(f"trainer.mini_batches_per_step={mini_batches_per_step} must divide the "
+                          f"{prompts_per_step // trainers} prompt groups each of the {trainers} trainer ranks gets "
+                          f"(rollout.prompts_per_step / trainer ranks)")
     return SplitLayout(world=world, generation=tuple(range(0, g, tp_size)), trainers=tuple(range(g, world)),
                        tp_size=tp_size)

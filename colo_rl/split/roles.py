@@ -49,7 +49,7 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     """Make the pools' process groups (every rank calls it) and scope this rank's helpers to its pool:
     from here on dist.rank() / world_size() and the collectives are the pool's (dist.set_scope)."""
     layout = split_layout(dist.world_size(), generation_ranks, cfg.rollout.tp_size,
-                          cfg.rollout.prompts_per_step, dist.local_world_size())
+                          cfg.rollout.prompts_per_step, dist.local_world_size(), cfg.trainer.mini_batches_per_step)
     helpers = list(layout.engine_helpers)
     gen_group, train_group, weight_group, *helper_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)] + ([helpers] if helpers else []))
