@@ -29,6 +29,8 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("The answer is 7,2", None),  # not thousands: no literal
     ("The answer is 7e2", None),  # not 7
     ("The answer is 3.5.", "3.5"),
+    ("**Answer:** 72\n\n#### 2. Verification\nIt checks out.", "72"),  # a markdown heading is no answer
+    ("text #### 5", None),  # GSM8K's mark opens a line
 ])
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
@@ -59,6 +61,11 @@ def test_number_search_is_linear_in_the_text():
     t0 = time.perf_counter()
     assert extract_last_number("1," * 50_000 + "1.1.1") is None
     assert extract_final_answer("The answer is " + "1," * 50_000) is None
+    # runs of markup with no number after them: "$" x 32 took 2 s, each further "$" doubling it
+    for opener in ("The answer is ", "#### ", "\\boxed{"):
+        assert extract_final_answer(opener + "$" * 5_000 + "x") is None
+        assert extract_final_answer(opener + "$$ " * 5_000 + "x") is None
+    assert extract_final_answer("The answer is" + " " * 50_000) is None
     assert time.perf_counter() - t0 < 1.0
 
 

@@ -16,15 +16,19 @@ from typing import Callable, Optional
 # part; not inside a longer literal ("12,34,5", "7e2", "1.2.3"); no backtracking to a prefix.
 NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
           r"(?![\d])(?![.,]\d)(?![eE][-+]?\d)")
-_MARKUP = r"\s*(?:(?:\*\*|\$\$|\$|\\\(|\\\$)\s*)*"  # before the literal: **, $, $$, \(, \$
+# Markup before the literal: spaces, **, $ (and $$), \(, \$. Possessive (*+): one way to read a run
+# of them, so a run with no number after it fails at once (a plain * tried every split of "$$$...":
+# exponential in its length).
+_MARKUP = r"(?:\s|\*\*|\$|\\\(|\\\$)*+"
 _NOT_AN_EXPRESSION = r"(?!\s*[-+*/^×x÷]\s*\d)"  # a following operator: an expression, which does not count
-# A stated answer: "answer is 58", "answer is: 58", "**Answer**: 58", "answer = $58$", "#### 58"
-# (GSM8K's), "\boxed{58}" (a unit, %, or a final period inside the box allowed).
+# A stated answer: "answer is 58", "answer is: 58", "**Answer**: 58", "answer = $58$", "#### 58" at a
+# line's start (GSM8K's; "#### 2. Verification", a markdown heading, is not one), "\boxed{58}" (a
+# unit, %, or a final period inside the box allowed).
 _STATED = re.compile(
-    r"(?:answer(?:\*\*)?\s*(?:is\s*:?|:|=)" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
-    r"|(?:####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
-    r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\s*(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*\})",
-    re.IGNORECASE,
+    r"(?:answer(?:\*\*)?\s*+(?:is(?:\s*+:)?|:|=)" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
+    r"|(?:^[ \t]*+####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + r"(?![.)]\s*[A-Za-z]))"
+    r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\s*+(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*+\})",
+    re.IGNORECASE | re.MULTILINE,
 )
 _ANY_NUMBER = re.compile(NUMBER)
 _MINUS = str.maketrans({"\u2212": "-"})  # the Unicode minus sign
