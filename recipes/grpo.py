@@ -323,15 +323,16 @@ class GRPORecipe:
     # ------------------------------------------------------------------ update phase
     def pack(self, rollout: Rollout) -> PackedRollout:
         """The rollout's micro-batches, built once for the whole update: trainer.mini_batches_per_step
-        mini-batches of as many groups each, in the rollout's order (a sample of the batch, not a band
-        of lengths); each cut into micro-batches of whole groups, at most trainer.micro_batch_tokens
+        mini-batches of as many groups each, in a seeded shuffle of the rollout (a sample of the batch,
+        not a band of lengths); each cut into micro-batches of whole groups, at most trainer.micro_batch_tokens
         tokens (and trainer.micro_batch_size sequences) each, groups of similar length together, as
         many on every rank."""
         cfg, groups = self.cfg, rollout.groups
         cap = cfg.trainer.micro_batch_size and max(1, cfg.trainer.micro_batch_size // rollout.group_size)
         plan = agreed_mini_batches([g.tokens for g in groups], self.colo.actor.micro_batch_tokens(), cap,
                                    order=[sum(c.trained_tokens for c in g.completions) for g in groups],
-                                   mini_batches=cfg.trainer.mini_batches_per_step)
+                                   mini_batches=cfg.trainer.mini_batches_per_step,
+                                   seed=cfg.trainer.seed * 1_000_003 + rollout.policy_version * 1_009 + dist.rank())
         return pack_rollout(rollout, plan, self.tokenizer.pad_token_id, self.colo.actor.dtype, cfg.trainer.packing)
 
     def update(self, rollout: Rollout, fresh: bool = True) -> dict[str, float]:

@@ -86,6 +86,12 @@ def test_mini_batches_take_equal_shares_in_the_given_order_not_bands_of_length()
     assert agreed_mini_batches(costs, budget=4096) == [micro_batches(costs, 4096)]  # one mini-batch: the whole plan
     with pytest.raises(ValueError, match="8 units do not split into 3 mini-batches"):
         agreed_mini_batches(costs, budget=4096, mini_batches=3)
+    # seeded: a shuffle first (refill groups a rollout appends last spread), the same for the same seed
+    shuffled = agreed_mini_batches(costs, budget=4096, mini_batches=2, seed=11)
+    assert shuffled == agreed_mini_batches(costs, budget=4096, mini_batches=2, seed=11) != plans
+    assert sorted(i for p in shuffled for mb in p for i in mb) == list(range(8))
+    assert [sum(len(mb) for mb in p) for p in shuffled] == [4, 4]
+    assert agreed_mini_batches(costs, budget=4096, seed=11) == [micro_batches(costs, 4096)]  # one: no shuffle
 
 
 # A small Llama by hand: per layer and token (8h + 4kv + 4f) x 2 bytes = (512 + 128 + 1024) x 2 = 3328

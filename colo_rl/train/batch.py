@@ -7,6 +7,7 @@ LM head and the softmax over the vocabulary for prompt tokens.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -166,20 +167,23 @@ def agreed_micro_batches(costs: list[int], budget: int, max_units: int = 0,
 
 
 def agreed_mini_batches(costs: list[int], budget: int, max_units: int = 0, order: Optional[list[float]] = None,
-                        mini_batches: int = 1) -> list[list[list[int]]]:
-    """The units cut into `mini_batches` runs of equal size in their given order (a rollout's: random
-    in length, so every optimizer step sees a sample of the batch, not a band of lengths), each run
-    planned as `micro_batches` and agreed over ranks as `agreed_micro_batches` (one all-reduce for
-    all runs). Mini-batch k holds units k n/M .. (k+1) n/M - 1 of the n."""
+                        mini_batches: int = 1, seed: Optional[int] = None) -> list[list[list[int]]]:
+    """The units cut into `mini_batches` runs of equal size, each a sample of them (not a band of
+    lengths): with several, shuffled by `seed` first, so units a rollout appends last (DAPO's refill
+    groups) or a file's order spread over them; each run planned as `micro_batches` and agreed over
+    ranks as `agreed_micro_batches` (one all-reduce for all runs). Indices are into `costs`."""
     if mini_batches < 1 or len(costs) % mini_batches:
         raise ValueError(f"{len(costs)} units do not split into {mini_batches} mini-batches of equal size")
+    units = list(range(len(costs)))
+    if mini_batches > 1 and seed is not None:
+        random.Random(seed).shuffle(units)
     size = len(costs) // mini_batches
     plans = []
     for k in range(mini_batches):
-        units = list(range(k * size, (k + 1) * size))
-        bins = micro_batches([costs[i] for i in units], budget, max_units,
-                             None if order is None else [order[i] for i in units])
-        plans.append([[units[i] for i in b] for b in bins])
+        run = units[k * size:(k + 1) * size]
+        bins = micro_batches([costs[i] for i in run], budget, max_units,
+                             None if order is None else [order[i] for i in run])
+        plans.append([[run[i] for i in b] for b in bins])
     counts = dist.all_reduce_max([float(len(p)) for p in plans])
     return [spread(p, int(n), costs) for p, n in zip(plans, counts)]
 
