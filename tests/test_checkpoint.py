@@ -146,6 +146,21 @@ def test_resuming_an_older_checkpoint_beside_newer_ones_is_refused(tmp_path):
     assert CheckpointManager(tmp_path, cfg).checkpoint == (root / "step-000002").resolve()
 
 
+def test_a_save_cut_between_its_renames_is_recovered_not_lost(tmp_path):
+    """Re-saving step 2: the old one renamed aside (.old), the new one complete under .tmp, killed
+    before the second rename: resume=auto finds step 2, and nothing is left aside."""
+    import shutil
+
+    save_steps(tmp_path, [2], keep_last=0)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step-000002", root / "step-000002.tmp")
+    (root / "step-000002").rename(root / "step-000002.old")
+    cfg = make_cfg(tmp_path, keep_last=0)
+    cfg.resume = "auto"
+    assert CheckpointManager(tmp_path, cfg).checkpoint == root / "step-000002"
+    assert sorted(p.name for p in root.iterdir()) == ["step-000002"]
+
+
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     mgr = save_steps(tmp_path, [2], keep_last=0)
     mgr.last_saved_step = None  # a re-run of the same step

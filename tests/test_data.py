@@ -78,7 +78,8 @@ def test_a_gsm8k_solution_under_any_key_gives_its_last_final_number(tmp_path):
     ({"prompt": "What is 2+2?", "answer": "  "}, r"d\.jsonl:1: key 'answer' is empty"),
     ({"prompt": ["What is 2+2?"], "answer": "4"}, r"d\.jsonl:1: prompt\[0\] must be an object with 'role'"),
     ({"prompt": [{"role": "user"}], "answer": "4"}, r"d\.jsonl:1: prompt\[0\] is missing key 'content'"),
-    ({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "answer": "4"},
+    ({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                 {"role": "assistant", "content": "Seen."}, {"role": "user", "content": "Count?"}], "answer": "4"},
      r"prompt\[0\]\.content must be a string or a list of"),
 ])
 def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp_path, row, message):
@@ -88,11 +89,14 @@ def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp
         load_problems(DataConfig(path=str(p), eval_size=0))
 
 
-def test_openai_style_text_parts_are_joined():
+def test_openai_style_text_parts_are_joined_and_tool_calls_kept():
     from colo_rl.data.chat import check_messages
 
     parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
     assert check_messages(parts, "f:1", "messages") == [{"role": "user", "content": "What is 2+2?"}]
+    call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
+    reply = {"role": "tool", "content": "4", "tool_call_id": "c1"}
+    assert check_messages([parts[0], call, reply], "f:1", "prompt")[1:] == [call, reply]
 
 
 def test_empty_prompt_is_an_error(tmp_path, tokenizer):
@@ -171,8 +175,9 @@ def test_sampler_is_seeded_and_resumable():
     c = EpochSampler(10, seed=3)
     c.load_state_dict(b.state_dict())
     assert [c.next_global(4) for _ in range(2)] == first[2:]
-    with pytest.raises(ValueError, match="data"):
-        EpochSampler(11, seed=3).load_state_dict(b.state_dict())
+    from colo_rl.errors import CheckpointError
+    with pytest.raises(CheckpointError, match=r"\(10 records, seed 3\) is not this run's \(11 records.*Restore the data"):
+        EpochSampler(11, seed=3).load_state_dict(b.state_dict())  # a split run's generators check it here
 
 
 def test_an_epoch_of_sft_or_dpo_sees_each_example_once_its_last_batch_short():

@@ -155,9 +155,16 @@ class CheckpointManager:
         self.checkpoint: Optional[Path] = Path(outcome[1]) if outcome[1] else None
 
     def _resolve_on_rank0(self) -> Optional[str]:
-        for stale in self.root.glob("step-*.tmp") if self.root.is_dir() else []:
-            log.warning("removing %s: an interrupted save (never completed)", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+        for aside in sorted(self.root.glob("step-*.tmp")) + sorted(self.root.glob("step-*.old")) \
+                if self.root.is_dir() else []:
+            final = aside.with_suffix("")
+            if (aside / COMPLETE).is_file() and not final.exists():  # killed between a save's renames
+                log.warning("%s is complete and %s missing (a save was cut between its renames): restored",
+                            aside.name, final.name)
+                os.rename(aside, final)
+            else:
+                log.warning("removing %s: an interrupted save (never completed) or a replaced one", aside)
+                shutil.rmtree(aside, ignore_errors=True)
         path = resolve_resume(self.cfg.resume, self.run_dir)
         if path is None:
             existing = newest_checkpoint(self.root)

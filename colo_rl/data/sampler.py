@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 from colo_rl import dist
+from colo_rl.errors import CheckpointError
 
 
 class EpochSampler:
@@ -69,7 +70,10 @@ class EpochSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_items"] != self.num_items or state["seed"] != self.seed:
-            raise ValueError(f"checkpoint data order ({state['num_items']} items, seed {state['seed']}) does not "
-                             f"match this run's ({self.num_items} items, seed {self.seed}): data.* changed")
+            raise CheckpointError(
+                f"the checkpoint's data order ({state['num_items']} records, seed {state['seed']}) is not this "
+                f"run's ({self.num_items} records, seed {self.seed}): the data file(s) or how many are dropped as "
+                f"over-length changed since. Restore the data the run started with, or start a new run from its "
+                f"exported weights (python -m colo_rl.checkpoint <checkpoint> <out_dir>, then model.path=<out_dir>)")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._make_order()
