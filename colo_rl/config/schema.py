@@ -340,7 +340,7 @@ class AlgoConfig:
     dynamic_sampling: bool = opt(False, GRPO_ALGO)
     max_sampling_rounds: int = opt(3, GRPO_ALGO, check=ge(0))
     # DAPO's overlong reward shaping: a linear penalty (up to overlong_penalty) over the last
-    # overlong_buffer_len tokens before rollout.max_new_tokens; 0 = off.
+    # overlong_buffer_len tokens before rollout.max_new_tokens (with an environment: env.max_total_tokens); 0 = off.
     overlong_buffer_len: int = opt(0, GRPO_ALGO, check=ge(0, "0 = no overlong shaping"))
     overlong_penalty: float = opt(1.0, GRPO_ALGO, check=ge(0))
     # DPO / SFT (used by their recipes).

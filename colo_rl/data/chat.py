@@ -47,19 +47,22 @@ class LengthStats:
         return text
 
 
-def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, str]]:
-    """A list of {role, content} dicts, or a DataError naming the record, key and message."""
+def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, Any]]:
+    """A list of {role, content, ...} dicts with text content, or a DataError naming the record, key
+    and message."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{origin}: key {key!r} must be a non-empty list of {{role, content}} messages or a string")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise DataError(f"{origin}: {key}[{i}] must be an object with 'role' and 'content'")
         for k in ("role", "content"):
-            if m.get(k) is None:
+            if m.get(k) is None and not (k == "content" and m.get("tool_calls")):  # a call alone has no content
                 raise DataError(f"{origin}: {key}[{i}] is missing key {k!r}")
         if m["role"] not in ROLES:
             raise DataError(f"{origin}: {key}[{i}] has role {m['role']!r}; use one of {list(ROLES)}")
-    return [{"role": m["role"], "content": content_text(m["content"], origin, f"{key}[{i}]")} for m in messages]
+    # other keys (tool_calls, name, tool_call_id) reach the chat template as they are
+    return [{**m, "content": None if m.get("content") is None else content_text(m["content"], origin, f"{key}[{i}]")}
+            for i, m in enumerate(messages)]
 
 
 def content_text(content: Any, origin: str, where: str) -> str:

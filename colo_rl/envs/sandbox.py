@@ -107,7 +107,7 @@ class CallResult:
     returncode: Optional[int]
     error: Optional[str] = None  # the exception the code raised ("ZeroDivisionError: ... (line 3)")
     replay_failed: list[tuple[int, str]] = field(default_factory=list)  # (earlier cell index, its exception)
-    stopped: Optional[str] = None  # "timeout" | "output": why we killed it
+    stopped: Optional[str] = None  # "timeout" | "output" | "status" (its pipe flooded): why we killed it
     oom: bool = False  # the call's cgroup killed a process for memory
 
 
@@ -293,8 +293,11 @@ class Sandbox:
                             continue
                         (out if key.data == "out" else status).extend(chunk)
                         # the status pipe is open inside the sandbox too: the code can write to it
-                        if len(out) > limits.output_bytes or len(status) > STATUS_MAX_BYTES:
+                        if len(out) > limits.output_bytes:
                             stopped = "output"
+                            break
+                        if len(status) > STATUS_MAX_BYTES:
+                            stopped = "status"
                             break
         finally:
             sel.close()

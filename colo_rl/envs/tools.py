@@ -132,6 +132,8 @@ def observation(result: CallResult, limits: Limits, max_output_chars: int) -> st
         raise ToolError(f"timed out after {limits.timeout_s:g} s")
     if result.stopped == "output":
         raise ToolError(truncate(text, max_output_chars // 2) + f"\nstopped: printed more than {limits.output_bytes} bytes")
+    if result.stopped == "status":
+        raise ToolError("stopped: wrote more than 1 MiB to a file descriptor that is not its output")
     if result.returncode == 0:
         return truncate(text, max_output_chars)
     if result.error is not None:  # keep the exception whole: cut what was printed before it
