@@ -57,6 +57,7 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
     class Receiver:
         def __init__(self, group, leader):
             self.evaluate = False
+            self.load_seconds = 0.0
 
         def ready(self):
             return not wire.weights.empty()

@@ -91,7 +91,7 @@ class GenerationPool:
         self.evaluate_shard, self.tp_group = evaluate_shard, role.tp_group
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
         self.index = role.layout.generation.index(dist.job_rank())
-        self.eval_seconds = 0.0  # evaluating since the last slot: not idle time
+        self.work_seconds = 0.0  # loading weights and evaluating since the last slot: not idle time
         self.eval_sends: list[Pending] = []
         self.trainers_named = f"a trainer rank (ranks {list(self.layout.trainers)}, the trainer pool)"
 
@@ -108,13 +108,14 @@ class GenerationPool:
         when the trainer asked for it."""
         with peer(f"trainer rank {self.layout.leader} (it broadcasts the weights)"):
             version, stop = self.receiver.take(self.engine)
+        self.work_seconds += self.receiver.load_seconds  # the wait for them is idle, loading them is not
         if self.receiver.evaluate:
             if self.evaluate_shard is None:
                 raise RuntimeError("the trainer asked for a held-out evaluation this generation rank cannot run")
             t0 = time.perf_counter()
             results = self.evaluate_shard(version)
             seconds = time.perf_counter() - t0
-            self.eval_seconds += seconds
+            self.work_seconds += seconds
             share = HeldOutShare(version, results, seconds)
             with peer(self.trainers_named):
                 self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
@@ -148,12 +149,12 @@ class GenerationPool:
                     for p in pending.popleft():
                         p.wait()
             in_flight = sum(not all(p.done() for p in sends) for sends in pending)
-            # weights, then queue space (a held-out evaluation meanwhile is work, not idle)
-            idle = max(0.0, start - free_since - self.eval_seconds) + (time.perf_counter() - done)
+            # weights, then queue space (loading them or a held-out evaluation meanwhile is work, not idle)
+            idle = max(0.0, start - free_since - self.work_seconds) + (time.perf_counter() - done)
             with peer(self.trainers_named):
                 pending.append(self._send(slot, version, rollout, interval, seconds, idle, waits, in_flight))
             beats = self._beat(beats, slot)
-            slot, waits, free_since, self.eval_seconds = slot + 1, 0, time.perf_counter(), 0.0
+            slot, waits, free_since, self.work_seconds = slot + 1, 0, time.perf_counter(), 0.0
         with peer(self.trainers_named):
             ends = [send_object(None, dst) for dst in self.layout.trainers]
             for sends in [*pending, self.eval_sends, ends]:

@@ -227,6 +227,7 @@ class WeightReceiver:
     def __init__(self, group, leader: int):
         self.group, self.leader = group, leader
         self.evaluate = False  # the header of the weights taken last asked for a held-out evaluation
+        self.load_seconds = 0.0  # loading the weights taken last into the engine
         box = [None]
         tdist.broadcast_object_list(box, src=leader, group=group)
         self.buckets: list[list[Slot]] = box[0]
@@ -256,6 +257,8 @@ class WeightReceiver:
         return version, bool(stop)
 
     def _load(self, engine) -> None:
+        t0 = time.perf_counter()
         for bucket, flat in zip(self.buckets, self.flats):
             engine.load_weights(unpack(bucket, flat))
         engine.finish_weight_update()
+        self.load_seconds = time.perf_counter() - t0
