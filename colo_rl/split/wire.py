@@ -231,11 +231,15 @@ class WeightReceiver:
         box = [None]
         tdist.broadcast_object_list(box, src=leader, group=group)
         self.buckets: list[list[Slot]] = box[0]
+        # one copy of the weights, received into again and again (the start-up memory plan's one copy)
+        self.header = on_wire(torch.empty(3, dtype=torch.int64))
+        self.flats = [on_wire(torch.empty(bucket_bytes(b), dtype=torch.uint8)) for b in self.buckets]
         self._post()
 
     def _post(self) -> None:
-        self.header = on_wire(torch.empty(3, dtype=torch.int64))
-        self.flats = [on_wire(torch.empty(bucket_bytes(b), dtype=torch.uint8)) for b in self.buckets]
+        """Receive the next weights into the same buffers. The engine has read the last ones: HF copies
+        them into its parameters, SGLang into its own flattened payload, both queued on this process's
+        current stream, which the next collective waits for before it writes."""
         self.works = [tdist.broadcast(t, src=self.leader, group=self.group, async_op=True)
                       for t in (self.header, *self.flats)]
 
@@ -251,8 +255,7 @@ class WeightReceiver:
         version, stop, evaluate = (int(x) for x in self.header.cpu())
         self.evaluate = bool(evaluate)
         self._load(engine)
-        if not stop:  # these buffers go first: one copy of the weights at a time (the start-up plan's)
-            self.header = self.flats = self.works = None
+        if not stop:
             self._post()
         return version, bool(stop)
 
