@@ -174,8 +174,9 @@ def test_a_training_set_that_changed_size_is_refused_before_deepspeed_loads(tmp_
     cfg = make_cfg(tmp_path, keep_last=2)
     cfg.resume = "auto"
     actor = FakeActor()
-    with pytest.raises(CheckpointError, match=r"its run trained on 10 records, this one has 14: the data file\(s\) "
-                                              r"changed.*Restore the data.*python -m colo_rl.checkpoint"):
+    with pytest.raises(CheckpointError, match=r"cannot resume from .*step-000002: its data order \(10 records, seed 1\) "
+                                              r"is not this run's \(14 records.*the data file\(s\).*changed.*"
+                                              r"Restore the data.*python -m colo_rl.checkpoint .*step-000002 <out_dir>"):
         CheckpointManager(tmp_path, cfg).maybe_resume(actor, EpochSampler(14, seed=1))
     assert actor.loaded is None
 

@@ -228,15 +228,7 @@ class CheckpointManager:
         path = self.checkpoint
         state = json.loads((path / "state.json").read_text())
         if sampler is not None:  # before DeepSpeed's load: a different training set is said at once
-            saved = state["sampler"]
-            if saved["num_items"] != sampler.num_items:
-                raise CheckpointError(
-                    f"cannot resume from {path}: its run trained on {saved['num_items']} records, this one has "
-                    f"{sampler.num_items}: the data file(s) changed since (or how many are dropped as over-length), "
-                    f"so its data position means nothing here. Restore the data the run started with, or start a "
-                    f"new run from its weights (python -m colo_rl.checkpoint {path} <out_dir>, then "
-                    f"model.path=<out_dir>)")
-            sampler.load_state_dict(saved)
+            sampler.load_state_dict(state["sampler"], str(path))
         actor.load_checkpoint(str(path), DS_TAG)  # DeepSpeed: model, optimizer, scheduler (this rank's shards)
         if hasattr(actor, "load_counters"):
             actor.load_counters(state.get("actor", {}))

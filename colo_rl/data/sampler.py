@@ -68,12 +68,14 @@ class EpochSampler:
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_items": self.num_items}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, checkpoint: str = "<checkpoint>") -> None:
+        """A saved position; CheckpointError, naming `checkpoint` and what to do, for another data order."""
         if state["num_items"] != self.num_items or state["seed"] != self.seed:
             raise CheckpointError(
-                f"the checkpoint's data order ({state['num_items']} records, seed {state['seed']}) is not this "
-                f"run's ({self.num_items} records, seed {self.seed}): the data file(s) or how many are dropped as "
-                f"over-length changed since. Restore the data the run started with, or start a new run from its "
-                f"exported weights (python -m colo_rl.checkpoint <checkpoint> <out_dir>, then model.path=<out_dir>)")
+                f"cannot resume from {checkpoint}: its data order ({state['num_items']} records, seed "
+                f"{state['seed']}) is not this run's ({self.num_items} records, seed {self.seed}): the data file(s) "
+                f"or how many are dropped as over-length changed since. Restore the data the run started with, or "
+                f"start a new run from its weights (python -m colo_rl.checkpoint {checkpoint} <out_dir>, then "
+                f"model.path=<out_dir>)")
         self.epoch, self.position = state["epoch"], state["position"]
         self._order = self._make_order()
