@@ -23,7 +23,7 @@ from colo_rl.train.compiled_layers import check_compile, compile_decoder_layers
 from colo_rl.train.ds_config import (DEEPSPEED_STATE_KINDS, announce_op_build, build_ds_config, check_pageable,
                                      drop_offload_buffers, fit_grad_bucket, grad_bucket_bytes, has_dropout,
                                      lr_lambda, offload_buffers_set_aside, paged_state_bytes, paging_needed,
-                                     schedule_rates, set_zero3_hooks, state_bytes_by_kind)
+                                     reapply_schedule, set_zero3_hooks, state_bytes_by_kind, without_dropout)
 from colo_rl.train.flat_weights import deepspeed_flat_weights
 from colo_rl.train.host_paging import HostPager, pinnable
 from colo_rl.train.lm_head import fusable_head
@@ -163,15 +163,9 @@ class DeepSpeedActor:
         if self.guard is not None:
             self.guard.require(Phase.UPDATE, "trainer forward")
         batch = batch.to_device(self.engine.device)
-        scoring = not grad and self.module.training and self._dropout  # old / ref log-probs: no dropout noise
-        if scoring:
-            self.module.train(False)
-        try:
-            with contextlib.nullcontext() if grad else torch.no_grad():
-                return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
-        finally:
-            if scoring:
-                self.module.train(True)
+        with without_dropout(self.module, not grad and self.module.training and self._dropout), \
+                contextlib.nullcontext() if grad else torch.no_grad():
+            return response_logprobs(self.engine, batch, temperature, with_entropy, entropy_grad and grad)
 
     def to_device(self, batch: TokenBatch) -> TokenBatch:
         """`batch` on this actor's device (pinned and non-blocking from the host to a GPU)."""
@@ -262,12 +256,7 @@ class DeepSpeedActor:
                               directory)
         if self.with_optimizer and self.engine.device.type == "cpu":
             replay_cpu_adam_steps(self._inner_optimizer())
-        # the next step's rate from this run's schedule (the saved one is the checkpoint's schedule's)
-        rates = schedule_rates(self.lr_scheduler)
-        if dist.is_rank0() and rates and rates[0] != rates[1]:
-            log.warning("resume: the learning-rate schedule differs from the checkpoint's (trainer.total_steps, "
-                        "epochs, max_steps, warmup_steps or lr_schedule changed): lr %.4g -> %.4g from this step, "
-                        "on this run's schedule", *rates)
+        reapply_schedule(self.lr_scheduler, announce=dist.is_rank0())  # the saved rate is the checkpoint schedule's
 
     def counters(self) -> dict[str, int]:
         """What a checkpoint keeps of the actor besides DeepSpeed's own state."""

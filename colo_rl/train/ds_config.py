@@ -249,6 +249,30 @@ def has_dropout(model: torch.nn.Module) -> bool:
                and v > 0 for k, v in fields.items())
 
 
+@contextlib.contextmanager
+def without_dropout(model: torch.nn.Module, active: bool) -> Iterator[None]:
+    """`model` in eval mode inside (`active`: a training model that drops anything), back to
+    training after: no-grad scoring (old / reference log-probs, held-out losses) without noise."""
+    if not active:
+        yield
+        return
+    model.train(False)
+    try:
+        yield
+    finally:
+        model.train(True)
+
+
+def reapply_schedule(scheduler, announce: bool) -> None:
+    """After a checkpoint's load: `schedule_rates`, and a warning (`announce`: rank 0) where this
+    run's schedule differs from the checkpoint's."""
+    rates = schedule_rates(scheduler)
+    if announce and rates and rates[0] != rates[1]:
+        log.warning("resume: the learning-rate schedule differs from the checkpoint's (trainer.total_steps, epochs, "
+                    "max_steps, warmup_steps or lr_schedule changed): lr %.4g -> %.4g from this step, on this run's "
+                    "schedule", *rates)
+
+
 def schedule_rates(scheduler) -> Optional[tuple[float, float]]:
     """After a checkpoint's load: set the optimizer's rate from `scheduler`'s (a LambdaLR of
     `lr_lambda`) own function at its restored position, and return (the saved rate, this one).
