@@ -12,7 +12,8 @@ switch; the target is under 5 %). The ledger's transitions are summarised too.
 Times come from the recipe's own per-step metrics (time/generation, time/reward, time/logprobs,
 time/update, time/handoff, time/phase_switch, time/step); "other" is the rest of the step
 (collation, advantages, metric reductions), so the shares sum to 1. The first `--skip` steps are
-dropped: step 1 follows the step-0 evaluation, so it pays no handoff and carries the warm-up.
+dropped: step 1 carries the warm-up. The switch into generation that an evaluation paid (the
+step after it found the engine generating) is charged to that step (colo_rl/bottleneck.py).
 
 Peak memory per phase (benchmarks/phase_memory.py): a sampler thread and a sample at every phase
 boundary; a sample counts for every phase open at that moment, so "phase switch" includes the
@@ -65,7 +66,9 @@ def breakdown(rows: list[dict], skip: int) -> dict:
 
     `other` = step - sum(phases) (bookkeeping inside the step), so shares sum to exactly 1.
     """
-    steps = [r for r in rows if r.get("time/step") is not None]
+    from colo_rl.bottleneck import charged_steps
+
+    steps = charged_steps(rows)  # an evaluation's switch charged to the step after it
     if not steps:
         raise ValueError("no step rows with time/step in metrics")
     kept = steps[common.kept_steps(len(steps), skip):]

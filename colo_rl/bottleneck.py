@@ -41,9 +41,43 @@ PHASES = {"generation": ["time/generation"],
 SHARES = (*PHASES, "other")
 
 
+EVAL_SWITCH = {"time/eval_handoff": "time/handoff", "time/eval_phase_switch": "time/phase_switch"}
+
+
+def _is_step(row: dict) -> bool:
+    return row.get("time/step") is not None and row.get("step", 1) > 0
+
+
+def charged_rows(rows: Iterable[dict]) -> list[dict]:
+    """The rows, each step row (step > 0, with time/step) charged the switch into the generation
+    phase that the evaluation logged before it paid in its stead (colo_rl/evaluation.py
+    `eval_switch_seconds`): its time/handoff, time/phase_switch and time/step grow by it, as in a
+    run without that evaluation. The last evaluation's switch has no step after it and is left out.
+    The rows given are not changed."""
+    out, carried = [], {}
+    for r in rows:
+        if _is_step(r) and carried:
+            r = dict(r)
+            for key, seconds in carried.items():
+                r[key] = float(r.get(key) or 0.0) + seconds
+                r["time/step"] = float(r["time/step"]) + seconds
+            carried = {}
+        out.append(r)
+        paid = {step_key: float(r[key]) for key, step_key in EVAL_SWITCH.items() if r.get(key)}
+        if paid:
+            carried = paid
+    return out
+
+
+def charged_steps(rows: Iterable[dict]) -> list[dict]:
+    """The step rows of `charged_rows`."""
+    return [r for r in charged_rows(rows) if _is_step(r)]
+
+
 def phase_means(rows: Iterable[dict], skip: int = 1) -> dict[str, float]:
-    """Mean seconds per step of each phase over the step rows (the first `skip` dropped as warm-up)."""
-    steps = [r for r in rows if r.get("time/step") is not None and r.get("step", 1) > 0]
+    """Mean seconds per step of each phase over the step rows (the first `skip` dropped as warm-up),
+    an evaluation's switch charged to the step after it (`charged_steps`)."""
+    steps = charged_steps(rows)
     kept = steps[min(skip, max(0, len(steps) - 1)):]
     if not kept:
         raise ValueError("no step rows with time/step: nothing to report")

@@ -70,9 +70,22 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
     are named `prefix` + name (eval/accuracy ...)."""
     if not prompt_ids:  # data.eval_size=0: no held-out problems, nothing to report
         return {}
+    before = colo.switch.timed_phase_seconds()
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
-    return reported(res, step, prefix)
+    return {**reported(res, step, prefix), **eval_switch_seconds(before, colo.switch.timed_phase_seconds())}
+
+
+def eval_switch_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The switch into the generation phase that an evaluation paid (time/eval_handoff,
+    time/eval_phase_switch; part of time/eval), or nothing when the engine already had the phase.
+    The next training step finds the engine generating and pays no handoff of its own: the
+    bottleneck report charges this one to it (colo_rl/bottleneck.py `charged_steps`)."""
+    if not after:  # a rank without phases (split placement's trainer)
+        return {}
+    paid = {"time/eval_handoff": after["time/handoff"] - before["time/handoff"],
+            "time/eval_phase_switch": after["time/phase_switch"] - before["time/phase_switch"]}
+    return paid if any(v > 0 for v in paid.values()) else {}
 
 
 def reported(res: dict, step: int, prefix: str = "eval/") -> dict[str, float]:

@@ -22,7 +22,7 @@ import torch
 from omegaconf import DictConfig
 
 from colo_rl import algos, dist, loop, process_exit, runtime
-from colo_rl.bottleneck import bottleneck_report, format_report, resolve_generation_ranks
+from colo_rl.bottleneck import bottleneck_report, charged_rows, format_report, resolve_generation_ranks
 from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
 from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
@@ -231,7 +231,7 @@ class GRPORecipe:
             export_hf(self.colo.actor, self.tokenizer, self.run_dir / "checkpoint-final")
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         if self.cfg.plots:
-            plot_curves(rows, self.run_dir / "reward_curve.png",
+            plot_curves(charged_rows(rows), self.run_dir / "reward_curve.png",  # evaluations' switches in their steps
                         [("reward", ["reward/mean", "reward/accuracy"]),
                          ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient"]),
                          ("seconds per step", ["time/generation", "time/update", "time/handoff",

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from colo_rl.bottleneck import bottleneck_report, format_report, main, split_layout
+from colo_rl.bottleneck import bottleneck_report, charged_steps, format_report, main, split_layout
 
 
 def rows(gen: float, logprobs: float, update: float, handoff: float, switch: float, reward: float, n: int = 4):
@@ -91,3 +91,20 @@ def test_other_is_the_rest_of_the_step_so_the_shares_sum_to_one():
     assert report["seconds_per_step"]["other"] == pytest.approx(0.2 + 1.1)
     assert sum(report["shares"].values()) == pytest.approx(1.0)
     assert report["best_split"]["step_seconds"] >= 1.3  # a split layout pays it too
+
+
+def test_an_evaluations_switch_is_charged_to_the_step_after_it():
+    """With an evaluation after every step, each evaluation hands the engine the new weights and the
+    next step pays no handoff: the report charges the evaluation's switch to that step, so the
+    colocation share is the one a run without those evaluations would show."""
+    every = rows(gen=2.0, logprobs=0.0, update=2.0, handoff=0.0, switch=0.1, reward=0.0, n=3)
+    every[0].update({"time/eval_handoff": 0.5, "time/eval_phase_switch": 0.2})  # step 0's evaluation
+    every[1].update({"time/eval_handoff": 0.5, "time/eval_phase_switch": 0.2})
+    every[3].update({"time/eval_handoff": 0.5, "time/eval_phase_switch": 0.2})  # the last: no step after it
+    steps = charged_steps(every)
+    assert [r["time/handoff"] for r in steps] == [0.5, 0.5, 0.0]  # no evaluation after step 2
+    assert [r["time/phase_switch"] for r in steps] == pytest.approx([0.3, 0.3, 0.1])
+    assert [r["time/step"] for r in steps] == pytest.approx([4.8, 4.8, 4.1])
+    assert every[1]["time/handoff"] == 0.0  # the logged rows are left as they were
+    assert bottleneck_report(every, n_gpus=1, skip=0)["shares"]["switch"] == pytest.approx(
+        (0.8 + 0.8 + 0.1) / (4.8 + 4.8 + 4.1))

@@ -56,6 +56,9 @@ def test_metrics_have_one_line_per_step_with_every_key(run_dir):
     r = rows(run_dir)
     assert [x["step"] for x in r] == [0, 1, 2]
     assert "eval/accuracy" in r[0] and "eval/accuracy" in r[-1]
+    # the last evaluation followed an update: it handed the engine the new weights, and says so
+    assert r[-1]["time/eval_handoff"] > 0 and r[-1]["time/eval_phase_switch"] > 0
+    assert r[-1]["time/eval"] > r[-1]["time/eval_handoff"] + r[-1]["time/eval_phase_switch"]
     for row in r[1:]:
         missing = [k for k in KEYS if k not in row]
         assert not missing, missing

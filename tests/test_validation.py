@@ -287,12 +287,49 @@ def test_held_out_log_line_shows_an_example_beside_its_answer(monkeypatch, caplo
     from colo_rl.rewards import RewardScorer
 
     monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])
-    colo = SimpleNamespace(engine=_Engine(), switch=SimpleNamespace(generation=contextlib.nullcontext))
+    colo = SimpleNamespace(engine=_Engine(), switch=SimpleNamespace(generation=contextlib.nullcontext,
+                                                                  timed_phase_seconds=dict))
     with caplog.at_level(logging.INFO, logger="colo_rl"):
         res = held_out_accuracy(colo, _Tokenizer(), [[1, 2]], ["4"], RewardScorer(RewardConfig()), 8, step=5)
     assert res["eval/accuracy"] == 0.0 and res["eval/count"] == 1.0
     assert caplog.records[-1].getMessage() == ("eval @ step 5: accuracy 0.000 (lenient 0.000, format 1.000) on 1 "
                                                "held-out problems; e.g. 'The answer is 3.' for answer 4")
+
+
+def test_an_evaluation_reports_the_switch_into_generation_it_paid(monkeypatch):
+    """After an update the evaluation pays the handoff that the next step would have paid: its row
+    says so (time/eval_handoff, time/eval_phase_switch) so that the bottleneck report can charge it
+    to that step; a second evaluation in the same phase (eval_no_tools/) paid nothing and says nothing."""
+    from types import SimpleNamespace
+
+    from colo_rl import dist
+    from colo_rl.colocate.switch import PhaseSwitcher
+    from colo_rl.config import RewardConfig
+    from colo_rl.evaluation import held_out_accuracy
+    from colo_rl.phase import PhaseGuard
+    from colo_rl.rewards import RewardScorer
+
+    class Manager:
+        def to_generation(self, step):
+            return {"seconds": 1.0, "moves": [{"what": "weights handoff", "seconds": 0.25}]}
+
+        def to_train(self, step):
+            return {"seconds": 0.5, "moves": []}
+
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])
+    switch = PhaseSwitcher(Manager(), PhaseGuard())
+    switch.begin_step(3)
+    with switch.generation():
+        pass
+    with switch.update():
+        pass
+    colo = SimpleNamespace(engine=_Engine(), switch=switch)
+    first = held_out_accuracy(colo, _Tokenizer(), [[1, 2]], ["4"], RewardScorer(RewardConfig()), 8, step=4)
+    assert first["time/eval_handoff"] == 0.25
+    assert first["time/eval_phase_switch"] == pytest.approx(0.75, abs=0.05)
+    second = held_out_accuracy(colo, _Tokenizer(), [[1, 2]], ["4"], RewardScorer(RewardConfig()), 8, step=4,
+                               prefix="eval_no_tools/")
+    assert not [k for k in second if k.startswith("time/")]
 
 
 def test_console_line_names_are_unique_stable_and_say_what_they_are(tmp_path, caplog):
