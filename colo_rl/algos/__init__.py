@@ -18,7 +18,8 @@ dual-clip, GSPO, CISPO, KL estimators, `rl_loss` = the whole GRPO-family loss), 
 NLL, DPO / IPO / hinge). Everything is re-exported here: `algos.rl_loss(...)`.
 """
 
-from colo_rl.algos.advantages import (GROUP_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, AdaptiveKLController, global_whiten,
+from colo_rl.algos.advantages import (GROUP_ESTIMATORS, KL_IN_REWARD_ESTIMATORS, TOKEN_LEVEL_ESTIMATORS,
+                                      AdaptiveKLController, global_whiten,
                                       group_advantages, grpo_advantages, informative_groups, kl_goes_in_reward,
                                       kl_in_reward, outcome_token_rewards, overlong_penalty, reinforce_pp_advantages,
                                       reinforce_pp_baseline_advantages, rloo_advantages, sequence_mean_kl)
@@ -35,7 +36,7 @@ from colo_rl.algos.preference import dpo_loss, ipo_loss, sequence_logprobs, sft_
 __all__ = [
     "ADV_ESTIMATORS", "DPO_LOSSES", "ROLLOUT_CORRECTIONS", "TWO_SIDED_CORRECTIONS", "Correction", "MISMATCH_MAX_KEYS",
     "mismatch_metrics", "mismatch_sums", "rollout_correction", "masked", "GSPO_LOG_RATIO_MAX", "kl_abs", "kl_k1_plus",
-    "kl_k3_plus", "sequence_mean_kl", "GROUP_ESTIMATORS", "KL_IN_REWARD_ESTIMATORS", "kl_goes_in_reward", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
+    "kl_k3_plus", "sequence_mean_kl", "GROUP_ESTIMATORS", "KL_IN_REWARD_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "kl_goes_in_reward", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
     "POLICY_LOSSES", "AdaptiveKLController", "aggregate_loss", "cispo_loss", "dpo_loss", "entropy_from_logits",
     "global_whiten", "group_advantages", "grpo_advantages", "gspo_loss", "informative_groups", "ipo_loss",
     "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "logprobs_from_logits", "masked_mean",

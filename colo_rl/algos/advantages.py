@@ -25,6 +25,9 @@ from colo_rl.algos.core import ADV_ESTIMATORS, masked
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_pp_baseline")
 # Estimators that put the KL in the reward by definition (REINFORCE++): no KL term in the loss.
 KL_IN_REWARD_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline")
+# Estimators whose advantages differ between a sequence's tokens when the KL is in the reward
+# (returns-to-go of a per-token penalty); every other estimator gives one advantage per sequence.
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_pp",)
 
 
 def kl_goes_in_reward(algo) -> bool:

@@ -8,7 +8,8 @@ from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from colo_rl.algos import GROUP_ESTIMATORS, ROLLOUT_CORRECTIONS, TWO_SIDED_CORRECTIONS, kl_goes_in_reward
+from colo_rl.algos import (GROUP_ESTIMATORS, ROLLOUT_CORRECTIONS, TOKEN_LEVEL_ESTIMATORS, TWO_SIDED_CORRECTIONS,
+                           kl_goes_in_reward)
 from colo_rl.envs import check_env_config
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import LOGGERS, REQUIRED as REQUIRED_LOGGER, unavailable as logger_unavailable
@@ -191,6 +192,11 @@ def check_gspo(algo: "AlgoConfig") -> None:
         raise ConfigError(f"algo.policy_loss=gspo averages over sequences (each sequence's token mean, then the "
                           f"mean over sequences); algo.loss_agg={algo.loss_agg} would weigh sequences differently. "
                           f"Set algo.loss_agg=seq-mean-token-mean")
+    if algo.adv_estimator in TOKEN_LEVEL_ESTIMATORS and algo.kl_coef > 0:
+        raise ConfigError(f"algo.policy_loss=gspo weighs every token of a sequence by one advantage (the paper's "
+                          f"objective); algo.adv_estimator={algo.adv_estimator} with algo.kl_coef={algo.kl_coef} gives "
+                          f"each token its own (the returns-to-go of a per-token KL penalty). Use "
+                          f"algo.adv_estimator=reinforce_pp_baseline (or grpo, rloo), or algo.kl_coef=0")
 
 
 def check_split_rules(cfg: "RunConfig") -> None:
