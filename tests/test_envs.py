@@ -120,6 +120,8 @@ def test_tag_format_parses_inline_calls_and_answers_inline():
     thought = fmt.parse("<think>\nLet me compute.</think> It is <b>big</b>: <calculator>12*34</calculator>")
     assert thought.call.name == "calculator" and thought.error is None
     assert not fmt.parse("<think>easy</think> The answer is 408.").wants_tool
+    assert not fmt.parse("<Think>easy</Think> The <B>answer</B> is 408.").wants_tool  # prose in any case
+    assert fmt.parse("<Calculator>1+1</Calculator>").error.startswith("unknown tool <Calculator>")  # tools: exact
     assert not fmt.parse("plain text 1 < 2 > 0").wants_tool
     assert fmt.stop_strings() == ("</calculator>", "</python>")  # where a call ends: the engine may stop there
 

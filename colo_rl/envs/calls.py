@@ -130,7 +130,7 @@ class TagCallFormat(JsonCallFormat):
     def parse(self, text: str) -> ParsedTurn:
         for m in self._OPEN.finditer(text):
             name = m.group(1)
-            if name in self.PROSE_TAGS and name not in self.tools:
+            if name.lower() in self.PROSE_TAGS and name not in self.tools:  # HTML's case: <B>, <Think>
                 continue
             close = f"</{name}>"
             stop = text.find(close, m.end())
