@@ -165,6 +165,11 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
         raise ConfigError(f"algo.dynamic_sampling=true keeps groups whose rewards differ; with rollout.group_size="
                           f"{cfg.rollout.group_size} no group can, so every round would be set aside. Use "
                           f"rollout.group_size >= 2 or algo.dynamic_sampling=false")
+    if algo.dynamic_sampling and algo.adv_estimator not in GROUP_ESTIMATORS:
+        raise ConfigError(f"algo.dynamic_sampling=true drops groups whose rewards are all equal, which a group "
+                          f"baseline gives zero advantage; algo.adv_estimator={algo.adv_estimator}'s baseline is the "
+                          f"whole batch, so those groups carry a signal the filter would throw away. Use "
+                          f"algo.adv_estimator=one of {list(GROUP_ESTIMATORS)} or algo.dynamic_sampling=false")
     if algo.clip_ratio_c is not None and algo.policy_loss != "ppo_clip":
         raise ConfigError(f"algo.clip_ratio_c={algo.clip_ratio_c} (dual-clip) bounds ppo_clip's token loss; "
                           f"algo.policy_loss={algo.policy_loss} has no such term and would ignore it: remove "
