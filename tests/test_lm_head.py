@@ -57,6 +57,33 @@ def test_chunked_head_matches_whole_logits_values_and_gradients(temperature, ent
         torch.testing.assert_close(got, ref.float(), rtol=0, atol=3e-5)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_bf16_chunked_head_equals_the_whole_logits_path_on_confident_tokens(temperature):
+    """In bf16 (a GPU's default) the picked logit comes from the chunk's float32 logits, as logZ does,
+    and the one-hot term joins the gradient in float32 before the cast: log-probs and gradients equal
+    the whole-logits path's (HF's bf16 logits, upcast). A separate bf16 dot product h . W_y had given
+    log-probs up to +0.06 and a confident token's gradient all rounding (relative error 1.0)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(512, 64, generator=g).div(8)
+    targets = torch.randint(0, 512, (24,), generator=g)
+    w_y = weight[targets]
+    hidden = (torch.randn(24, 64, generator=g) + 16 * w_y / w_y.pow(2).sum(-1, keepdim=True)).bfloat16()
+    weight, at = weight.bfloat16(), torch.arange(24)
+    coef = torch.randn(24, generator=g)
+    h_chunk, w_chunk = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, _ = head_logprobs(h_chunk, w_chunk, at, targets, temperature, chunk=7)
+    (coef * logp).sum().backward()
+    h_whole, w_whole = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    z = (h_whole @ w_whole.t()).float() / temperature
+    whole = torch.log_softmax(z, -1)[at, targets]
+    (coef * whole).sum().backward()
+    assert whole.exp().min() > 0.99  # confident tokens, as most of an RL rollout's
+    assert logp.max() <= 0
+    torch.testing.assert_close(logp, whole.detach(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(h_chunk.grad.float(), h_whole.grad.float(), rtol=0.02, atol=1e-4)
+    torch.testing.assert_close(w_chunk.grad.float(), w_whole.grad.float(), rtol=0.02, atol=1e-4)
+
+
 def test_head_without_entropy_returns_none_and_the_same_logprobs():
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(6, 8, generator=g), torch.randn(50, 8, generator=g)

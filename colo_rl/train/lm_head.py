@@ -7,8 +7,9 @@ The trainer needs, per response token t predicted at position u(t), only
     logp_t = z[u(t), y_t] - logZ_u,   H_u = logZ_u - sum_v softmax(z_u)_v z_uv,
     z_u = W h_u / T,  logZ_u = logsumexp_v z_uv,
 
-so the LM head's output per position is two numbers, not a vocabulary-wide row. `chunked_logz`
-computes logZ (and H) chunk by chunk (`ChunkedLogZ`); z[u, y] is a dot product h_u . W_y per token.
+so the LM head's output per position is two numbers, not a vocabulary-wide row.
+`ChunkedHeadLogprobs` computes logZ, H and each token's z[u, y] chunk by chunk, all from the same
+float32 logits, as the whole-logits path does.
 Peers do the same: verl's fused linear-for-ppo, OpenRLHF / slime's chunked log-prob + entropy,
 Liger's fused linear cross-entropy.
 
@@ -48,41 +49,56 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float
     return z / temperature if temperature != 1.0 else z
 
 
-class ChunkedLogZ(torch.autograd.Function):
-    """(hidden [N, h], weight [V, h]) -> logZ [N] and H [N] (zeros without `with_entropy`), float32.
+def _in_chunk(at: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's row in the chunk [start, start + rows) (clamped into it) and whether it is there:
+    a gather and a where, no boolean indexing (which would wait for the device)."""
+    return (at - start).clamp_(0, rows - 1), (at >= start) & (at < start + rows)
 
-    Backward, per chunk, with p = softmax(z) and E[z] = sum_v p_v z_v (recomputed from h and W: the
-    chunk's z is not kept):
 
-        dlogZ_u / dz_uv = p_uv,     dH_u / dz_uv = -p_uv (z_uv - E[z_u])
-        G_uv = (g_logZ_u p_uv - g_H_u p_uv (z_uv - E[z_u])) / T
+class ChunkedHeadLogprobs(torch.autograd.Function):
+    """(hidden [N, h], weight [V, h], at [M], targets [M]) -> logp [M] and H [N] (zeros without
+    `with_entropy`), float32: logp_t = z[u(t), y_t] - logZ_u(t), the picked logit taken from the same
+    float32 chunk of z as logZ. (A separate bf16 dot product h . W_y rounds differently from the
+    chunk's product: logp came out above 0, and a confident token's gradient g (1 - p_y) W_y became
+    the difference of two bf16 numbers that cancel.)
+
+    Backward, per chunk, with p = softmax(z), E[z] = sum_v p_v z_v and g_u = the sum of the g_t of
+    the tokens predicted at u (recomputed from h and W: the chunk's z is not kept):
+
+        dlogp_t / dz_uv = [v = y_t] - p_uv,     dH_u / dz_uv = -p_uv (z_uv - E[z_u])
+        G_uv = (sum_{t: u(t)=u, y_t=v} g_t - g_u p_uv - g_H_u p_uv (z_uv - E[z_u])) / T
         dL/dh = G W,   dL/dW = G^T h
 
+    G is formed in float32 and cast to the weight's dtype once (the whole-logits path's order).
     H gets a gradient only with `entropy_grad` (an entropy bonus); else it is a constant."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, temperature: float, with_entropy: bool, entropy_grad: bool, chunk: int):
+    def forward(ctx, hidden, weight, at, targets, temperature: float, with_entropy: bool, entropy_grad: bool,
+                chunk: int):
         n = hidden.shape[0]
         logz = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        picked = torch.zeros(at.shape, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, chunk):  # (no autograd graph inside a Function's forward)
             z = _chunk_logits(hidden[s:s + chunk], weight, temperature)
             logz[s:s + chunk] = torch.logsumexp(z, dim=-1)
             if with_entropy:
                 entropy[s:s + chunk] = entropy_from_logits(z, logz[s:s + chunk])
-        ctx.save_for_backward(hidden, weight, logz, entropy)
+            row, inside = _in_chunk(at, s, z.shape[0])
+            picked = torch.where(inside, z[row, targets], picked)
+        ctx.save_for_backward(hidden, weight, at, targets, logz, entropy)
         ctx.temperature, ctx.chunk, ctx.entropy_grad = temperature, chunk, with_entropy and entropy_grad
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy)
-        return logz, entropy
+        return picked - logz[at], entropy
 
     @staticmethod
-    def backward(ctx, g_logz, g_entropy):
-        hidden, weight, logz, entropy = ctx.saved_tensors
+    def backward(ctx, g_logp, g_entropy):
+        hidden, weight, at, targets, logz, entropy = ctx.saved_tensors
         T, chunk = ctx.temperature, ctx.chunk
         use_entropy = ctx.entropy_grad and g_entropy is not None
-        if g_logz is None:
-            g_logz = torch.zeros_like(logz)
+        g_logp = torch.zeros_like(logz[at]) if g_logp is None else g_logp.float()
+        g_pos = torch.zeros_like(logz).index_add_(0, at, g_logp)  # g_u: a prompt's end predicts several tokens
         g_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
             if ctx.needs_input_grad[1] else None
@@ -92,9 +108,11 @@ class ChunkedLogZ(torch.autograd.Function):
             p = (z - logz[s:s + chunk, None]).exp_()
             if use_entropy:  # E[z] = logZ - H
                 centred = z.sub_((logz[s:s + chunk] - entropy[s:s + chunk])[:, None])
-                grad = p * (g_logz[s:s + chunk, None] - g_entropy[s:s + chunk, None] * centred)
+                grad = p.mul_(-(g_pos[s:s + chunk, None] + g_entropy[s:s + chunk, None] * centred))
             else:
-                grad = p.mul_(g_logz[s:s + chunk, None])
+                grad = p.mul_(-g_pos[s:s + chunk, None])
+            row, inside = _in_chunk(at, s, z.shape[0])
+            grad.index_put_((row, targets), torch.where(inside, g_logp, 0.0), accumulate=True)  # the one-hot term
             if T != 1.0:
                 grad = grad.div_(T)
             grad = grad.to(weight.dtype)
@@ -106,7 +124,8 @@ class ChunkedLogZ(torch.autograd.Function):
                 g_weight.addmm_(grad.t(), h)  # accumulated inside the product: no [V, h] temporary
             else:  # bf16 / fp16 products, summed over chunks in float32
                 g_weight += (grad.t() @ h).float()
-        return g_hidden, None if g_weight is None else g_weight.to(weight.dtype), None, None, None, None
+        g_weight = None if g_weight is None else g_weight.to(weight.dtype)
+        return g_hidden, g_weight, None, None, None, None, None, None
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, at: torch.Tensor, targets: torch.Tensor,
@@ -118,12 +137,9 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, at: torch.Tensor, 
     the position (row of `hidden`) predicting each token; targets [...]: the token ids. Returns
     (logp, entropy) shaped like `at` (entropy None without `with_entropy`)."""
     chunk = chunk or chunk_positions(hidden.device, weight.shape[0], weight.shape[1])
-    logz, entropy = ChunkedLogZ.apply(hidden, weight, temperature, with_entropy, entropy_grad, chunk)
-    picked = (hidden[at] * weight[targets]).sum(-1).float()  # z[u(t), y_t], in the model's dtype as the head's
-    if temperature != 1.0:
-        picked = picked / temperature
-    logp = picked - logz[at]
-    return logp, entropy[at] if with_entropy else None
+    logp, entropy = ChunkedHeadLogprobs.apply(hidden, weight, at.reshape(-1), targets.reshape(-1), temperature,
+                                              with_entropy, entropy_grad, chunk)
+    return logp.view(at.shape), entropy[at] if with_entropy else None
 
 
 # On the CPU the whole-logits path is faster (2 cores, 2026-11-26: LM head + log-softmax + entropy,
