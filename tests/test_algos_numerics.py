@@ -256,6 +256,8 @@ def test_rl_loss_applies_the_correction_and_reports_the_mismatch():
      r"algo.adv_estimator=reinforce_pp with algo.kl_coef=0.01 gives each token its own"),
     (["algo.dynamic_sampling=true", "algo.adv_estimator=reinforce_pp"],
      r"algo.adv_estimator=reinforce_pp's baseline is the whole batch"),
+    (["model.attn_implementation=flash_attention_2"],
+     r"model.attn_implementation=flash_attention_2 does not take: use one of \['sdpa', 'eager', 'flex_attention'\]"),
     (["algo.loss_agg=seq-mean-token-sum-norm"], r"needs it \(e.g. algo.loss_scale_factor=40"),
     (["algo.loss_scale_factor=256"], r"no other aggregation reads algo.loss_scale_factor"),
     (["algo.tis_cap=2.0", "algo.rollout_correction=icepop"], r"algo.tis_cap=2.0 and algo.rollout_correction=icepop"),

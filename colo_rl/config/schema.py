@@ -79,7 +79,8 @@ class ModelConfig:
                      resume=refuse("DeepSpeed's optimizer state differs between bf16 and fp32 training"))
     # Recompute activations in the backward pass (less memory, ~30 % more compute).
     gradient_checkpointing: bool = opt(False, ALL)
-    # transformers' attention (sdpa | eager | flash_attention_2); packing needs sdpa or eager.
+    # transformers' attention (sdpa | eager | flex_attention | flash_attention_2); trainer.packing needs
+    # sdpa or eager (GRPO: flex_attention too).
     attn_implementation: str = opt("sdpa", ALL)
     # torch.compile each decoder layer of the trained (and reference) model: fused element-wise
     # kernels, fewer host dispatches; compiles at the first micro-batches. Under ZeRO-3 it needs
@@ -381,7 +382,7 @@ class TrainerConfig:
                                                               "must be auto or a positive number of tokens"))
     micro_batch_size: int = opt(0, TRAINING, check=ge(0, "0 = no cap: the token budget alone"))
     # Several sequences per row, no attention across them (needs model.attn_implementation sdpa or
-    # eager). GRPO: each prompt group one row [prompt | r_1 | ... | r_G] (its prompt computed once),
+    # eager; GRPO: flex_attention too). GRPO: each prompt group one row [prompt | r_1 | ... | r_G] (its prompt computed once),
     # whole groups per micro-batch; DPO: each pair one row [prompt | chosen |
     # p' | rejected]; SFT: examples packed into rows of data.max_seq_len. False: padded rows.
     packing: bool = opt(True, TRAINING)

@@ -143,6 +143,11 @@ def check_eval_rules(cfg: "RunConfig") -> None:
                           f"{cfg.eval.samples}] (pass@k is estimated from eval.samples completions per problem)")
 
 
+# The attention implementations that take GRPO's packed-group mask (train/packing.py group_attention):
+# a 4-D additive mask, or FlexAttention's block mask.
+PACKED_GROUP_ATTENTION = ("sdpa", "eager", "flex_attention")
+
+
 def check_grpo_rules(cfg: "RunConfig") -> None:
     """Cross-key rules of the GRPO-family options."""
     algo = cfg.algo
@@ -179,6 +184,11 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
                           f"seq-mean-token-sum-norm divides by a constant length and needs it (e.g. "
                           f"algo.loss_scale_factor={cfg.rollout.max_new_tokens}, rollout.max_new_tokens); no other "
                           f"aggregation reads algo.loss_scale_factor")
+    if cfg.trainer.packing and cfg.model.attn_implementation not in PACKED_GROUP_ATTENTION:
+        raise ConfigError(f"trainer.packing=true puts a prompt group in one row and keeps its completions apart "
+                          f"with an attention mask that model.attn_implementation={cfg.model.attn_implementation} "
+                          f"does not take: use one of {list(PACKED_GROUP_ATTENTION)}, or trainer.packing=false "
+                          f"(padded rows)")
     check_rollout_correction(algo)
     if cfg.placement.mode == "split":
         check_split_rules(cfg)
