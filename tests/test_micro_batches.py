@@ -1,6 +1,8 @@
 """Micro-batches by tokens: the loss does not depend on how a step is split. The recipe's update on
 the real DeepSpeed ZeRO-3 actor under torchrun (2 gloo ranks, fp32) gives the same gradient for
-1, 2 and 8 micro-batches per rank, for every algo.loss_agg mode (tests/workers/micro_batch_invariance_worker.py)."""
+1, 2 and 8 micro-batches per rank, for every algo.loss_agg mode, with the ranks holding unequal work
+(8 and 3 groups: empty passes), a 1-token response and an all-zero policy mask
+(tests/workers/micro_batch_invariance_worker.py)."""
 
 import json
 

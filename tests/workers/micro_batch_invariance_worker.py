@@ -1,8 +1,8 @@
 """Run under torchrun (2 gloo ranks): the gradient of GRPORecipe.update does not depend on how the
 step is split into micro-batches.
 
-Each rank holds 8 groups of 4 completions (responses of 3, 5, 7 and 9 tokens, so every group is one
-30-token packed row but the sequences differ in length); the real DeepSpeed ZeRO-3 actor (fp32,
+Rank 0 holds 8 groups of 4 completions (responses of 3, 5, 7 and 9 tokens, so every group is one
+30-token packed row but the sequences differ in length), rank 1 three (`make_rollout`); the real DeepSpeed ZeRO-3 actor (fp32,
 tiny model) runs the recipe's update with trainer.micro_batch_tokens = 10^6, 120 and 1: 1, 2 and
 8 micro-batches per rank, for every algo.loss_agg mode. The optimizer step is replaced by a capture
 of the full (all-rank) gradient, then the gradient is discarded, so every split sees the same weights.
@@ -33,13 +33,22 @@ SPLITS = {1_000_000: 1, 120: 2, 1: 8}  # micro_batch_tokens -> micro-batches per
 
 
 def make_rollout(rank: int) -> Rollout:
+    """Rank 0: 8 groups. Rank 1: 3, so it runs empty passes to keep the collectives in step (the
+    8-micro-batch split), with a 1-token response and a completion whose policy mask is all zero
+    (an episode of observations only): it counts in no loss mode's tokens."""
     gen = torch.Generator().manual_seed(100 + rank)
     ids = lambda n: [int(x) for x in torch.randint(5, 1000, (n,), generator=gen)]  # noqa: E731
     groups = []
-    for j in range(GROUPS):
+    for j in range(GROUPS if rank == 0 else 3):
         prompt = ids(6)
-        groups.append((prompt, [ids(n) for n in [3, 5, 7, 9][j % 4:] + [3, 5, 7, 9][:j % 4]]))
-    return scripted_rollout(groups, torch.rand(GROUPS * G, generator=gen).tolist(), -2.0)
+        lengths = [3, 5, 7, 9][j % 4:] + [3, 5, 7, 9][:j % 4]
+        if rank == 1 and j == 0:
+            lengths[0] = 1
+        groups.append((prompt, [ids(n) for n in lengths]))
+    rollout = scripted_rollout(groups, torch.rand(len(groups) * G, generator=gen).tolist(), -2.0)
+    if rank == 1:
+        rollout.completions[-1].policy_mask = [0] * len(rollout.completions[-1].token_ids)
+    return rollout
 
 
 def main(out: str) -> None:
