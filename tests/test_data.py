@@ -239,3 +239,24 @@ def test_the_sampler_names_the_indices_a_run_will_draw_without_moving():
     drawn = sampler.next_global(6) + sampler.next_global(6)
     assert planned == sorted(set(drawn)) and len(planned) == 12
     assert EpochSampler(20, seed=3).planned(8, 10) == list(range(20))  # past an epoch: all of them
+
+
+def test_a_capped_user_file_warns_how_many_records_it_trains_on(caplog):
+    """The SFT / DPO data groups set data.train_size for their embedded task; with a user file that
+    cap must not pass as an info line: a warning says it and how to lift it."""
+    import logging
+
+    from colo_rl.data.chat import split_records
+    from colo_rl.data.files import Record
+
+    records = [Record({"prompt": f"q{i}", "completion": "a"}, f"f.jsonl:{i + 1}") for i in range(50)]
+    capped = DataConfig(path="f.jsonl", eval_size=10, train_size=20)
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        train, held = split_records(records, capped)
+    assert (len(train), len(held)) == (20, 10)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage() for r in warned] == [
+        "data.path=f.jsonl: 20 of 40 records trained on (data.train_size=20; data.train_size=null trains on every record)"]
+    caplog.clear()
+    train, _ = split_records(records, DataConfig(path="f.jsonl", eval_size=10, train_size=None))
+    assert len(train) == 40 and not [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -24,6 +24,8 @@ HEADER = """# Configuration reference
 Generated from `colo_rl/config/schema.py` by `python -m colo_rl.config.reference` (do not edit by hand;
 `tests/test_config_reference.py` fails when it is stale). Set an option on the command line as
 `group.option=value` (`trainer.lr=2e-5`), or pick a YAML group (`rollout=sglang`, `env=calculator`).
+The default column is the schema's: each recipe's YAML groups (`conf/`: e.g. `trainer/grpo_cpu.yaml`,
+`data/sft_arithmetic.yaml`) set some options otherwise, and the run's `config.yaml` holds what it ran with.
 
 - **read by**: the recipes that read the option; setting it on the command line of another recipe is refused
   (it would be ignored), with what to set instead.

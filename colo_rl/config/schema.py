@@ -99,7 +99,8 @@ class DataConfig:
     # None = the embedded, procedurally generated arithmetic task.
     # Otherwise a JSONL / Parquet file or a local HF `datasets` directory.
     path: Optional[str] = opt(None, ALL, resume=DATA_ORDER)
-    # Training problems: the embedded task's count (null: 20000); with data.path a cap (null: every record).
+    # Training problems: the embedded task's count (null: 20000); with data.path a cap (null: every
+    # record; the SFT / DPO data groups set 384 / 320 for their embedded task: null it for a file).
     train_size: Optional[int] = opt(None, reads("grpo", "sft", "dpo", eval="recipes/eval.py reads held-out problems only"),
                                     check=Check(lambda v: v >= 0, "must be >= 0, or null (every record of data.path; "
                                                 "the embedded task: 20000)", nullable=True), resume=DATA_ORDER)
@@ -141,7 +142,7 @@ class DataConfig:
     # training order
     shuffle: bool = opt(True, reads("grpo", "sft", "dpo", eval="no training order"), resume=DATA_ORDER)
     # SFT / DPO: prompt + completion tokens per example (and per packed row); longer examples are
-    # cut or dropped by `overlong_policy` and counted. With a user file every record is used.
+    # cut or dropped by `overlong_policy` and counted (the SFT / DPO data groups set 256).
     max_seq_len: int = opt(1024, reads("sft", "dpo", grpo="set data.max_prompt_tokens and rollout.max_new_tokens",
                                        eval="set data.max_prompt_tokens"), check=POSITIVE_INT, resume=DATA_ORDER)
 
@@ -377,7 +378,8 @@ class TrainerConfig:
     grad_clip: float = opt(1.0, TRAINING, check=ge(0, "0 = no clipping"))  # global gradient-norm clip
     # Micro-batches hold whole units (GRPO groups, DPO pairs, SFT examples or packed rows) up to
     # micro_batch_tokens tokens: an integer, or auto (on a GPU from the memory free in the update
-    # phase, logged; on CPU 256); micro_batch_size caps the units per micro-batch (0 = no cap).
+    # phase, logged; on CPU 256); micro_batch_size caps the sequences
+    # (GRPO: whole groups, at least one), DPO pairs or SFT examples / rows per micro-batch (0 = no cap).
     micro_batch_tokens: str = opt("auto", TRAINING, check=Check(lambda v: str(v) == "auto" or (str(v).isdigit() and int(v) > 0),
                                                               "must be auto or a positive number of tokens"))
     micro_batch_size: int = opt(0, TRAINING, check=ge(0, "0 = no cap: the token budget alone"))

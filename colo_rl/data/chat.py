@@ -262,7 +262,8 @@ def split_records(records: list[Record], data_cfg) -> tuple[list[Record], list[R
     rest = order[data_cfg.eval_size:]
     train = [records[i] for i in sorted(rest[: data_cfg.train_size or None])]
     if len(train) < len(rest):
-        log.info("data.path=%s: %d of %d records trained on (data.train_size)", data_cfg.path, len(train), len(rest))
+        log.warning("data.path=%s: %d of %d records trained on (data.train_size=%d; data.train_size=null trains "
+                    "on every record)", data_cfg.path, len(train), len(rest), data_cfg.train_size)
     return train, held
 
 
