@@ -577,3 +577,16 @@ def test_an_error_only_one_rank_meets_is_said_by_that_rank():
     assert proc.returncode == 2, lines
     assert lines == ["error (rank 1): data shard 1 holds no records"], lines
 
+
+
+@pytest.mark.parametrize("recipe,attention,refused", [("sft", "flex_attention", True), ("dpo", "flash_attention_2", True),
+                                                      ("grpo", "flex_attention", False), ("sft", "eager", False)])
+def test_packing_needs_an_attention_that_takes_its_mask(recipe, attention, refused):
+    """SFT / DPO rows carry a 4-D mask; GRPO's group rows a 4-D or FlexAttention block mask."""
+    overrides = [f"model.attn_implementation={attention}", "trainer.packing=true"]  # SFT's group: false
+    if refused:
+        with pytest.raises(ConfigError, match=f"model.attn_implementation={attention} does not take"):
+            _cfg(overrides, recipe)
+        assert _cfg(overrides + ["trainer.packing=false"], recipe).trainer.packing is False
+    else:
+        assert _cfg(overrides, recipe).model.attn_implementation == attention

@@ -79,6 +79,7 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
                           f"use rollout.group_size>=2 (or algo.adv_estimator=reinforce_pp, whose baseline is the batch)")
     if spec["group_based"]:
         check_grpo_rules(obj)
+    check_packing_attention(obj, recipe)
     check_compile(obj.model, obj.trainer)
     check_loggers(obj.logger)
     if recipe == "eval":
@@ -143,9 +144,18 @@ def check_eval_rules(cfg: "RunConfig") -> None:
                           f"{cfg.eval.samples}] (pass@k is estimated from eval.samples completions per problem)")
 
 
-# The attention implementations that take GRPO's packed-group mask (train/packing.py group_attention):
-# a 4-D additive mask, or FlexAttention's block mask.
-PACKED_GROUP_ATTENTION = ("sdpa", "eager", "flex_attention")
+# The attention implementations that take packed rows' masks: a 4-D additive mask (every recipe), or
+# FlexAttention's block mask (GRPO's group rows: train/packing.py group_attention).
+PACKED_ATTENTION = {"grpo": ("sdpa", "eager", "flex_attention"), "sft": ("sdpa", "eager"), "dpo": ("sdpa", "eager")}
+
+
+def check_packing_attention(cfg: "RunConfig", recipe: str) -> None:
+    """trainer.packing keeps a row's sequences apart with a mask the attention must take."""
+    allowed = PACKED_ATTENTION.get(recipe)
+    if allowed and cfg.trainer.packing and cfg.model.attn_implementation not in allowed:
+        raise ConfigError(f"trainer.packing=true puts several sequences in one row and keeps them apart with an "
+                          f"attention mask that model.attn_implementation={cfg.model.attn_implementation} does not "
+                          f"take: use one of {list(allowed)}, or trainer.packing=false (padded rows)")
 
 
 def check_grpo_rules(cfg: "RunConfig") -> None:
@@ -184,11 +194,6 @@ def check_grpo_rules(cfg: "RunConfig") -> None:
                           f"seq-mean-token-sum-norm divides by a constant length and needs it (e.g. "
                           f"algo.loss_scale_factor={cfg.rollout.max_new_tokens}, rollout.max_new_tokens); no other "
                           f"aggregation reads algo.loss_scale_factor")
-    if cfg.trainer.packing and cfg.model.attn_implementation not in PACKED_GROUP_ATTENTION:
-        raise ConfigError(f"trainer.packing=true puts a prompt group in one row and keeps its completions apart "
-                          f"with an attention mask that model.attn_implementation={cfg.model.attn_implementation} "
-                          f"does not take: use one of {list(PACKED_GROUP_ATTENTION)}, or trainer.packing=false "
-                          f"(padded rows)")
     check_rollout_correction(algo)
     if cfg.placement.mode == "split":
         check_split_rules(cfg)

@@ -34,15 +34,13 @@ class StepPlan:
 def plan_steps(cfg, n_train: int, unit: str = "examples") -> StepPlan:
     """trainer.epochs (cut at trainer.max_steps) over n_train examples in batches of
     trainer.batch_size, each epoch's last one short (`EpochSampler.next_global(short_last=True)`):
-    each example once per epoch; refuses a batch the ranks cannot share or packing the attention cannot do."""
+    each example once per epoch; refuses a batch the ranks cannot share (packing vs the attention:
+    config/validation.py check_packing_attention)."""
     tr, world = cfg.trainer, dist.world_size()
     if not n_train:
         raise DataError(f"no training {unit} left (all over-length?): raise data.max_seq_len")
     if tr.batch_size % world:
         raise ConfigError(f"trainer.batch_size={tr.batch_size} must be divisible by the number of ranks ({world})")
-    if cfg.trainer.packing and cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise ConfigError(f"trainer.packing=true needs model.attn_implementation=sdpa or eager (4D attention masks), "
-                          f"not {cfg.model.attn_implementation!r}")
     steps_per_epoch = math.ceil(n_train / tr.batch_size)  # an epoch's last batch is what is left of it
     total = tr.epochs * steps_per_epoch
     if tr.max_steps:
