@@ -370,7 +370,7 @@ class GRPORecipe:
                     chunk = packed.micro[span]
                     rows = [i for idx in plan[span] for i in idx]
                     n_tok, n_seq = dist.all_reduce_sum([float(table.response_mask[rows].sum()) if rows else 0.0,
-                                                        float(len(rows))])
+                                                        float(algos.loss_sequences(table.response_mask[rows]))])
                     for j, mb in enumerate(chunk):
                         m_tok = float(mb.response_mask.sum())  # the host copy's: no sync
                         mb = actor.to_device(mb)  # pinned, non-blocking on a GPU

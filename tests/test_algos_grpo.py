@@ -51,6 +51,17 @@ def test_aggregation_modes():
     assert algos.aggregate_loss(loss, mask, "seq-mean-token-sum", num_seqs=5).item() == pytest.approx(10 / 5)
 
 
+def test_sequence_means_skip_sequences_without_loss_tokens():
+    # a third row with an all-0 mask (and garbage in it) is not a sequence of the mean: (2 + 4) / 2, not / 3
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, float("nan"), 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert algos.loss_sequences(mask).item() == 2
+    assert algos.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert algos.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert algos.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", scale=3).item() == pytest.approx((6 + 4) / 2 / 3)
+    assert algos.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+
+
 def test_policy_loss_clipping_hand_computed():
     # token 0: ratio e^0.5 = 1.6487 > 1 + 0.28 with A > 0 -> clipped at 1.28
     # token 1: ratio e^-0.5 = 0.6065 < 1 - 0.2 with A < 0 -> clipped at 0.8

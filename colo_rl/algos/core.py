@@ -77,6 +77,10 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
         seq-mean-token-sum:       (1/B) sum_i   sum_t l_it m_it                 (Dr. GRPO, no length norm)
         seq-mean-token-sum-norm:  (1/B) sum_i   sum_t l_it m_it / L             (Dr. GRPO's constant L)
 
+    B counts the sequences with at least one loss token (`loss_sequences`): a sequence whose mask is
+    all 0 carries no loss, so it does not dilute the others' (verl's exclude_fully_masked_seq);
+    token-mean's denominator already ignores it.
+
     num_tokens / num_seqs replace the local denominators with global ones (all micro-batches of
     all ranks), so gradient accumulation gives the same gradient as one big batch. token-sum takes
     no denominator at all: its scale grows with the batch (as verl's). seq-mean-token-sum-norm's L
@@ -103,19 +107,25 @@ def _token_sum(loss_mat, mask, num_tokens, num_seqs, scale):
     return loss_mat.sum()
 
 
-def _per_sequence_mean(per_seq: torch.Tensor, num_seqs: float | None) -> torch.Tensor:
-    denom = float(per_seq.shape[0]) if num_seqs is None else float(num_seqs)
-    return per_seq.sum() / max(denom, 1.0)
+def loss_sequences(mask: torch.Tensor) -> torch.Tensor:
+    """How many rows of `mask` [B, T] hold at least one loss token: the seq-mean modes' B."""
+    return (mask.sum(-1) > 0).sum()
+
+
+def _per_sequence_mean(per_seq: torch.Tensor, mask: torch.Tensor, num_seqs: float | None) -> torch.Tensor:
+    if num_seqs is None:
+        return per_seq.sum() / loss_sequences(mask).clamp(min=1).to(per_seq.dtype)
+    return per_seq.sum() / max(float(num_seqs), 1.0)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-mean")
 def _seq_mean_token_mean(loss_mat, mask, num_tokens, num_seqs, scale):
-    return _per_sequence_mean(loss_mat.sum(-1) / mask.sum(-1).clamp(min=1), num_seqs)
+    return _per_sequence_mean(loss_mat.sum(-1) / mask.sum(-1).clamp(min=1), mask, num_seqs)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum")
 def _seq_mean_token_sum(loss_mat, mask, num_tokens, num_seqs, scale):
-    return _per_sequence_mean(loss_mat.sum(-1), num_seqs)
+    return _per_sequence_mean(loss_mat.sum(-1), mask, num_seqs)
 
 
 @LOSS_AGGREGATIONS.register("seq-mean-token-sum-norm")
@@ -123,4 +133,4 @@ def _seq_mean_token_sum_norm(loss_mat, mask, num_tokens, num_seqs, scale):
     if not scale:
         raise ValueError("loss_agg=seq-mean-token-sum-norm divides by a constant length: set algo.loss_scale_factor "
                          "(e.g. to rollout.max_new_tokens)")
-    return _per_sequence_mean(loss_mat.sum(-1), num_seqs) / float(scale)
+    return _per_sequence_mean(loss_mat.sum(-1), mask, num_seqs) / float(scale)
