@@ -64,10 +64,20 @@ def test_the_reference_command_checks_and_says_what_to_run(tmp_path, monkeypatch
 
 def test_a_row_shows_type_default_range_readers_resume_and_help():
     row = next(ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rollout.top_p` |"))
-    assert row == ("| `rollout.top_p` | `float` | `1.0` | in (0, 1] (1 = no nucleus cut) | grpo, eval | warned | "
+    assert row == ("| `rollout.top_p` | `float` | `1.0` |  | in (0, 1] (1 = no nucleus cut) | grpo, eval | warned | "
                    "Sampling: new tokens per completion (per turn with an environment), temperature, nucleus top_p. |")
     row = next(ln for ln in DOC.read_text().splitlines() if ln.startswith("| `rollout.engine` |"))
     assert "`hf` \\| `sglang`" in row  # the engine registry's names
+
+
+def test_the_recipe_column_shows_what_each_recipes_yaml_sets_instead():
+    # conf/trainer/{grpo,sft,dpo}_cpu.yaml set their own learning rates; eval does not read trainer.lr
+    from colo_rl.config.reference import recipe_values
+    composed = recipe_values()
+    assert composed["sft"]["trainer.lr"] != composed["grpo"]["trainer.lr"]
+    row = next(ln for ln in DOC.read_text().splitlines() if ln.startswith("| `trainer.lr` |"))
+    cell = row.split(" | ")[3]
+    assert cell == "; ".join(f"{r}: `{composed[r]['trainer.lr']!r}`" for r in ("grpo", "sft", "dpo")), cell
 
 
 @pytest.mark.parametrize("key,refused,silent", [

@@ -18,14 +18,19 @@ from colo_rl.config import schema
 from colo_rl.config.options import RECIPE_NAMES, Rules, option_fields, rules_of
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+CONF = Path(__file__).resolve().parents[2] / "conf"
+RECIPE_CONFIGS = {"grpo": "config", "sft": "sft", "dpo": "dpo", "eval": "eval"}  # recipe -> conf/<name>.yaml
 
 HEADER = """# Configuration reference
 
 Generated from `colo_rl/config/schema.py` by `python -m colo_rl.config.reference` (do not edit by hand;
 `tests/test_config_reference.py` fails when it is stale). Set an option on the command line as
 `group.option=value` (`trainer.lr=2e-5`), or pick a YAML group (`rollout=sglang`, `env=calculator`).
-The default column is the schema's: each recipe's YAML groups (`conf/`: e.g. `trainer/grpo_cpu.yaml`,
-`data/sft_arithmetic.yaml`) set some options otherwise, and the run's `config.yaml` holds what it ran with.
+The default column is the schema's; **recipe's YAML** is what a recipe's own config (`conf/config.yaml`
+for grpo, `conf/sft.yaml`, `conf/dpo.yaml`, `conf/eval.yaml`, with the groups they pick: e.g.
+`trainer/grpo_cpu.yaml`, `data/sft_arithmetic.yaml`) sets instead, so what a run without overrides
+gets. Picking another group (`data=gsm8k`) brings that group's values; the run's `config.yaml` holds
+what it ran with.
 
 - **read by**: the recipes that read the option; setting it on the command line of another recipe is refused
   (it would be ignored), with what to set instead.
@@ -91,6 +96,36 @@ def _resume(rules: Rules) -> str:
     return "yes" if rules.resume.silent else "warned"
 
 
+def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if isinstance(value, dict) and f"{prefix}{key}" != "rollout.sglang_kwargs":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def recipe_values() -> dict[str, dict[str, Any]]:
+    """recipe -> {flattened key: value} of its YAML config as composed with no overrides (the values a
+    run gets unless the command line says otherwise)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    schema.register_configs()
+    out = {}
+    for recipe, name in RECIPE_CONFIGS.items():
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            out[recipe] = _flatten(OmegaConf.to_container(compose(config_name=name), resolve=False))
+    return out
+
+
+def _recipe_cell(key: str, default: Any, rules: Rules, composed: dict[str, dict[str, Any]]) -> str:
+    """The recipes (of those that read `key`) whose YAML sets it to other than the schema's default."""
+    return "; ".join(f"{recipe}: `{_cell(repr(values[key]))}`" for recipe, values in composed.items()
+                     if recipe in rules.scope.reads and key in values and values[key] != default)
+
+
 def groups() -> list[tuple[str, type]]:
     """(prefix, dataclass) of RunConfig's top level and each group, nested groups after their parent."""
     out = [("", schema.RunConfig)]
@@ -104,6 +139,7 @@ def groups() -> list[tuple[str, type]]:
 
 def render() -> str:
     sections = [HEADER]
+    composed = recipe_values()
     for prefix, cls in groups():
         comments = field_comments(cls)
         rows = [(key, f) for key, f in option_fields(cls, prefix) if key.count(".") == prefix.count(".")]
@@ -112,11 +148,12 @@ def render() -> str:
         title = prefix[:-1] if prefix else "top level"
         doc = inspect.getdoc(cls) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
         sections.append(f"## {title}\n\n" + (f"{doc}\n\n" if doc else "") +
-                        "| option | type | default | range / choices | read by | resume | help |\n"
-                        "|---|---|---|---|---|---|---|")
+                        "| option | type | default | recipe's YAML | range / choices | read by | resume | help |\n"
+                        "|---|---|---|---|---|---|---|---|")
         for key, f in rows:
             rules = rules_of(f)
-            sections[-1] += (f"\n| `{key}` | `{_cell(str(f.type))}` | `{_cell(repr(_default(f)))}` | {_range(rules)} | "
+            sections[-1] += (f"\n| `{key}` | `{_cell(str(f.type))}` | `{_cell(repr(_default(f)))}` | "
+                             f"{_recipe_cell(key, _default(f), rules, composed)} | {_range(rules)} | "
                              f"{_read_by(rules)} | {_resume(rules)} | {_cell(comments.get(f.name, ''))} |")
     return "\n\n".join(sections) + "\n"
 
