@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from colo_rl import console, dist
 from colo_rl.checkpoint import CheckpointError, CheckpointManager
 from colo_rl.config import ConfigError, RunConfig, to_object
+from colo_rl.config.command_line import check_override_keys
 from colo_rl.config.validation import check_context_length, check_generation_fits
 from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import BuildLockError, EnvError, PoolError
@@ -249,6 +250,18 @@ CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, D
 # On a clean error the other ranks wait this long before exiting, so that rank 0 says it first:
 # torchrun stops every rank once one has exited (and SIGTERMs the waiting ones at once).
 RANK0_SPEAKS_FIRST_S = 5.0
+
+
+def check_command_line(argv: Optional[list[str]] = None) -> None:
+    """Before Hydra composes the config: an override key colo_rl lacks, when we can say what to write
+    instead (a verl / TRL name, a typo: config/command_line.py), ends the run as `clean_errors` does:
+    `error: <message>` from rank 0 (every rank meets the same), exit status 2."""
+    try:
+        check_override_keys(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        if dist.rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 def clean_errors(fn: Callable[[DictConfig], Any]) -> Callable[[DictConfig], Any]:

@@ -1,0 +1,131 @@
+"""The command line's override keys, checked before Hydra composes them.
+
+Hydra's own refusal of an unknown key names the key and the schema class only. A user coming from
+verl or TRL types that framework's names (`actor_rollout_ref.actor.optim.lr=1e-6`, `beta=0.04`);
+a typo is one edit from a real key. `check_override_keys` answers both with the key to write,
+and leaves every other case (group choices, `hydra.*`, a key with no likely meaning) to Hydra.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+from colo_rl.config.validation import FREE_KEYS, OPTIONS
+from colo_rl.errors import ConfigError
+
+# A peer's option -> (whose, colo_rl's option, what else to know). The table a user reads is
+# docs/data.md's "Option names" (tests/test_command_line.py keeps the two in step).
+PEER_KEYS: dict[str, tuple[str, str, str]] = {
+    # verl (its Hydra keys)
+    "actor_rollout_ref.model.path": ("verl", "model.path", ""),
+    "actor_rollout_ref.rollout.n": ("verl", "rollout.group_size", ""),
+    "data.train_files": ("verl", "data.path", ""),
+    "data.val_files": ("verl", "data.eval_path", ""),
+    "data.train_batch_size": ("verl", "rollout.prompts_per_step", "prompts per step, all ranks"),
+    "data.max_response_length": ("verl", "rollout.max_new_tokens", ""),
+    "data.max_prompt_length": ("verl", "data.max_prompt_tokens", ""),
+    "actor_rollout_ref.actor.optim.lr": ("verl", "trainer.lr", ""),
+    "actor_rollout_ref.actor.optim.weight_decay": ("verl", "trainer.weight_decay", ""),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": ("verl", "trainer.warmup_steps", ""),
+    "actor_rollout_ref.actor.grad_clip": ("verl", "trainer.grad_clip", ""),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": ("verl", "model.gradient_checkpointing", ""),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": (
+        "verl", "trainer.mini_batches_per_step",
+        "optimizer steps per rollout batch: verl's data.train_batch_size / ppo_mini_batch_size"),
+    "actor_rollout_ref.actor.ppo_epochs": ("verl", "trainer.ppo_epochs", ""),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (
+        "verl", "trainer.micro_batch_tokens", "whole groups up to a token budget; always on (use_dynamic_bsz)"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
+        "verl", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
+                                              "the sequences, in whole groups"),
+    "actor_rollout_ref.actor.clip_ratio_low": ("verl", "algo.clip_low", ""),
+    "actor_rollout_ref.actor.clip_ratio_high": ("verl", "algo.clip_high", ""),
+    "actor_rollout_ref.actor.clip_ratio_c": ("verl", "algo.clip_ratio_c", ""),
+    "actor_rollout_ref.actor.kl_loss_coef": ("verl", "algo.kl_coef", ""),
+    "actor_rollout_ref.actor.kl_loss_type": ("verl", "algo.kl_estimator", ""),
+    "actor_rollout_ref.actor.loss_agg_mode": ("verl", "algo.loss_agg", ""),
+    "actor_rollout_ref.actor.entropy_coeff": ("verl", "algo.entropy_coef", ""),
+    "algorithm.adv_estimator": ("verl", "algo.adv_estimator", ""),
+    "algorithm.use_kl_in_reward": ("verl", "algo.kl_in_reward", "with algo.kl_coef > 0"),
+    "actor_rollout_ref.rollout.temperature": ("verl", "rollout.temperature", ""),
+    "actor_rollout_ref.rollout.top_p": ("verl", "rollout.top_p", ""),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": ("verl", "rollout.tp_size", ""),
+    "trainer.total_training_steps": ("verl", "trainer.total_steps", ""),
+    "trainer.save_freq": ("verl", "trainer.save_every", ""),
+    "trainer.test_freq": ("verl", "trainer.eval_every", ""),
+    "trainer.logger": ("verl", "logger", ""),
+    "custom_reward_function.path": ("verl", "reward.functions", "as reward.functions=[path.py:name]"),
+    "custom_reward_function.name": ("verl", "reward.functions", "as reward.functions=[path.py:name]"),
+    # TRL (GRPOConfig's fields)
+    "num_generations": ("TRL", "rollout.group_size", ""),
+    "max_completion_length": ("TRL", "rollout.max_new_tokens", ""),
+    "max_prompt_length": ("TRL", "data.max_prompt_tokens", ""),
+    "eval_dataset": ("TRL", "data.eval_path", "a JSONL file"),
+    "learning_rate": ("TRL", "trainer.lr", ""),
+    "weight_decay": ("TRL", "trainer.weight_decay", ""),
+    "max_grad_norm": ("TRL", "trainer.grad_clip", ""),
+    "warmup_steps": ("TRL", "trainer.warmup_steps", ""),
+    "steps_per_generation": ("TRL", "trainer.mini_batches_per_step", "optimizer steps per rollout batch"),
+    "num_iterations": ("TRL", "trainer.ppo_epochs", ""),
+    "per_device_train_batch_size": (
+        "TRL", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
+                                             "the sequences, in whole groups"),
+    "epsilon": ("TRL", "algo.clip_low", ""),
+    "epsilon_high": ("TRL", "algo.clip_high", ""),
+    "beta": ("TRL", "algo.kl_coef", ""),
+    "loss_type": ("TRL", "algo.loss_agg", ""),
+    "scale_rewards": ("TRL", "algo.scale_by_std", "false: Dr. GRPO"),
+    "temperature": ("TRL", "rollout.temperature", ""),
+    "top_p": ("TRL", "rollout.top_p", ""),
+    "vllm_tensor_parallel_size": ("TRL", "rollout.tp_size", ""),
+    "max_steps": ("TRL", "trainer.total_steps", ""),
+    "save_steps": ("TRL", "trainer.save_every", ""),
+    "eval_steps": ("TRL", "trainer.eval_every", ""),
+    "gradient_checkpointing": ("TRL", "model.gradient_checkpointing", ""),
+    "seed": ("TRL", "trainer.seed", ""),
+    "report_to": ("TRL", "logger", ""),
+    "reward_funcs": ("TRL", "reward.functions", ""),
+}
+
+
+def _known(key: str) -> bool:
+    """An option, a group (`model=tiny` picks its YAML), or a key inside a free dict option."""
+    if key in OPTIONS or any(k.startswith(f"{key}.") for k in OPTIONS):
+        return True
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in OPTIONS or ".".join(parts[:n]) in FREE_KEYS for n in range(1, len(parts)))
+
+
+def override_key(arg: str) -> str | None:
+    """The dotted key an override sets (`+x.y=1`, `~x.y`, `++x.y=1` -> `x.y`), or None for what is not
+    a key override: Hydra's flags (`--multirun`, `-cn sft`), their values, `hydra.*`, `key@package`."""
+    if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+        return None
+    key = arg.lstrip("+~").split("=", 1)[0].strip()
+    if not key or "@" in key or key == "hydra" or key.startswith("hydra."):
+        return None
+    return key
+
+
+def check_override_keys(overrides: Iterable[str]) -> None:
+    """Refuse an override whose key colo_rl lacks when we can say what to write instead: a verl / TRL
+    option's colo_rl name (PEER_KEYS), else the closest option (difflib, cutoff 0.8; a `+key` typo is
+    left to validation.check_schema_keys, whose message says what a `+` does)."""
+    options = list(OPTIONS)
+    for arg in overrides:
+        key = override_key(arg)
+        if key is None or _known(key):
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else "..."
+        if key in PEER_KEYS:
+            whose, ours, note = PEER_KEYS[key]
+            raise ConfigError(f"{key} is {whose}'s option; colo_rl's is {ours}" + (f" ({note})" if note else "") +
+                              f": write {ours}={value}. verl / TRL / colo_rl names side by side: docs/data.md "
+                              f"(Option names); every option: docs/config.md")
+        if arg.startswith("+"):  # composed first, then validation.check_schema_keys says what a `+` does
+            continue
+        close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{key}: colo_rl has no such option; did you mean {close[0]}? ({close[0]}={value}; "
+                              f"every option: docs/config.md)")

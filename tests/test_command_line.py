@@ -1,0 +1,69 @@
+"""The command line's override keys, checked before Hydra (colo_rl/config/command_line.py): a verl or
+TRL option's name gets colo_rl's, a misspelt key the closest option; the mapping and docs/data.md's
+table say the same."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colo_rl.config import OPTIONS, ConfigError
+from colo_rl.config.command_line import PEER_KEYS, check_override_keys, override_key
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("actor_rollout_ref.actor.optim.lr=1e-6", r"is verl's option; colo_rl's is trainer.lr: write trainer.lr=1e-6"),
+    ("beta=0.04", r"beta is TRL's option; colo_rl's is algo.kl_coef: write algo.kl_coef=0.04"),
+    ("data.train_batch_size=64", r"colo_rl's is rollout.prompts_per_step \(prompts per step, all ranks\)"),
+    ("trainer.lrr=1e-5", r"trainer.lrr: colo_rl has no such option; did you mean trainer.lr\? \(trainer.lr=1e-5"),
+    ("rollout.temprature=0.7", r"did you mean rollout.temperature\?"),
+    ("+learning_rate=1e-5", r"learning_rate is TRL's option; colo_rl's is trainer.lr"),
+])
+def test_a_peers_name_or_a_typo_is_refused_with_the_key_to_write(arg, message):
+    with pytest.raises(ConfigError, match=message):
+        check_override_keys(["model=tiny", arg])
+
+
+@pytest.mark.parametrize("arg", [
+    "model=tiny", "env=calculator", "trainer.lr=1e-5", "+trainer.lr=1e-5", "rollout.sglang_kwargs.mem_fraction_static=0.5",
+    "reward.weights.math_verify=2", "hydra.run.dir=/tmp/x", "--multirun", "-cn", "sft", "debug=true",
+    "trainer.a_key_nothing_resembles=1",  # no likely meaning: Hydra's own error names it
+    "+trainer.lrr=1",  # composed, then refused by validation.check_schema_keys (tests/test_validation.py)
+])
+def test_what_the_check_leaves_alone(arg):
+    check_override_keys([arg])
+
+
+def test_override_key():
+    assert [override_key(a) for a in ("+x.y=1", "++x.y=1", "~x.y", "x@pkg=a", "--cfg", "hydra.job.name=a")] == \
+        ["x.y", "x.y", "x.y", None, None, None]
+
+
+def test_every_peer_name_maps_to_an_option_and_the_docs_table_says_the_same():
+    assert not [target for _, target, _ in PEER_KEYS.values() if target not in OPTIONS]
+    text = (ROOT / "docs" / "data.md").read_text()
+    table = text[text.index("## Option names"):].split("\n\n")[2]
+    in_docs = {}
+    for row in table.splitlines()[2:]:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        peers = re.sub(r"\([^)]*\)", "", cells[0] + " " + cells[1])  # parenthesised: not a key
+        for name in re.findall(r"[`*]([a-z_][a-z_.]*)[`*]", peers):
+            if name not in OPTIONS:  # verl's data.prompt_key is colo_rl's too
+                in_docs[name] = cells[2]
+    assert set(in_docs) == set(PEER_KEYS), (set(in_docs) ^ set(PEER_KEYS))
+    wrong = {k: (target, in_docs[k]) for k, (_, target, _) in PEER_KEYS.items() if f"`{target}" not in in_docs[k]}
+    assert not wrong
+
+
+def test_the_recipe_refuses_before_anything_starts(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), "learning_rate=1e-5",
+                          f"run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "error: learning_rate is TRL's option; colo_rl's is trainer.lr: write trainer.lr=1e-5")
+    assert not (tmp_path / "run").exists()
