@@ -252,12 +252,12 @@ CLEAN_ERRORS: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, D
 RANK0_SPEAKS_FIRST_S = 5.0
 
 
-def check_command_line(argv: Optional[list[str]] = None) -> None:
+def check_command_line(recipe: str, argv: Optional[list[str]] = None) -> None:
     """Before Hydra composes the config: an override key colo_rl lacks, when we can say what to write
     instead (a verl / TRL name, a typo: config/command_line.py), ends the run as `clean_errors` does:
     `error: <message>` from rank 0 (every rank meets the same), exit status 2."""
     try:
-        check_override_keys(sys.argv[1:] if argv is None else argv)
+        check_override_keys(sys.argv[1:] if argv is None else argv, recipe)
     except ConfigError as e:
         if dist.rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -427,5 +427,5 @@ def main(hydra_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     register_configs()
-    runtime.check_command_line()
+    runtime.check_command_line("grpo")
     process_exit.run_and_exit(main)

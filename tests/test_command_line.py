@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from colo_rl.config import OPTIONS, ConfigError
-from colo_rl.config.command_line import PEER_KEYS, check_override_keys, override_key
+from colo_rl.config.command_line import PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys, override_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_peers_name_or_a_typo_is_refused_with_the_key_to_write(arg, message):
     with pytest.raises(ConfigError, match=message):
         check_override_keys(["model=tiny", arg])
+
+
+def test_a_peers_name_means_what_it_means_in_that_recipe():
+    # TRL's beta: GRPOConfig's KL coefficient, DPOConfig's inverse temperature
+    with pytest.raises(ConfigError, match=r"colo_rl's is algo.kl_coef"):
+        check_override_keys(["beta=0.1"], "grpo")
+    with pytest.raises(ConfigError, match=r"colo_rl's is algo.beta \(DPO's inverse temperature\)"):
+        check_override_keys(["beta=0.1"], "dpo")
+    with pytest.raises(ConfigError, match=r"colo_rl's is trainer.epochs: write trainer.epochs=3"):
+        check_override_keys(["num_train_epochs=3"], "sft")
+    check_override_keys(["beta=0.1"], "sft")  # SFT reads no KL coefficient: left to Hydra's refusal
+    assert not [t for keys in RECIPE_PEER_KEYS.values() for _, t, _ in keys.values() if t not in OPTIONS]
 
 
 @pytest.mark.parametrize("arg", [

@@ -88,6 +88,30 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "reward_funcs": ("TRL", "reward.functions", ""),
 }
 
+# TRL's SFTConfig / DPOConfig names where they differ from GRPOConfig's meaning (DPO's beta is its own).
+OFFLINE_PEER_KEYS: dict[str, tuple[str, str, str]] = {
+    "num_train_epochs": ("TRL", "trainer.epochs", ""),
+    "max_steps": ("TRL", "trainer.max_steps", "0 = all epochs"),
+    "max_length": ("TRL", "data.max_seq_len", "prompt + completion tokens"),
+    "per_device_train_batch_size": (
+        "TRL", "trainer.batch_size", "examples (DPO: pairs) per optimizer step over all ranks: TRL's "
+                                     "per_device_train_batch_size x devices x gradient_accumulation_steps"),
+    "gradient_accumulation_steps": (
+        "TRL", "trainer.batch_size", "examples (DPO: pairs) per optimizer step over all ranks; micro-batches "
+                                     "follow trainer.micro_batch_tokens"),
+}
+RECIPE_PEER_KEYS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "sft": OFFLINE_PEER_KEYS,
+    "dpo": {**OFFLINE_PEER_KEYS, "beta": ("TRL", "algo.beta", "DPO's inverse temperature")},
+}
+
+
+def peer_keys(recipe: str) -> dict[str, tuple[str, str, str]]:
+    """The verl / TRL names a recipe's users type, and colo_rl's option for each: those whose option
+    the recipe reads (SFT has no KL coefficient to point TRL's `beta` at)."""
+    keys = {**PEER_KEYS, **RECIPE_PEER_KEYS.get(recipe, {})}
+    return {k: v for k, v in keys.items() if recipe in OPTIONS[v[1]].scope.reads}
+
 
 def _known(key: str) -> bool:
     """An option, a group (`model=tiny` picks its YAML), or a key inside a free dict option."""
@@ -108,18 +132,18 @@ def override_key(arg: str) -> str | None:
     return key
 
 
-def check_override_keys(overrides: Iterable[str]) -> None:
+def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     """Refuse an override whose key colo_rl lacks when we can say what to write instead: a verl / TRL
-    option's colo_rl name (PEER_KEYS), else the closest option (difflib, cutoff 0.8; a `+key` typo is
+    option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib, cutoff 0.8; a `+key` typo is
     left to validation.check_schema_keys, whose message says what a `+` does)."""
-    options = list(OPTIONS)
+    options, peers = list(OPTIONS), peer_keys(recipe)
     for arg in overrides:
         key = override_key(arg)
         if key is None or _known(key):
             continue
         value = arg.split("=", 1)[1] if "=" in arg else "..."
-        if key in PEER_KEYS:
-            whose, ours, note = PEER_KEYS[key]
+        if key in peers:
+            whose, ours, note = peers[key]
             raise ConfigError(f"{key} is {whose}'s option; colo_rl's is {ours}" + (f" ({note})" if note else "") +
                               f": write {ours}={value}. verl / TRL / colo_rl names side by side: docs/data.md "
                               f"(Option names); every option: docs/config.md")
