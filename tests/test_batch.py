@@ -40,6 +40,18 @@ def test_build_batch_layout():
     assert sub.input_ids.tolist() == [[1, 2, 3, 5, 6]] and sub.extras["x"].tolist() == [[0.5, 0.5]]
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    # an engine's log-probs one short: the last token's rollout log-prob would silently be 0
+    ({"per_token": {"rollout_logp": [[-0.1, -0.2], [-0.3, -0.4]]}},
+     r"rollout_logp is not aligned with the response tokens \(sequence 1: 2 values for 3 response tokens\)"),
+    ({"response_masks": [[1, 1], [1, 0]]}, r"response_masks .*sequence 1: 2 values for 3"),
+    ({"response_masks": [[1, 1]]}, r"response_masks .*1 rows for 2 sequences"),
+])
+def test_build_batch_refuses_per_token_values_not_aligned_with_the_responses(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build_batch([[1, 2, 3], [4]], [[5, 6], [7, 8, 9]], pad_id=0, **kwargs)
+
+
 def test_group_packing_matches_padded_logprobs_entropy_and_gradients():
     """Three groups of different prompt and response lengths in one packed micro-batch give the
     padded layout's log-probs, entropies and gradients; padding stays 0."""

@@ -87,6 +87,14 @@ def build_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: in
     `per_token` values are aligned with the response tokens and padded with 0."""
     if not all(prompts):  # its first response token would be scored from padding, or from itself
         raise ValueError("build_batch: a sequence with an empty prompt; every response token needs a token before it")
+    for name, rows in {"response_masks": response_masks or [], **(per_token or {})}.items():
+        # a short row would be padded with zeros (a log-prob of 0, a token out of the loss) unnoticed
+        bad = next((i for i, (vals, r) in enumerate(zip(rows, responses)) if vals is not None and len(vals) != len(r)),
+                   None)
+        if bad is not None or (rows and len(rows) != len(responses)):
+            at = f"sequence {bad}: {len(rows[bad])} values for {len(responses[bad])} response tokens" \
+                if bad is not None else f"{len(rows)} rows for {len(responses)} sequences"
+            raise ValueError(f"build_batch: {name} is not aligned with the response tokens ({at})")
     B = len(prompts)
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in responses))
