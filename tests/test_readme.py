@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from colo_rl.config import RunConfig, register_configs
+from colo_rl.config.command_line import check_override_keys
 from colo_rl.config.validation import FREE_KEYS, validate
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import unavailable as logger_unavailable
@@ -32,6 +33,9 @@ MAKE_TARGETS = {"demo": ("grpo", []), "demo-tools": ("grpo", ["env=calculator", 
                 "sft": ("sft", []), "dpo": ("dpo", []), "eval": ("eval", [])}
 # The README's example of a misspelled key: it must keep failing, with the message the README shows.
 TYPO_EXAMPLE = "trainer.lrr=1e-5"
+# `    $ python recipes/<recipe>.py <overrides>` followed by what it prints (up to the next `$` or blank
+# line): the pages' examples of refused command lines.
+SHOWN_ERROR = re.compile(r"^    \$ python recipes/(\w+)\.py (.*?)(?:\s+#.*)?\n((?:    (?!\$).*\n)+)", re.M)
 OVERRIDE = re.compile(r"^[+~]?[a-z_][\w.]*=")
 FILE_SUFFIX = re.compile(r"\.(md|py|json|jsonl|yaml|png|txt|db)$")
 
@@ -101,8 +105,12 @@ def test_the_readme_has_commands_to_check():
     assert len(COMMANDS) >= 30, len(COMMANDS)
 
 
-@pytest.mark.parametrize("number,recipe,overrides", [c for c in COMMANDS if TYPO_EXAMPLE not in c[2]],
-                         ids=[c[0] for c in COMMANDS if TYPO_EXAMPLE not in c[2]])
+REFUSED = [(m.group(1), shlex.split(m.group(2)), m.group(3)) for text in TEXTS.values()
+           for m in SHOWN_ERROR.finditer(text)]
+ACCEPTED = [c for c in COMMANDS if (c[1], c[2]) not in [(r, o) for r, o, _ in REFUSED]]
+
+
+@pytest.mark.parametrize("number,recipe,overrides", ACCEPTED, ids=[c[0] for c in ACCEPTED])
 def test_readme_command_is_accepted(number, recipe, overrides, tmp_path, monkeypatch):
     write_readme_examples(tmp_path)
     monkeypatch.chdir(tmp_path)  # relative paths in the commands are read from the launch directory
@@ -124,13 +132,22 @@ def test_make_targets_run_the_recipe_and_overrides_assumed_here(target):
     assert body == " ".join(["$(TORCHRUN)", f"recipes/{recipe}.py", *extra, "$(ARGS)"]), body
 
 
-def test_readme_typo_example_fails_as_shown():
-    shown = README.split(f"$ python recipes/grpo.py {TYPO_EXAMPLE}\n", 1)[1].split("\n\n", 1)[0]
-    with pytest.raises(Exception) as err:
-        compose_for("grpo", [TYPO_EXAMPLE])
-    printed = f"{err.value}\n{err.value.__cause__}"  # what Hydra prints: the error, then its cause
-    for line in shown.splitlines():
-        assert line.strip() in printed, (line, printed)
+def test_refused_command_lines_fail_as_shown():
+    """Each shown refusal prints what the page shows: colo_rl's check before Hydra
+    (`runtime.check_command_line`: `error: ...`), else Hydra's own composition error."""
+    assert TYPO_EXAMPLE in [o for _, overrides, _ in REFUSED for o in overrides]
+    assert len(REFUSED) >= 3, REFUSED
+    for recipe, overrides, shown in REFUSED:
+        try:
+            check_override_keys(overrides, recipe)
+        except ConfigError as e:
+            printed = f"error: {e}"
+        else:
+            with pytest.raises(Exception) as err:
+                compose_for(recipe, overrides)
+            printed = f"{err.value}\n{err.value.__cause__}"  # what Hydra prints: the error, then its cause
+        for line in shown.splitlines():
+            assert line.strip() in printed, (overrides, line, printed)
 
 
 def test_config_keys_named_in_the_readme_exist():
