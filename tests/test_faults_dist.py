@@ -5,6 +5,8 @@
 - SIGKILL to torchrun alone: the ranks (each in its own session) do not outlive it.
 - SIGKILL to the generation rank of a split run (placement.mode=split): the trainer rank exits with
   one error line naming the dead rank and its pool, the launcher names the signal, nothing hangs.
+- SIGINT to the trainer rank of a split run under staleness_policy=drop: every rank ends (the stop
+  reaches a generator waiting on its full queue).
 """
 
 from __future__ import annotations
@@ -170,3 +172,26 @@ def test_a_killed_generation_rank_ends_a_split_run_with_an_error_naming_it(run):
             in after), after[-3000:]
     assert "error: rank 0 (pid" in after and "was killed by SIGKILL" in after  # the launcher's line
     assert "Traceback" not in after  # one line per failure, no bare gloo trace
+
+
+def test_sigint_to_the_trainer_of_a_split_run_under_drop_ends_every_rank(run):
+    """Split, staleness_policy=drop, on-policy (max_staleness=0): the generator outruns the update and
+    waits on its full queue, taking no weights. A SIGINT to the trainer (rank 1) ends the run after
+    the step with a checkpoint; its stop reaches the generator (the trainer reads the slot the
+    generator waits on first: TrainerPool._unblock_generators) instead of waiting forever."""
+    r = run(extra=("placement.mode=split", "rollout.max_staleness=0", "rollout.staleness_policy=drop"),
+            launcher="colo_rl.launch")
+    r.wait_for_step(2)
+    procs = r.everything()
+    t0 = time.monotonic()
+    r.rank(1).send_signal(signal.SIGINT)
+    rc = r.proc.wait(timeout=90)
+    seconds = time.monotonic() - t0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    out = r.output()
+    print(f"SIGINT to the trainer rank of a split run (drop): launcher rc {rc} {seconds:.1f}s later")
+    assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
+    assert seconds < 30, seconds
+    last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
+    assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
+    assert "Traceback" not in out

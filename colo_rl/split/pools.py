@@ -307,10 +307,26 @@ class TrainerPool:
             self.stopped = last
         return out
 
+    def _unblock_generators(self) -> None:
+        """Under drop a generator with a full queue waits for a trainer to read its oldest slot, and
+        takes no weights meanwhile, so it has not posted the receive a stop's broadcast needs (a gloo
+        broadcast ends on the sender once the receiver posts): the stop would wait forever. Read
+        each generator's next rollout first (under drop it always sends more); it waits in the inbox."""
+        for src in self.layout.generation:
+            while True:
+                msg = self._recv(src)
+                if msg is None:
+                    raise RuntimeError(f"generation rank {src} ended before the trainer stopped it")
+                self.inbox[src].append(msg)
+                if isinstance(msg, RolloutPart):
+                    break
+
     def close(self) -> int:
         """The run ends (done or stopped by a signal): stop the generators, take what they still had in
         flight (unused); returns those slots."""
         if not self.stopped:
+            if self.cfg.rollout.staleness_policy == "drop":
+                self._unblock_generators()
             self._send_weights(self.version, stop=True)
             self.stopped = True
         for src in self.layout.generation:
