@@ -14,6 +14,14 @@ from colo_rl import dist
 log = logging.getLogger("colo_rl")
 
 _RECEIVED: Optional[int] = None  # the first SIGINT / SIGTERM a StopSignal caught in this process
+_RELAYED: int = 0  # a stop signal another process caught and told this one of (a split run's generator)
+
+
+def relay(signum: int) -> None:
+    """A rank outside this loop's collective (a split run's generation rank) was signalled: the next
+    `StopSignal.requested()` here answers as if this rank had been."""
+    global _RELAYED
+    _RELAYED = _RELAYED or int(signum)
 
 
 def received() -> Optional[str]:
@@ -53,7 +61,7 @@ class StopSignal:
             self.signum, self.first_at = signum, now
             _RECEIVED = _RECEIVED or signum
             log.warning("rank %d got %s: stopping after the current step (send it again to stop now)",
-                        dist.rank(), signal.Signals(signum).name)
+                        dist.job_rank(), signal.Signals(signum).name)
             return
         if now - self.first_at > self.force_after_s:
             self.restore()
@@ -63,7 +71,7 @@ class StopSignal:
 
     def requested(self) -> Optional[str]:
         """The signal's name when any rank was signalled, else None (the same answer on every rank)."""
-        signalled = dist.all_reduce_max([float(self.signum or 0)])[0]
+        signalled = dist.all_reduce_max([float(self.signum or _RELAYED or 0)])[0]
         return signal.Signals(int(signalled)).name if signalled else None
 
     @staticmethod

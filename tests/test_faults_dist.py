@@ -6,7 +6,8 @@
 - SIGKILL to the generation rank of a split run (placement.mode=split): the trainer rank exits with
   one error line naming the dead rank and its pool, the launcher names the signal, nothing hangs.
 - SIGINT to the trainer rank of a split run under staleness_policy=drop: every rank ends (the stop
-  reaches a generator waiting on its full queue).
+  reaches a generator waiting on its full queue); SIGINT to its generation rank alone: the trainer
+  learns of it with the next slot and stops the run the same way.
 """
 
 from __future__ import annotations
@@ -193,5 +194,28 @@ def test_sigint_to_the_trainer_of_a_split_run_under_drop_ends_every_rank(run):
     assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
     assert seconds < 30, seconds
     last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
+    assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
+    assert "Traceback" not in out
+
+
+def test_sigint_to_the_generation_rank_of_a_split_run_stops_the_run(run):
+    """Split, on-policy: a SIGINT to the generation rank alone (rank 0) goes to the trainer with the
+    next slot (RolloutPart.stop_signal), which stops after that step with a checkpoint and stops the
+    generator; before, the generator logged the signal and the run went on to its last step."""
+    r = run(extra=("placement.mode=split", "rollout.max_staleness=0"), launcher="colo_rl.launch")
+    r.wait_for_step(2)
+    procs = r.everything()
+    t0 = time.monotonic()
+    r.rank(0).send_signal(signal.SIGINT)
+    rc = r.proc.wait(timeout=90)
+    seconds = time.monotonic() - t0
+    _, alive = psutil.wait_procs(procs, timeout=5)
+    out = r.output()
+    print(f"SIGINT to the generation rank of a split run: launcher rc {rc} {seconds:.1f}s later")
+    assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
+    assert seconds < 30, seconds
+    assert "rank 0 got SIGINT: stopping after the current step" in out
+    last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
+    assert last < 20 and f"stopped by SIGINT after step {last}" in out, last
     assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
     assert "Traceback" not in out

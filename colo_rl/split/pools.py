@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from colo_rl import dist
+from colo_rl import dist, stop_signal
 from colo_rl.errors import CheckpointError
 from colo_rl.samples import Group, Rollout
 from colo_rl.split import staleness as st
@@ -51,6 +51,7 @@ class RolloutPart:
     waits: int = 0  # times it waited for newer weights (wait policy) since the previous slot
     in_flight: int = 0  # slots sent and not known received when this one was queued (gloo: not yet waited on)
     position: Any = None  # the generator's data position (and sampling RNG) after this slot: what a resume restores
+    stop_signal: int = 0  # a SIGINT / SIGTERM the generator caught: the trainers stop after the step that reads it
 
 
 @dataclass
@@ -97,11 +98,13 @@ class GenerationPool:
 
     def serve(self) -> int:
         """Runs to the end of training; returns the slots generated."""
-        stop_signal = StopSignal()  # Ctrl-C: the trainer ranks stop the run; this rank follows their stop
+        # Ctrl-C: the trainer ranks stop the run and this rank follows their stop; a signal to this rank
+        # alone goes to them with the next slot (RolloutPart.stop_signal)
+        self.stop_signal = StopSignal()
         try:
             return self._serve()
         finally:
-            stop_signal.restore()
+            self.stop_signal.restore()
 
     def _take(self) -> tuple[int, bool]:
         """The next weights into the engine (between generate calls only); their held-out evaluation
@@ -186,7 +189,7 @@ class GenerationPool:
                                failures=rollout.failures if i == 0 else 0, filled=rollout.filled if i == 0 else 0,
                                rounds=rollout.rounds,
                                gen_interval=interval, seconds=seconds, idle_seconds=idle, waits=waits,
-                               in_flight=in_flight, position=position)
+                               in_flight=in_flight, position=position, stop_signal=self.stop_signal.signum or 0)
             sends.append(send_object(part, dst))
         return sends
 
@@ -277,6 +280,9 @@ class TrainerPool:
             if any(isinstance(p, HeldOutShare) for p in parts):
                 raise RuntimeError("a held-out evaluation arrived where a rollout was expected: the trainer "
                                    "evaluates at other steps than it asked the generation ranks to")
+            for p in parts:
+                if p.stop_signal:
+                    stop_signal.relay(p.stop_signal)  # the loop's next stop check stops every trainer
             version = min(p.version for p in parts)
             self.positions.update({src: p.position for src, p in zip(self.layout.generation, parts)})
             if st.admitted(step, version, self.k):
