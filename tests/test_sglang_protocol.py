@@ -260,6 +260,24 @@ def test_meta_info_parsing():
         sg.parse_completion([5], out([1], [-1.0], None))
     with pytest.raises(sg.SGLangEngineError, match="2 outputs for 3"):
         sg.parse_outputs([[1], [1], [1]], [out([1], [-1.0], "stop")] * 2)
+
+
+def test_an_eos_at_the_length_cap_finishes_by_eos():
+    # SGLang 0.5.17 checks the length cap before EOS: an EOS as the last allowed token comes back as
+    # "length". It finished by EOS (stop_rate, and a multi-turn context must not add a second one).
+    capped = out([11, 2], [-0.1, -0.2], {"type": "length", "length": 2}, output_ids=[11, 2])
+    assert sg.parse_completion([5], capped).finish_reason == "length"  # without the EOS ids: SGLang's word
+    assert sg.parse_completion([5], capped, eos_token_ids=[2]).finish_reason == "stop"
+    assert sg.parse_outputs([[5]], [capped], eos_token_ids=[2])[0].finish_reason == "stop"
+    not_eos = out([11, 12], [-0.1, -0.2], {"type": "length", "length": 2})
+    assert sg.parse_completion([5], not_eos, eos_token_ids=[2]).finish_reason == "length"
+
+
+def test_the_engine_never_returns_log_probs_before_temperature():
+    changes = sg.engine_env_overrides({"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}, maps_text="", site_dirs=[])
+    assert changes["SGLANG_RETURN_ORIGINAL_LOGPROB"] is None  # unset for the engine's children
+    from colo_rl.rollout.sglang.env import RESTORED_AFTER_START
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" in RESTORED_AFTER_START  # the user's value, back after the start
     assert len(sg.parse_outputs([[1]], out([1], [-1.0], "stop"))) == 1  # a batch of one, unwrapped
 
 

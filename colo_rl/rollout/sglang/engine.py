@@ -363,7 +363,7 @@ class SGLangEngine(Engine):
             if abort is None:
                 raise
             raise abort from e
-        return parse_outputs(expanded, outputs)
+        return parse_outputs(expanded, outputs, self.eos)
 
     def _lora_kwargs(self, n: int) -> dict:
         paths = request_lora_paths(self.adapter_loaded, n)

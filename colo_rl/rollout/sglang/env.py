@@ -29,6 +29,10 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # rendezvous joins the elastic agent's store as a client instead of hosting its own, so SGLang's
 # scheduler waits forever in init_process_group on its private port.
 TRAINER_ONLY_VARS = ("TORCHELASTIC_USE_AGENT_STORE",)
+# Unset for the engine's children: with it SGLang's sampler returns log-probs of the logits before
+# temperature, while colo_rl's trainer, its rollout correction and its engine-vs-trainer check read
+# them as log softmax(logits / temperature).
+ENGINE_UNSET_VARS = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 
 
 def without_expandable_segments(conf: Optional[str]) -> Optional[str]:
@@ -128,7 +132,7 @@ def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = 
     # engine's children see it (NCCL_* are restored after start); an explicit setting wins.
     if "NCCL_GRAPH_REGISTER" not in environ:
         changes["NCCL_GRAPH_REGISTER"] = "0"
-    for var in TRAINER_ONLY_VARS:
+    for var in TRAINER_ONLY_VARS + ENGINE_UNSET_VARS:
         if var in environ:
             changes[var] = None
     for var in ALLOC_CONF_VARS:
@@ -148,7 +152,7 @@ def engine_env_overrides(environ: Mapping[str, str], maps_text: Optional[str] = 
 
 # Restored once the engine is up: SGLang spawns every child inside Engine(), and the trainer's
 # later children (DataLoader workers, compilers) should see the user's values.
-RESTORED_AFTER_START = ALLOC_CONF_VARS + ("LD_LIBRARY_PATH",) + TRAINER_ONLY_VARS
+RESTORED_AFTER_START = ALLOC_CONF_VARS + ("LD_LIBRARY_PATH",) + TRAINER_ONLY_VARS + ENGINE_UNSET_VARS
 
 
 @contextlib.contextmanager

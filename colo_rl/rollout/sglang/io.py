@@ -3,7 +3,7 @@ Completions (pure: CPU-tested with fake outputs)."""
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 from colo_rl.errors import SGLangEngineError
 from colo_rl.rollout.base import Completion, SamplingParams
@@ -78,8 +78,10 @@ def finish_reason(meta: Mapping) -> str:
                             "colo_rl never streams, so this is an SGLang API change")
 
 
-def parse_completion(prompt_ids: list[int], out: Mapping) -> Completion:
+def parse_completion(prompt_ids: list[int], out: Mapping, eos_token_ids: Iterable[int] = ()) -> Completion:
     """One SGLang output dict (from generate with return_logprob=True) as a Completion.
+
+    `eos_token_ids`: a response ending in one finished by EOS ("stop"), whatever SGLang's label.
 
     Token ids and sampling log-probs both come from meta_info["output_token_logprobs"] (entries
     (logprob, token_id, text)), so they are aligned by construction; the plain output ids must
@@ -92,6 +94,8 @@ def parse_completion(prompt_ids: list[int], out: Mapping) -> Completion:
     token_ids = [int(e[1]) for e in entries]
     logprobs = [float(e[0]) for e in entries]
     reason = finish_reason(meta)
+    if reason == "length" and token_ids and token_ids[-1] in set(eos_token_ids):
+        reason = "stop"  # an EOS as the last allowed token: SGLang 0.5.17 checks the length cap first
     output_ids = out.get("output_ids", out.get("token_ids"))
     if output_ids is not None:
         output_ids = [int(t) for t in output_ids]
@@ -101,9 +105,9 @@ def parse_completion(prompt_ids: list[int], out: Mapping) -> Completion:
     return Completion(prompt_ids=list(prompt_ids), token_ids=token_ids, logprobs=logprobs, finish_reason=reason)
 
 
-def parse_outputs(expanded_prompts: list[list[int]], outputs) -> list[Completion]:
+def parse_outputs(expanded_prompts: list[list[int]], outputs, eos_token_ids: Iterable[int] = ()) -> list[Completion]:
     if isinstance(outputs, Mapping):  # a batch of one can come back unwrapped
         outputs = [outputs]
     if len(outputs) != len(expanded_prompts):
         raise SGLangEngineError(f"SGLang returned {len(outputs)} outputs for {len(expanded_prompts)} requests")
-    return [parse_completion(p, o) for p, o in zip(expanded_prompts, outputs)]
+    return [parse_completion(p, o, eos_token_ids) for p, o in zip(expanded_prompts, outputs)]
