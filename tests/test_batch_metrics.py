@@ -30,6 +30,14 @@ def test_batch_metrics_match_hand_computed_values():
     assert "reward/overlong_penalty" not in out and not any(k.startswith("env/") for k in out)
 
 
+def test_throughput_counts_the_policys_tokens_not_an_environments():
+    r = rollout()
+    r.groups[1].completions[1].policy_mask = [1, 1, 0, 0, 0, 1]  # 3 of its 6 tokens an observation
+    out = batch_metrics(r, generation_seconds=2.0)
+    assert out["throughput/gen_tokens_per_s"] == 6.5  # 13 generated tokens in 2 s
+    assert out["response/len_mean"] == 4.0  # the episode's length, observations included
+
+
 def test_shaping_decides_which_groups_carry_a_signal():
     r = rollout()
     r.add_shaping("overlong", torch.tensor([0.0, -0.5, 0.0, 0.0]))  # the all-right group now differs

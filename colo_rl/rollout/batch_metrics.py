@@ -20,7 +20,9 @@ def batch_metrics(rollout: Rollout, generation_seconds: float, env: Optional[Any
     sums = dist.all_reduce_sum({
         "reward": float(raw.sum()), "reward_sq": float((raw ** 2).sum()), "n": float(len(raw)),
         "correct": sum(rollout.flat("correct")), "lenient": sum(rollout.flat("lenient")),
-        "formatted": sum(rollout.flat("formatted")), "gen_tokens": sum(len(c.token_ids) for c in completions),
+        "formatted": sum(rollout.flat("formatted")), "response_tokens": sum(len(c.token_ids) for c in completions),
+        # what the engine sampled: a multi-turn episode's observations are the environment's, not generated
+        "gen_tokens": sum(c.trained_tokens for c in completions),
         "stopped": sum(c.finish_reason == "stop" for c in completions), "failures": rollout.failures,
         "shaped_reward": float(shaped.sum()), "filled": rollout.filled,
         # groups whose shaped rewards are all equal: a zero group advantage, no learning signal
@@ -32,7 +34,7 @@ def batch_metrics(rollout: Rollout, generation_seconds: float, env: Optional[Any
            "reward/accuracy": sums["correct"] / n, "reward/accuracy_lenient": sums["lenient"] / n,
            "reward/format_rate": sums["formatted"] / n, "reward/failures": sums["failures"],
            "reward/zero_std_groups": sums["flat_groups"] / max(sums["groups"], 1.0),
-           "response/len_mean": sums["gen_tokens"] / n, "response/stop_rate": sums["stopped"] / n,
+           "response/len_mean": sums["response_tokens"] / n, "response/stop_rate": sums["stopped"] / n,
            "throughput/gen_tokens_per_s": sums["gen_tokens"] / max(generation_seconds, 1e-9),
            **{f"reward_source/{name}": sums[f"source:{name}"] / n for name in sources}}
     if overlong_shaping:
