@@ -55,6 +55,17 @@ class Run:
             assert time.monotonic() < deadline, f"no step {step} in {timeout}s"
             time.sleep(0.1)
 
+    def signal_rank(self, r: int, sig: signal.Signals, timeout: float) -> tuple[int, float, list]:
+        """Send `sig` to rank `r` alone; the launcher's exit status, the seconds until it exited, and
+        what of the run's processes is still alive 5 s after."""
+        procs = self.everything()
+        t0 = time.monotonic()
+        self.rank(r).send_signal(sig)
+        rc = self.proc.wait(timeout=timeout)
+        seconds = time.monotonic() - t0
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        return rc, seconds, alive
+
     def rank(self, r: int) -> psutil.Process:
         for child in self.launcher.children(recursive=True):
             try:
@@ -97,12 +108,7 @@ def run(tmp_path):
 def test_sigint_to_rank0_stops_every_rank_after_the_step_with_a_checkpoint(run):
     r = run()
     r.wait_for_step(2)
-    procs = r.everything()
-    t0 = time.monotonic()
-    r.rank(0).send_signal(signal.SIGINT)
-    rc = r.proc.wait(timeout=60)
-    seconds = time.monotonic() - t0
-    _, alive = psutil.wait_procs(procs, timeout=5)
+    rc, seconds, alive = r.signal_rank(0, signal.SIGINT, timeout=60)
     out = r.output()
     print(f"SIGINT to rank 0: all ranks gone {seconds:.1f}s later, torchrun rc {rc}")
     assert alive == [], alive
@@ -121,12 +127,7 @@ def test_sigint_to_rank0_stops_every_rank_after_the_step_with_a_checkpoint(run):
 def test_a_dead_rank_makes_the_others_exit_with_an_error_not_hang(run):
     r = run()
     r.wait_for_step(2)
-    procs = r.everything()
-    t0 = time.monotonic()
-    r.rank(1).send_signal(signal.SIGKILL)
-    rc = r.proc.wait(timeout=90)
-    seconds = time.monotonic() - t0
-    _, alive = psutil.wait_procs(procs, timeout=5)
+    rc, seconds, alive = r.signal_rank(1, signal.SIGKILL, timeout=90)
     print(f"rank 1 SIGKILLed: torchrun exited rc {rc} {seconds:.1f}s later")
     assert rc != 0 and alive == []
     assert seconds < 45, seconds  # torchrun's grace before SIGKILL is 30 s; gloo usually fails at once
@@ -157,13 +158,8 @@ def test_a_killed_generation_rank_ends_a_split_run_with_an_error_naming_it(run):
     r = run(extra=("placement.mode=split", "rollout.max_staleness=1", "algo.rollout_correction=tis_token"),
             launcher="colo_rl.launch")
     r.wait_for_step(2)
-    procs = r.everything()
     before = len(r.output())
-    t0 = time.monotonic()
-    r.rank(0).send_signal(signal.SIGKILL)
-    rc = r.proc.wait(timeout=90)
-    seconds = time.monotonic() - t0
-    _, alive = psutil.wait_procs(procs, timeout=5)
+    rc, seconds, alive = r.signal_rank(0, signal.SIGKILL, timeout=90)
     after = r.output()[before:]
     print(f"generation rank SIGKILLed: launcher exited rc {rc} {seconds:.1f}s later\n{after[-2000:]}")
     assert rc == 128 + signal.SIGKILL and alive == [], (rc, alive)
@@ -183,12 +179,7 @@ def test_sigint_to_the_trainer_of_a_split_run_under_drop_ends_every_rank(run):
     r = run(extra=("placement.mode=split", "rollout.max_staleness=0", "rollout.staleness_policy=drop"),
             launcher="colo_rl.launch")
     r.wait_for_step(2)
-    procs = r.everything()
-    t0 = time.monotonic()
-    r.rank(1).send_signal(signal.SIGINT)
-    rc = r.proc.wait(timeout=90)
-    seconds = time.monotonic() - t0
-    _, alive = psutil.wait_procs(procs, timeout=5)
+    rc, seconds, alive = r.signal_rank(1, signal.SIGINT, timeout=90)
     out = r.output()
     print(f"SIGINT to the trainer rank of a split run (drop): launcher rc {rc} {seconds:.1f}s later")
     assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
@@ -204,12 +195,7 @@ def test_sigint_to_the_generation_rank_of_a_split_run_stops_the_run(run):
     generator; before, the generator logged the signal and the run went on to its last step."""
     r = run(extra=("placement.mode=split", "rollout.max_staleness=0"), launcher="colo_rl.launch")
     r.wait_for_step(2)
-    procs = r.everything()
-    t0 = time.monotonic()
-    r.rank(0).send_signal(signal.SIGINT)
-    rc = r.proc.wait(timeout=90)
-    seconds = time.monotonic() - t0
-    _, alive = psutil.wait_procs(procs, timeout=5)
+    rc, seconds, alive = r.signal_rank(0, signal.SIGINT, timeout=90)
     out = r.output()
     print(f"SIGINT to the generation rank of a split run: launcher rc {rc} {seconds:.1f}s later")
     assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
