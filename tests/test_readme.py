@@ -77,6 +77,11 @@ def config_name(recipe: str) -> str:
     return re.search(r'@hydra\.main\([^)]*config_name="(\w+)"', source).group(1)
 
 
+def test_the_config_reference_composes_each_recipes_own_config():
+    from colo_rl.config.reference import RECIPE_CONFIGS
+    assert RECIPE_CONFIGS == {recipe: config_name(recipe) for recipe in RECIPE_CONFIGS}
+
+
 def compose_for(recipe: str, overrides: list[str]):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return compose(config_name=config_name(recipe), overrides=overrides)

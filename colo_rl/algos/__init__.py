@@ -39,7 +39,7 @@ __all__ = [
     "kl_k3_plus", "sequence_mean_kl", "GROUP_ESTIMATORS", "KL_IN_REWARD_ESTIMATORS", "TOKEN_LEVEL_ESTIMATORS", "kl_goes_in_reward", "K3_BOUND", "KL_ESTIMATORS", "LOSS_AGGREGATIONS",
     "POLICY_LOSSES", "AdaptiveKLController", "aggregate_loss", "cispo_loss", "dpo_loss", "entropy_from_logits",
     "global_whiten", "group_advantages", "grpo_advantages", "gspo_loss", "informative_groups", "ipo_loss",
-    "kl_in_reward", "kl_k1", "loss_sequences", "kl_k2", "kl_k3", "kl_penalty", "logprobs_from_logits", "masked_mean",
+    "kl_in_reward", "kl_k1", "kl_k2", "kl_k3", "kl_penalty", "logprobs_from_logits", "loss_sequences", "masked_mean",
     "outcome_token_rewards", "overlong_penalty", "policy_loss", "ppo_clip_loss", "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages", "rl_loss", "rloo_advantages", "sequence_logprobs", "sft_loss",
 ]

@@ -16,6 +16,7 @@ from typing import Any
 
 from colo_rl.config import schema
 from colo_rl.config.options import RECIPE_NAMES, Rules, option_fields, rules_of
+from colo_rl.config.validation import FREE_KEYS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -99,7 +100,7 @@ def _resume(rules: Rules) -> str:
 def _flatten(node: dict, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in node.items():
-        if isinstance(value, dict) and f"{prefix}{key}" != "rollout.sglang_kwargs":
+        if isinstance(value, dict) and f"{prefix}{key}" not in FREE_KEYS:  # a free dict is one option
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
