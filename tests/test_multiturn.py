@@ -114,6 +114,43 @@ def test_an_engine_stopping_at_the_closing_tag_gives_the_same_episodes(tok):
     assert episode_metrics(runs[True])["env/engine_stops"] == 3.0
 
 
+def test_a_closing_tag_that_closes_no_call_does_not_end_the_turn(tok):
+    """An engine stopped at `</calculator>` with no call open: the policy has not ended its turn
+    (no EOS), so the next engine call goes on from its last token, and the episode is the one an
+    engine running on to EOS gives: one turn, its text whole, a call later in it cut and run."""
+    env = ENVIRONMENTS.get("calculator")(ENV_CFG, tok)
+    prompt = encode(tok, "Q:")
+    answer = "I'd close </calculator> first, so 7.<|im_end|>"
+    calling = "Stray </calculator> then <calculator>2+2</calculator> junk<|im_end|>"
+    cut_engine = ScriptedEngine(tok, [[answer, calling], [" It is 4.<|im_end|>"]])
+    stopping = ScriptedEngine(tok, [[answer, calling],  # each stops at its stray tag
+                                    [" first, so 7.<|im_end|>", " then <calculator>2+2</calculator> junk<|im_end|>"],
+                                    [" It is 4.<|im_end|>"]], honour_stop=True)
+    runs = [MultiTurnRollout(env, tok, max_turns=4, max_total_tokens=200).generate(
+        engine, [prompt], SamplingParams(max_new_tokens=40, n=2)) for engine in (cut_engine, stopping)]
+    fields = ("token_ids", "logprobs", "policy_mask", "turns", "tool_calls", "tool_errors", "finish_reason",
+              "hit_limit", "policy_texts")
+    for cut, stopped in zip(*runs):
+        assert [getattr(stopped, f) for f in fields] == [getattr(cut, f) for f in fields]
+    a, b = runs[1]
+    assert (a.turns, a.tool_calls, a.finish_reason, a.engine_stops) == (1, 0, "stop", 1)
+    assert a.policy_text == "I'd close </calculator> first, so 7."
+    assert (b.turns, b.tool_calls, b.tool_errors, b.engine_stops) == (2, 1, 0, 2)
+    assert b.policy_texts[0] == "Stray </calculator> then <calculator>2+2</calculator>"
+    assert stopping.calls[1][0] == prompt + encode(tok, "I'd close </calculator>")  # on from the exact tokens
+    assert [len(call) for call in stopping.calls] == [1, 2, 1]
+
+    # no engine call left for the rest of the turn: cut by max_turns, not a finished answer
+    (ep,) = MultiTurnRollout(env, tok, max_turns=1, max_total_tokens=200).generate(
+        ScriptedEngine(tok, [[answer]], honour_stop=True), [prompt], SamplingParams(max_new_tokens=40))
+    assert (ep.turns, ep.hit_limit, ep.finish_reason) == (1, "max_turns", "length")
+    # nor room in the episode's tokens
+    room = len(encode(tok, "I'd close </calculator>"))
+    (ep,) = MultiTurnRollout(env, tok, max_turns=4, max_total_tokens=room).generate(
+        ScriptedEngine(tok, [[answer]], honour_stop=True), [prompt], SamplingParams(max_new_tokens=40))
+    assert (ep.turns, ep.hit_limit, ep.finish_reason) == (1, "max_total_tokens", "length")
+
+
 def test_a_call_whose_last_token_runs_into_the_observation_reads_as_taught(tok):
     """SmolLM2 writes `</calculator><result>` with `><` as one token: the cut keeps that token, so the
     policy has already written the observation's `<`; the observation goes on after it."""

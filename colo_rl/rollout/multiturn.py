@@ -86,6 +86,7 @@ class MultiTurnRollout:
         contexts = [list(p) for p in prompts for _ in range(n)]
         starts = [problems[k // n] if problems is not None else None for k in range(len(episodes))]
         active = list(range(len(episodes)))
+        cut_turns: set[int] = set()  # episodes whose turn the engine stopped at a closing tag that closed no call
         lockstep = capabilities_of(engine).lockstep_generate
         every_turn = getattr(self.env, "answers_every_turn", False)
         sessions = []
@@ -102,19 +103,25 @@ class MultiTurnRollout:
                                                       n=n if turn == 0 else 1, stop=self.stop)
                     outs = engine.generate(prompts if turn == 0 else [contexts[i] for i in active], turn_params)
                     last = turn + 1 == self.max_turns
-                    steps = {}
+                    steps, unfinished = {}, set()
                     for i, out in zip(active, outs):
-                        wants_tool, end_token = self._take_turn(episodes[i], out)
-                        if wants_tool and last:  # a call in the last turn is not run
+                        if i in cut_turns:  # this call went on with a turn cut at a stray closing tag
+                            out = self._reopen_turn(episodes[i], out)
+                        turn_ended, wants_tool, end_token = self._take_turn(episodes[i], out)
+                        if not turn_ended and not last:
+                            unfinished.add(i)
+                            contexts[i] = episodes[i].prompt_ids + episodes[i].token_ids
+                        elif not turn_ended or (wants_tool and last):  # a call in the last turn is not run
                             episodes[i].hit_limit = "max_turns"
                             episodes[i].finish_reason = "length"
                         elif wants_tool or (every_turn and not episodes[i].hit_limit):
                             steps[i] = pool.submit(sessions[i].step, episodes[i].policy_texts[-1], end_token)
                     next_active = []
                     for i in active:
-                        if i in steps and self._observe(episodes[i], contexts[i], steps[i].result(), last):
+                        if i in unfinished or (i in steps and self._observe(episodes[i], contexts[i],
+                                                                            steps[i].result(), last)):
                             next_active.append(i)
-                    active = next_active
+                    active, cut_turns = next_active, unfinished
                 for ep, session in zip(episodes, sessions):  # once the episode is over, before it is closed
                     ep.env_reward, error = session.reward()
                     ep.tool_errors += error is not None
@@ -128,9 +135,11 @@ class MultiTurnRollout:
                            f"environment': Name(problem), step(self, turn) -> str | None)")
         return episodes
 
-    def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, Optional[str]]:
-        """Append the policy's turn, cut past its first tool call. Returns (asks for a tool, the text
-        of the EOS token it ended with or None)."""
+    def _take_turn(self, ep: Episode, out: Completion) -> tuple[bool, bool, Optional[str]]:
+        """Append the policy's turn, cut past its first tool call. Returns (the turn is over, it asks
+        for a tool, the text of the EOS token it ended with or None). A turn the engine stopped at a
+        closing tag that closes no call (`</calculator>` with no `<calculator>` before it) is not
+        over: the policy did not end it, and the next engine call goes on from its last token."""
         room = self.max_total_tokens - len(ep.token_ids)
         tokens, logps, finish = out.token_ids[:room], out.logprobs[:room], out.finish_reason
         if finish == "stop_string":  # the engine stopped at a closing tag: the turn has no EOS. Counted
@@ -140,6 +149,7 @@ class MultiTurnRollout:
             finish = "length"
         text = self.tokenizer.decode(tokens)
         parsed = self.env.parse(text)
+        stray_tag = finish == "tool" and not parsed.wants_tool
         if parsed.end is not None and parsed.end < len(text):  # what was sampled after the call is dropped
             k = cut_at(self.tokenizer, tokens, parsed.end)
             tokens, logps, finish = tokens[:k], logps[:k], "tool"
@@ -154,7 +164,22 @@ class MultiTurnRollout:
             ep.tool_calls += 1
         elif finish == "length" and len(ep.token_ids) >= self.max_total_tokens:
             ep.hit_limit = "max_total_tokens"
-        return parsed.wants_tool, self.tokenizer.decode(tokens[-1:]) if finish == "stop" and tokens else None
+        if stray_tag and len(ep.token_ids) >= self.max_total_tokens:  # no room to go on: cut by the limit
+            ep.hit_limit, ep.finish_reason = "max_total_tokens", "length"
+            return True, False, None
+        end_token = self.tokenizer.decode(tokens[-1:]) if finish == "stop" and tokens else None
+        return not stray_tag, parsed.wants_tool, end_token
+
+    @staticmethod
+    def _reopen_turn(ep: Episode, out: Completion) -> Completion:
+        """Take the episode's last turn back out of it, joined with `out`, its continuation: the whole
+        turn is taken again (parsed, cut at a call) as if the engine had not stopped in it."""
+        k = len(ep.token_ids) - ep.policy_mask[::-1].index(0) if 0 in ep.policy_mask else 0
+        head, head_logps = ep.token_ids[k:], ep.logprobs[k:]
+        del ep.token_ids[k:], ep.logprobs[k:], ep.policy_mask[k:]
+        ep.turns -= 1
+        ep.policy_texts.pop()
+        return Completion(out.prompt_ids, head + out.token_ids, head_logps + out.logprobs, out.finish_reason)
 
     def policy_text(self, tokens: list[int]) -> str:
         """A turn's text as the environment reads it: no special tokens (EOS, headers), except those
