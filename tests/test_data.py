@@ -260,3 +260,47 @@ def test_a_capped_user_file_warns_how_many_records_it_trains_on(caplog):
     caplog.clear()
     train, _ = split_records(records, DataConfig(path="f.jsonl", eval_size=10, train_size=None))
     assert len(train) == 40 and not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def bos_adding(tokenizer):
+    """The embedded tokenizer made to put BOS before a text on its own, as Llama's and Gemma's do."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(tokenizer)
+    tok._tokenizer.post_processor = TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                       special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    return tok
+
+
+def test_plain_prompts_start_with_the_bos_the_tokenizer_adds_and_truncation_keeps_it(tokenizer):
+    """data.use_chat_template=false: a Llama-like tokenizer's prompt starts with its BOS, as the
+    model was trained (a chat template writes its own), in GRPO's prompts and SFT/DPO's alike; a
+    prompt cut to data.max_prompt_tokens keeps it before the end it keeps."""
+    from colo_rl.data.chat import ChatEncoder, LengthStats, apply_length_policy, leading_specials
+
+    tok = bos_adding(tokenizer)
+    bos = tok.bos_token_id
+    assert leading_specials(tokenizer) == [] and leading_specials(tok) == [bos]
+    train, _ = load_problems(DataConfig(train_size=2, eval_size=1))
+    long = train[0].__class__(id="long", question="What is " + "1 + " * 200 + "1?", answer="201")
+    plain = DataConfig(use_chat_template=False, max_prompt_tokens=64, overlong_policy="truncate")
+    text = PromptBuilder(tok, plain).text(train[0])
+    body = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert PromptBuilder(tok, plain).encode(train[0]) == [bos] + body
+    assert PromptBuilder(tokenizer, plain).encode(train[0]) == body  # SmolLM2 adds none
+    chat = DataConfig(max_prompt_tokens=64)
+    assert PromptBuilder(tok, chat).encode(train[0]) == PromptBuilder(tokenizer, chat).encode(train[0])
+
+    builder = PromptBuilder(tok, plain)
+    cut = builder.encode(long)
+    whole = tokenizer(builder.text(long), add_special_tokens=False)["input_ids"]
+    assert len(cut) == 64 and cut == [bos] + whole[-63:] and builder.stats.truncated == 1
+    assert PromptBuilder(tokenizer, plain).encode(long) == whole[-64:]
+
+    enc = ChatEncoder(tok, plain).encode_pair(long.question, [("completion", "201")], "x.jsonl:1")
+    sft_prompt = ChatEncoder(tokenizer, plain).encode_pair(long.question, [("completion", "201")], "x.jsonl:1").prompt_ids
+    assert enc.prompt_ids == [bos] + sft_prompt and len(sft_prompt) > 64
+    kept = apply_length_policy(enc, plain, LengthStats(), "x.jsonl:1", ChatEncoder(tok, plain).head)
+    assert kept.prompt_ids == [bos] + sft_prompt[-63:]

@@ -138,7 +138,7 @@ class DataConfig:
     # the verifier reads ("The answer is N.").
     instruction: str = opt("Reply with one short sentence that ends with 'The answer is N.'", ALL, resume=DATA_ORDER)
     system_prompt: Optional[str] = opt(None, ALL, resume=DATA_ORDER)  # a system message before each prompt
-    use_chat_template: bool = opt(True, ALL, resume=DATA_ORDER)  # false: the question and instruction as plain text
+    use_chat_template: bool = opt(True, ALL, resume=DATA_ORDER)  # false: plain text (after the tokenizer's own BOS)
     # training order
     shuffle: bool = opt(True, reads("grpo", "sft", "dpo", eval="no training order"), resume=DATA_ORDER)
     # SFT / DPO: prompt + completion tokens per example (and per packed row); longer examples are

@@ -94,6 +94,26 @@ def user_turn(content: str, system_prompt: Optional[str]) -> list[dict[str, str]
     return system + [{"role": "user", "content": content}]
 
 
+def leading_specials(tokenizer) -> list[int]:
+    """The special tokens the tokenizer puts before a text of its own accord (Llama's and Gemma's
+    BOS; none for GPT-2, Qwen or SmolLM2): what a plain-text prompt starts with, as the model was
+    trained, and what cutting a prompt's start keeps. A chat template writes its own (`bos_token`)."""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == plain:
+            return full[:k]
+    return []
+
+
+def keep_end(ids: list[int], limit: int, head: list[int]) -> list[int]:
+    """The last `limit` tokens of an over-long prompt (its question and generation prompt), after
+    `head` (`leading_specials`) when the prompt starts with it: a Llama prompt keeps its BOS."""
+    if not head or ids[:len(head)] != head or limit <= len(head):
+        return ids[-limit:]
+    return head + ids[len(head) - limit:]
+
+
 def render_chat(tokenizer, messages: list[dict[str, str]], generation_prompt: bool, origin: str,
                 **template_kwargs: Any) -> str:
     """The chat template's text for `messages`; a template that refuses them (a role order it does
@@ -114,6 +134,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.cfg = data_cfg
         require_chat_template(tokenizer, data_cfg)
+        self.head = leading_specials(tokenizer)
 
     # ------------------------------------------------------------------ building conversations
     def prompt_messages(self, prompt: Any, origin: str, key: str = "prompt") -> list[dict[str, str]]:
@@ -198,7 +219,7 @@ class ChatEncoder:
             # as GRPO's and the evaluation's plain prompts (PromptBuilder.text): the model trains on the
             # text it is later prompted with, data.system_prompt included
             text = "\n".join(m["content"] for m in user_turn(prompt, self.cfg.system_prompt)) + "\n"
-            return Encoded(self._ids(text), out)
+            return Encoded(self.head + self._ids(text), out)
         p_msgs = self.prompt_messages(prompt, origin)
         prompt_text = self._template(p_msgs, True, origin)
         prompt_ids = self._ids(prompt_text)
@@ -221,10 +242,12 @@ class ChatEncoder:
         return ids, mask
 
 
-def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str) -> Optional[Encoded]:
-    """data.overlong_policy on prompt (> data.max_prompt_tokens: keep its end) and prompt + response
-    (> data.max_seq_len: cut the response's end). `drop` drops the example, `error` raises;
-    an example left with no trained token is dropped. Updates `stats`."""
+def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str,
+                        head: Optional[list[int]] = None) -> Optional[Encoded]:
+    """data.overlong_policy on prompt (> data.max_prompt_tokens: keep its end, after `head`, its
+    leading specials) and prompt + response (> data.max_seq_len: cut the response's end). `drop`
+    drops the example, `error` raises; an example left with no trained token is dropped. Updates
+    `stats`."""
     max_prompt, max_seq = data_cfg.max_prompt_tokens, data_cfg.max_seq_len
     longest = max(len(ids) for ids, _ in enc.responses)
     too_long = len(enc.prompt_ids) > max_prompt or len(enc.prompt_ids) + longest > max_seq
@@ -239,7 +262,7 @@ def apply_length_policy(enc: Encoded, data_cfg, stats: LengthStats, origin: str)
         stats.dropped += 1
         stats.dropped_origins.append(origin)
         return None
-    prompt = enc.prompt_ids[-max_prompt:] if len(enc.prompt_ids) > max_prompt else enc.prompt_ids
+    prompt = keep_end(enc.prompt_ids, max_prompt, head or []) if len(enc.prompt_ids) > max_prompt else enc.prompt_ids
     room = max_seq - len(prompt)
     responses = [(ids[:room], mask[:room]) for ids, mask in enc.responses]
     if room <= 0 or any(sum(mask) == 0 for _, mask in responses):
@@ -284,7 +307,7 @@ def encode_splits(tokenizer, data_cfg, embedded: Callable[[Any], tuple[list[Reco
     def encode(recs: list[Record]) -> list[T]:
         out = []
         for i, rec in enumerate(recs):
-            enc = apply_length_policy(encode_record(rec, encoder), data_cfg, stats, rec.origin)
+            enc = apply_length_policy(encode_record(rec, encoder), data_cfg, stats, rec.origin, encoder.head)
             if enc is None:
                 continue
             answer = rec.data.get("answer")

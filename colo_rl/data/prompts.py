@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
-from colo_rl.data.chat import check_messages, render_chat, require_chat_template, user_turn
+from colo_rl.data.chat import (check_messages, keep_end, leading_specials, render_chat, require_chat_template,
+                               user_turn)
 from colo_rl.data.files import DataError, Record, read_records
 
 log = logging.getLogger("colo_rl")
@@ -44,6 +45,7 @@ class PromptBuilder:
         self.env = env
         self.stats = PromptStats()
         require_chat_template(tokenizer, data_cfg)
+        self.head = leading_specials(tokenizer)
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         if problem.messages is not None:
@@ -63,8 +65,7 @@ class PromptBuilder:
 
     def encode(self, problem: Problem) -> Optional[list[int]]:
         """Token ids, or None when the prompt is over-length and the policy drops it."""
-        return self._within_limit(problem, self.tokenizer(self._checked_text(problem),
-                                                          add_special_tokens=False)["input_ids"])
+        return self._within_limit(problem, self._ids([self._checked_text(problem)])[0])
 
     def encode_all(self, problems: list[Problem], chunk: int = 1024) -> list[tuple[Problem, list[int]]]:
         """(problem, token ids) for each problem the over-length policy keeps, in order. The tokenizer
@@ -73,10 +74,15 @@ class PromptBuilder:
         for start in range(0, len(problems), chunk):
             part = problems[start:start + chunk]
             texts = [self._checked_text(p) for p in part]
-            for problem, ids in zip(part, self.tokenizer(texts, add_special_tokens=False)["input_ids"]):
+            for problem, ids in zip(part, self._ids(texts)):
                 if (ids := self._within_limit(problem, ids)) is not None:
                     kept.append((problem, ids))
         return kept
+
+    def _ids(self, texts: list[str]) -> list[list[int]]:
+        """A chat template writes its own BOS; plain text gets the one the tokenizer adds (Llama's)."""
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return ids if self.cfg.use_chat_template else [self.head + i for i in ids]
 
     def _checked_text(self, problem: Problem) -> str:
         if not (problem.question or problem.messages):
@@ -94,7 +100,7 @@ class PromptBuilder:
             if self.cfg.overlong_policy == "drop":
                 self.stats.dropped += 1
                 return None
-            ids = ids[-limit:]  # keep the end: the question and the generation prompt
+            ids = keep_end(ids, limit, self.head)
             self.stats.truncated += 1
         self.stats.kept += 1
         return ids
