@@ -32,6 +32,20 @@ class Completion:
     # environment did (multi-turn observations). None: every token is the policy's.
     policy_mask: Optional[list[int]] = None
 
+    FINISH_REASONS = ("stop", "length", "stop_string")
+
+    def __post_init__(self):
+        # An engine's output is checked where it is made: misaligned log-probs would otherwise be
+        # scored against the wrong tokens far from their cause.
+        if len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"a completion with {len(self.token_ids)} tokens and {len(self.logprobs)} log-probs: "
+                             f"an engine returns one log-prob per sampled token")
+        if self.policy_mask is not None and len(self.policy_mask) != len(self.token_ids):
+            raise ValueError(f"a completion with {len(self.token_ids)} tokens and a policy_mask of "
+                             f"{len(self.policy_mask)}: one entry (1 policy, 0 observation) per token")
+        if self.finish_reason not in self.FINISH_REASONS:
+            raise ValueError(f"finish_reason={self.finish_reason!r}: one of {self.FINISH_REASONS}")
+
     @property
     def trained_tokens(self) -> int:
         """The tokens the loss counts (the policy's)."""
@@ -156,6 +170,10 @@ class Rollout:
     def keep(self, groups: list[Group], useful: Optional[list[bool]] = None) -> None:
         """Take `groups` into the batch; with `useful` (DAPO) only those marked, the rest set aside."""
         useful = [True] * len(groups) if useful is None else useful
+        sizes = {len(g) for g in self.groups + self.set_aside + groups}
+        if len(sizes) > 1:  # group_rows, advantages and micro-batches assume G completions in every group
+            raise ValueError(f"groups of {sorted(sizes)} completions in one rollout: every group has "
+                             f"rollout.group_size completions")
         self.groups += [g for g, u in zip(groups, useful) if u]
         self.set_aside += [g for g, u in zip(groups, useful) if not u]
 

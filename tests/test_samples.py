@@ -67,6 +67,23 @@ def test_dynamic_sampling_keeps_informative_groups_then_fills_with_set_aside_one
     assert [g.prompt_ids for g in r.groups] == [[1]]
 
 
+def test_a_completion_or_rollout_that_does_not_fit_together_is_refused_where_it_is_made():
+    """An engine's misaligned output fails at the engine, not as log-probs scored against the wrong
+    tokens in the update; a rollout holds groups of one size (its rows are g*G .. g*G+G-1)."""
+    assert Completion([1], [2, 3], [-0.1, -0.2], "stop", policy_mask=[1, 0]).trained_tokens == 1
+    with pytest.raises(ValueError, match="2 tokens and 1 log-probs"):
+        Completion([1], [2, 3], [-0.1], "stop")
+    with pytest.raises(ValueError, match="policy_mask of 3"):
+        Completion([1], [2, 3], [-0.1, -0.2], "stop", policy_mask=[1, 1, 0])
+    with pytest.raises(ValueError, match="finish_reason='abort'"):
+        Completion([1], [2], [-0.1], "abort")
+    r = rollout_of([[1]], [[[4], [5]]], [1.0, 0.0])
+    r.keep(rollout_of([[2]], [[[6], [7]]], [0.0, 1.0]).groups, [False])
+    with pytest.raises(ValueError, match=r"groups of \[2, 3\] completions"):
+        r.keep(rollout_of([[3]], [[[8], [9], [10]]], [0.0, 1.0, 0.5]).groups)
+    assert len(r.groups) == 1 and len(r.set_aside) == 1
+
+
 def test_spread_reaches_the_agreed_count_by_halving_the_costliest_micro_batch():
     costs = [1, 2, 3, 4]
     bins = micro_batches(costs, budget=10)
