@@ -117,3 +117,13 @@ def test_hf_engine_cdf_sampler_draws_from_the_distribution():
     assert set(engine._draw(torch.tensor([[0.0, 0.0, 2.5]]).repeat(1000, 1)).tolist()) == {2}
     first = torch.tensor([[1.0] + [0.0] * 9]).repeat(1000, 1)
     assert set(engine._draw(first).tolist()) == {0}
+
+
+def test_each_rank_of_a_seed_sweep_samples_a_stream_of_its_own():
+    """Both engines seed rank r with sampling_seed(rollout.seed, r): a sweep over neighbouring seeds
+    on 8 ranks shares no stream (seed + rank would: seed 1 on rank 1 is seed 2 on rank 0)."""
+    from colo_rl.rollout.base import sampling_seed
+
+    streams = [sampling_seed(seed, rank) for seed in range(64) for rank in range(8)]
+    assert len(set(streams)) == len(streams)
+    assert sampling_seed(5, 0) == 5  # rank 0 samples with rollout.seed itself

@@ -195,7 +195,7 @@ class RolloutConfig:
     # SGLang: GPUs per engine (tensor parallel), within one node. An engine setting, so here; how the
     # engine and the trainer share each GPU is the `colocate` group.
     tp_size: int = opt(1, ALL, check=POSITIVE_INT, resume=SPLIT_GENERATORS)
-    # None = trainer.seed (each rank's sampling RNG adds its rank)
+    # None = trainer.seed (each rank samples its own stream: rollout.seed + 7919 x rank, both engines)
     seed: Optional[int] = opt(None, ALL, resume=refuse("the saved engine sampling state was derived from the old seed"))
     # More sglang.Engine arguments (ServerArgs fields), e.g. rollout.sglang_kwargs={attention_backend:triton}
     # or +rollout.sglang_kwargs.disable_cuda_graph=true; checked against the installed SGLang at start.

@@ -77,6 +77,12 @@ def capabilities_of(engine: Any) -> Capabilities:
     return declared if isinstance(declared, Capabilities) else NO_CAPABILITIES
 
 
+def sampling_seed(seed: int, rank: int) -> int:
+    """Each rank's engine sampling seed: its own stream, and a prime stride so that a sweep's
+    neighbouring rollout.seed values share no stream (seed s on rank 1 is not seed s+1 on rank 0)."""
+    return seed + 7919 * rank
+
+
 class RolloutEngine(Protocol):
     """What the colocated loop asks of an engine (HFEngine, SGLangEngine, TPGroupEngine; each is
     checked against this in tests/test_engine_protocol.py). What an engine can do beyond it is

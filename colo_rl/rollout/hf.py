@@ -23,7 +23,7 @@ from colo_rl.lora import apply_lora, external_name, is_adapter, lora_enabled
 from colo_rl.models import eos_token_ids, load_model, resolve_model_path
 from colo_rl.phase import Phase, PhaseGuard
 from colo_rl.rollout.base import (ALL_TAGS, ENGINES, KV_CACHE, WEIGHTS, Capabilities, Completion, Engine,
-                                  SamplingParams)
+                                  SamplingParams, sampling_seed)
 
 log = logging.getLogger("colo_rl")
 
@@ -40,10 +40,9 @@ class HFEngine(Engine):
         if lora_enabled(cfg.model) and cfg.model.lora.handoff == "auto":  # adapters applied unmerged, as the trainer
             model = apply_lora(model, cfg.model.lora, seed=cfg.trainer.seed)
         model = model.to(dist.device())
-        # each rank samples its own stream; the prime stride keeps a sweep's neighbouring rollout.seed
-        # values from sharing a stream across ranks (seed s on rank 1 is not seed s+1 on rank 0)
         return cls(model, eos_token_ids(tokenizer, resolve_model_path(cfg.model.path)), tokenizer.pad_token_id,
-                   guard=guard, max_batch=cfg.rollout.eval_batch_size, seed=cfg.rollout.seed + 7919 * dist.rank(),
+                   guard=guard, max_batch=cfg.rollout.eval_batch_size,
+                   seed=sampling_seed(cfg.rollout.seed, dist.rank()),
                    tokenizer=tokenizer)
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: Iterable[int], pad_token_id: int,

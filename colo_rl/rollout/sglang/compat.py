@@ -289,7 +289,7 @@ OWNED_SERVER_ARGS = {
     "nccl_port": "nothing: colo_rl picks a free port per engine",
     "dtype": "model.dtype (the engine must run the trainer's dtype)",
     "mem_fraction_static": "colocate.mem_fraction_static (or colocate.memory_margin_gib)",
-    "random_seed": "rollout.seed (colo_rl adds the rank)",
+    "random_seed": "rollout.seed (each rank its own: rollout.base.sampling_seed)",
     "custom_sigquit_handler": "nothing: colo_rl installs one that raises SGLangEngineError",
 }
 

@@ -20,7 +20,8 @@ from colo_rl.cuda_toolkit import prepare_jit_builds
 from colo_rl.errors import ConfigError, HandoffError, SGLangEngineError
 from colo_rl.models import eos_token_ids, model_config, resolve_model_path
 from colo_rl.phase import Phase
-from colo_rl.rollout.base import ALL_TAGS, ENGINES, KV_CACHE, Capabilities, Completion, Engine, SamplingParams
+from colo_rl.rollout.base import (ALL_TAGS, ENGINES, KV_CACHE, Capabilities, Completion, Engine, SamplingParams,
+                                  sampling_seed)
 from colo_rl.rollout.sglang.compat import (
     REQUIRED_SERVER_ARGS,
     SGLANG_DEFAULT_CONTEXT_LENGTH,
@@ -179,7 +180,8 @@ class SGLangEngine(Engine):
         kwargs = known_server_kwargs(dict(
             model_path=model_dir, tp_size=rollout.tp_size, base_gpu_id=engine_base_gpu_id(device, dist.local_rank()),
             mem_fraction_static=fraction, **memory_saver_kwargs(device), load_format="dummy",
-            skip_tokenizer_init=True, dtype=sglang_dtype(dtype), random_seed=rollout.seed + dist.rank(),
+            skip_tokenizer_init=True, dtype=sglang_dtype(dtype),
+            random_seed=sampling_seed(rollout.seed, dist.rank()),
             port=dist.free_port(), nccl_port=dist.free_port(), log_level="error",
             custom_sigquit_handler=_sigquit_from_child,
         ), api.server_args_cls, REQUIRED_SERVER_ARGS)
