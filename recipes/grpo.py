@@ -133,6 +133,7 @@ class GRPORecipe:
         if self.split is not None:  # the trainer: DeepSpeed state and RNGs; the generators' positions go to them
             step = ckpt.maybe_resume(self.colo.actor)
             self.start_metrics.update(self.pool.start(step, ckpt.extra.get("split_positions")))
+            self.pool.stats.load_state_dict(ckpt.extra.get("split_staleness"))  # the run's histogram goes on
         else:
             with self.colo.switch.update():  # DeepSpeed state, data position, RNGs (the engine's sampling RNG too)
                 step = ckpt.maybe_resume(self.colo.actor, self.sampler, self.colo.engine)
@@ -221,7 +222,8 @@ class GRPORecipe:
     def save(self, ckpt, step: int) -> None:
         extra = {"kl_in_reward_coef": self.kl_ctl.coef}
         if self.split is not None:  # the data lives on the generation ranks: their positions after the last slot used
-            ckpt.save(step, self.colo.actor, extra={**extra, "split_positions": self.pool.positions})
+            ckpt.save(step, self.colo.actor, extra={**extra, "split_positions": self.pool.positions,
+                                                    "split_staleness": self.pool.stats.state_dict()})
             return
         with self.colo.switch.update():
             ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine, extra=extra)

@@ -95,6 +95,15 @@ def test_staleness_stats_count_per_step_and_in_total():
     assert second["split/dropped_groups"] == 4 and second["split/dropped_groups_total"] == 4
     assert second["split/staleness_hist/0"] == 4 and second["split/staleness_hist/1"] == 4
     assert s.pop()["split/dropped_groups"] == 0
+    # a resumed run's totals go on from its checkpoint's (state.json: JSON)
+    import json
+
+    resumed = st.StalenessStats()
+    resumed.load_state_dict(json.loads(json.dumps(s.state_dict())))
+    resumed.record_trained(1, 2)
+    third = resumed.pop()
+    assert third["split/staleness_hist/0"] == 4 and third["split/staleness_hist/1"] == 6
+    assert third["split/dropped_groups_total"] == 4 and third["split/dropped_groups"] == 0
 
 
 def test_overlap_of_two_intervals():

@@ -15,6 +15,7 @@ drop: generators never wait; the trainer drops rollouts older than k (counted) a
 from __future__ import annotations
 
 from collections import Counter
+from typing import Optional
 
 POLICIES = ("wait", "drop")
 
@@ -54,6 +55,17 @@ class StalenessStats:
     def record_dropped(self, groups: int) -> None:
         self._dropped += groups
         self.dropped_groups_total += groups
+
+    def state_dict(self) -> dict:
+        """The run's totals, for a checkpoint (JSON: staleness keys as strings)."""
+        return {"trained": {str(k): v for k, v in sorted(self.trained.items())},
+                "dropped_groups_total": self.dropped_groups_total}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """A resumed run's totals go on from the checkpoint's (None: one saved without them, from zero)."""
+        if state is not None:
+            self.trained = Counter({int(k): int(v) for k, v in state["trained"].items()})
+            self.dropped_groups_total = int(state["dropped_groups_total"])
 
     def pop(self) -> dict[str, float]:
         """This step's metrics (and the run's totals); the step's counts start again from zero."""
