@@ -83,6 +83,15 @@ def check_target_modules(model, targets) -> None:
         names = sorted({n.rsplit(".", 1)[-1] for n in full})
         raise ConfigError(f"model.lora.target_modules: {missing} match no linear layer of this model; its linear "
                           f"layers are {names}")
+    # a layer sharing its weight with the input embedding (tie_word_embeddings: the LM head) is listed
+    # once, as the embedding, so its adapter could not be merged into the engine's or exported weights
+    embedding = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
+    modules = dict(model.named_modules())
+    tied = [t for t in targets for n in full if (n == t or n.endswith(f".{t}")) and embedding is not None
+            and getattr(modules[n], "weight", None) is embedding]
+    if tied:
+        raise ConfigError(f"model.lora.target_modules: {sorted(set(tied))} share their weight with the input "
+                          f"embedding (tie_word_embeddings), so an adapter on them cannot be merged; remove them")
 
 
 def is_adapter(name: str) -> bool:
@@ -116,9 +125,17 @@ def merge_units(names: list[str]) -> list[list[str]]:
     return list(units.values())
 
 
-def merged_tensors(named: list[tuple[str, torch.Tensor]], scaling: float) -> list[tuple[str, torch.Tensor]]:
+def transposed_modules(model) -> frozenset[str]:
+    """The wrapped layers that store their weight [in, out] (transformers' Conv1D, GPT-2's: PEFT's
+    fan_in_fan_out), by the module names `module_of` gives."""
+    return frozenset(name for name, m in model.named_modules() if getattr(m, "fan_in_fan_out", False))
+
+
+def merged_tensors(named: list[tuple[str, torch.Tensor]], scaling: float,
+                   transposed: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors of the merged model for whole merge units: W + scaling * B @ A (in fp32,
-    then the base weight's dtype); unadapted tensors pass through (not copied)."""
+    then the base weight's dtype; (B @ A)^T for a layer in `transposed`, `transposed_modules`);
+    unadapted tensors pass through (not copied)."""
     by_name = dict(named)
     out = []
     for name, tensor in named:
@@ -128,7 +145,8 @@ def merged_tensors(named: list[tuple[str, torch.Tensor]], scaling: float) -> lis
             module = module_of(name)
             a = by_name[f"{module}.lora_A.{ADAPTER}.weight"].float()
             b = by_name[f"{module}.lora_B.{ADAPTER}.weight"].float()
-            tensor = (tensor.float() + scaling * (b @ a)).to(tensor.dtype)
+            delta = b @ a
+            tensor = (tensor.float() + scaling * (delta.T if module in transposed else delta)).to(tensor.dtype)
         out.append((external_name(name), tensor))
     return out
 

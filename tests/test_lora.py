@@ -44,6 +44,44 @@ def test_lora_forward_equals_the_merged_models_forward():
     torch.testing.assert_close(merged_logits, lora_logits, rtol=0, atol=2e-5)
 
 
+def test_a_gpt2_conv1d_layer_merges_as_its_lora_forward():
+    """transformers' Conv1D (GPT-2) stores its weight [in, out]: the merge adds (B @ A)^T there, as
+    PEFT's fan_in_fan_out does; `c_proj` is square, so only the values tell."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from colo_rl.lora import transposed_modules
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=100, n_positions=32, n_inner=64)
+    base = GPT2LMHeadModel(config).eval()
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["c_attn", "c_proj"])
+    model = apply_lora(GPT2LMHeadModel(config).eval(), lora, seed=1)
+    model.load_state_dict(base.state_dict(), strict=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.05)
+    transposed = transposed_modules(model)
+    assert sorted(n.split("transformer.h.0.")[1] for n in transposed) == ["attn.c_attn", "attn.c_proj", "mlp.c_proj"]
+    merged = dict(merged_tensors(list(model.named_parameters()), lora_scaling(lora), transposed))
+    base.load_state_dict(merged, strict=False)
+    ids = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        torch.testing.assert_close(base(ids).logits, model.eval()(ids).logits, rtol=0, atol=2e-5)
+
+
+def test_an_adapter_on_a_head_tied_to_the_embedding_is_refused():
+    """SmolLM2 ties lm_head to the input embedding: its weight is listed once, as the embedding, so
+    an adapter on it would be left out of every merge (engine and export)."""
+    with pytest.raises(ConfigError, match=r"\['lm_head'\] share their weight with the input embedding"):
+        apply_lora(load_model(TINY, torch.float32, seed=1), LoraConfig(rank=2, target_modules=["q_proj", "lm_head"]),
+                   seed=1)
+    untied = load_model(TINY, torch.float32, seed=1)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())  # a head of its own
+    wrapped = apply_lora(untied, LoraConfig(rank=2, target_modules=["lm_head"]), seed=1)
+    assert any("lm_head.lora_A" in n for n, _ in wrapped.named_parameters())
+
+
 def test_names_travel_as_hf_base_names_and_adapter_file_names():
     assert external_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
         "model.layers.0.self_attn.q_proj.weight"

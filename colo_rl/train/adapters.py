@@ -12,7 +12,7 @@ from typing import Iterator, Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.lora import external_name, is_adapter, lora_scaling, merge_units, merged_tensors
+from colo_rl.lora import external_name, is_adapter, lora_scaling, merge_units, merged_tensors, transposed_modules
 from colo_rl.train.actor import DeepSpeedActor, plan_buckets
 
 
@@ -60,7 +60,7 @@ def merge_buckets(actor: DeepSpeedActor, bucket_bytes: int) -> list[list[str]]:
 def gathered_merged(actor: DeepSpeedActor, names: list[str]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """HF-named tensors of the merged model for a merge bucket (valid inside the context)."""
     with actor.gathered(names) as tensors:
-        yield merged_tensors(tensors, lora_scaling(actor.cfg.model.lora))
+        yield merged_tensors(tensors, lora_scaling(actor.cfg.model.lora), transposed_modules(actor.module))
 
 
 @contextlib.contextmanager
