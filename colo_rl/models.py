@@ -262,6 +262,18 @@ def load_model(model_cfg, dtype: torch.dtype, seed: int = 0):
     return model
 
 
+def base_generation_config(model_cfg):
+    """The base model's generation_config.json (its EOS ids, sampling defaults) as from_pretrained
+    reads it; None for a random model or a directory without one (from_config's default, as the
+    run had)."""
+    if model_cfg.random_init:
+        return None
+    from transformers import GenerationConfig
+
+    path = resolve_model_path(model_cfg.path)
+    return GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+
+
 def fp32_checkpoint_tensors(model_cfg, names: set[str]) -> dict[str, torch.Tensor]:
     """The tensors of `names` that the model's checkpoint stores in float32 (its safetensors files;
     none for a random model or another format): what a bf16 run's fp32 master weights start from."""

@@ -240,3 +240,17 @@ def test_local_part_leaves_out_the_last_shards_padding(monkeypatch):
     for rank, numel in ((0, 4), (1, 4), (2, 2)):
         monkeypatch.setattr(tdist, "get_rank", lambda group=None, r=rank: r)
         assert local_part(param).numel() == numel
+
+
+def test_the_exported_merge_of_a_bf16_run_is_the_runs_own_merge():
+    """`python -m colo_rl.checkpoint` merges with PEFT: in fp32 from the run's bf16 weights, rounded
+    once, it gives exactly what the run's own merge (lora.merged_tensors) gives; merging in bf16
+    rounds twice (what the export did)."""
+    import copy
+
+    model = trained_lora_model().to(torch.bfloat16)
+    run = dict(merged_tensors(list(model.named_parameters()), lora_scaling(LORA)))
+    exported = copy.deepcopy(model).float().merge_and_unload().to(torch.bfloat16).state_dict()
+    assert all(torch.equal(exported[n], t) for n, t in run.items())
+    in_bf16 = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert any(not torch.equal(in_bf16[n], t) for n, t in run.items())

@@ -57,3 +57,21 @@ def test_weight_bytes_from_the_structure_equal_the_loaded_models(dtype):
     model = load_model(cfg, dtype)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes(cfg, dtype) == held > 0
+
+
+def test_the_base_generation_config_is_what_from_pretrained_reads(tmp_path):
+    """What the checkpoint export gives its model from_config (a run's model came from_pretrained):
+    the base's generation_config.json, e.g. an instruct model's two EOS ids; none for a random model."""
+    import shutil
+
+    from colo_rl.models import base_generation_config, resolve_model_path
+
+    base = tmp_path / "base"
+    shutil.copytree(resolve_model_path("embedded"), base, ignore=shutil.ignore_patterns("*.safetensors"))
+    (base / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7], "temperature": 0.7,
+                                                             "do_sample": True}))
+    gen = base_generation_config(ModelConfig(path=str(base)))
+    assert (gen.eos_token_id, gen.temperature, gen.do_sample) == ([2, 7], 0.7, True)
+    assert base_generation_config(ModelConfig(path=str(base), random_init=True)) is None
+    (base / "generation_config.json").unlink()
+    assert base_generation_config(ModelConfig(path=str(base))) is None

@@ -19,7 +19,7 @@ from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complet
 from colo_rl.config import RunConfig
 from colo_rl.errors import CheckpointError
 from colo_rl.lora import apply_lora, is_adapter, lora_enabled
-from colo_rl.models import load_model, load_tokenizer, model_config
+from colo_rl.models import base_generation_config, load_model, load_tokenizer, model_config
 from colo_rl.train.adapters import adapter_state_dict_on_rank0, merged_state_dict_on_rank0
 
 log = logging.getLogger("colo_rl")
@@ -92,6 +92,8 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
         raise CheckpointError(f"{checkpoint}: its weights do not match the model its config describes "
                               f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     model.tie_weights()
+    if (generation := base_generation_config(cfg.model)) is not None:  # the base's EOS ids, as the run exported
+        model.generation_config = generation
     model = model.to(dtype)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -116,11 +118,13 @@ def _export_lora_checkpoint(checkpoint: Path, cfg, weights: dict, dtype: torch.d
         raise CheckpointError(f"{checkpoint}: its config has model.lora.rank={cfg.model.lora.rank} but the "
                               f"checkpoint lacks adapter weights {missing[:3]}")
     model.load_state_dict(adapters, strict=False)
-    model = model.to(dtype)
+    model = model.to(dtype)  # the run's weights: base and adapters in its dtype
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp / ADAPTER_DIR, safe_serialization=True)
-    model.merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+    # merged in fp32 and rounded once, as the run merges (lora.merged_tensors): PEFT merging in bf16
+    # would round the update, then the sum
+    model.float().merge_and_unload().to(dtype).save_pretrained(tmp, safe_serialization=True)
     load_tokenizer(cfg.model.path).save_pretrained(tmp)
     if out_dir.exists():
         shutil.rmtree(out_dir)
