@@ -57,6 +57,8 @@ def run_eval(ctx) -> dict:
     prompt_ids, answers, kept_problems = [ids for _, ids in kept], [p.answer for p, _ in kept], [p for p, _ in kept]
     colo = build_colocated(cfg, tokenizer, ctx.dtype, ctx.run_dir, total_steps=1, grad_accum=1, with_optimizer=False)
     scorer = RewardScorer(cfg.reward)
+    if dist.is_rank0():
+        scorer.count_unmatchable(answers, [p.origin for p in kept_problems], cfg.data.path or "data")
     seconds = {"setup": time.perf_counter() - t0}
     with colo.switch.generation():  # the handoff gives the engine the model's weights
         t1 = time.perf_counter()

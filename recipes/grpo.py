@@ -74,6 +74,9 @@ class GRPORecipe:
         self.scorer = RewardScorer(cfg.reward)
         sample = train_problems[:REWARD_CHECK_RECORDS]
         self.scorer.check_on_records([p.answer for p in sample], [p.fields for p in sample], [p.origin for p in sample])
+        if dist.is_rank0():
+            both = train_problems + eval_problems
+            self.scorer.count_unmatchable([p.answer for p in both], [p.origin for p in both], cfg.data.path or "data")
         # env.name != none: multi-turn episodes (the prompts tell the policy about its tools)
         self.env = build_environment(cfg.env, self.tokenizer, cfg.data.use_chat_template)
         self.multiturn = None if self.env is None else MultiTurnRollout(self.env, self.tokenizer, cfg.env.max_turns,

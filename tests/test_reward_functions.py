@@ -137,6 +137,19 @@ def test_weights_need_one_value_per_source(user_file):
                                                model=RewardModelConfig(path="/some/rm"))))
 
 
+def test_a_source_listed_twice_is_refused_before_its_metrics_collide(user_file, tmp_path):
+    """reward_source/<name> is one metric per name: a function listed twice (or two files of one
+    stem with one function name) would show one source's scores and drop the other's."""
+    other = tmp_path / "other" / user_file.name
+    other.parent.mkdir()
+    other.write_text(user_file.read_text())
+    for functions, twice in ((["math_verify", "math_verify"], "math_verify"),
+                             ([f"{user_file}:length", f"{other}:length"], f"{user_file.stem}:length")):
+        with pytest.raises(ConfigError, match=rf"\['{twice}'\] more than once.*reward.weights"):
+            validate(RunConfig(reward=RewardConfig(functions=functions)))
+    validate(RunConfig(reward=RewardConfig(functions=["math_verify", f"{user_file}:length"])))
+
+
 # ---------------------------------------------------------------- per-sample / batched, weights, fields
 def test_per_sample_and_batched_are_told_apart_by_signature(user_file):
     texts, truths = ["a", "bb", "ccc"], ["a", "x", "ccc"]

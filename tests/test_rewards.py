@@ -31,6 +31,13 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("The answer is 3.5.", "3.5"),
     ("**Answer:** 72\n\n#### 2. Verification\nIt checks out.", "72"),  # a markdown heading is no answer
     ("text #### 5", None),  # GSM8K's mark opens a line
+    ("**Answer:** 18\n\n- 3 boxes of 6 eggs each", "18"),  # a list on the next line is no expression
+    ("She earns 9 * 2 = 18 dollars.\n#### 18.\nI hope this helps!", "18"),  # nor is a sentence a heading
+    ("The answer is 18 - 2", None),
+    ("Answer:\n1. Janet has 16 eggs and eats 3.\n2. She sells the rest.", None),  # a numbered list
+    ("**Answer:**\n1. Janet sells 13 at $2 = $26.", None),
+    ("**Answer:**\n\n26", "26"),
+    ("The answer is 18. She sells the rest.", "18"),
 ])
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
@@ -121,3 +128,22 @@ def test_partial_credit_ladder_prefers_worked_and_stated_answers():
     texts = ["23 + 35 = 58. The answer is 58.", "23 + 35 = 58.", "The answer is 57.", "23 + 35", "The answer is 23 + 35"]
     res = scorer.score(texts, ["58"] * len(texts))
     assert res.rewards == pytest.approx([2.1, 1.0, 0.1, 0.0, 0.0])
+
+
+def test_truths_no_stated_answer_can_match_are_counted_and_named(caplog):
+    """MATH-style truths (verl's `ground_truth`, `solution`) that are not number literals score 0 under
+    the built-in verifiers whatever the policy writes: the recipes count them at start-up and say so."""
+    import logging
+
+    from colo_rl.rewards.verifiers import is_number_literal
+
+    assert all(is_number_literal(t) for t in ["18", " -7 ", "1,000", "3.50", "$42", "\u22125"])
+    assert not any(is_number_literal(t) for t in ["\\frac{1}{2}", "1/2", "(1,2)", "x = 3", "2\\sqrt{2}", ""])
+    scorer = RewardScorer(RewardConfig(functions=["math_verify"]))
+    with caplog.at_level(logging.WARNING, logger="colo_rl"):
+        assert scorer.count_unmatchable(["18", "\\frac{1}{2}", "(1,2)"], ["d.jsonl:1", "d.jsonl:2", "d.jsonl:3"],
+                                        "d.jsonl") == 2
+        assert scorer.count_unmatchable(["18", "1,000"], ["d.jsonl:1", "d.jsonl:2"], "d.jsonl") == 0
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "d.jsonl: 2 of 3 answers are not number literals (first: '\\\\frac{1}{2}', d.jsonl:2)" in line
+    assert "['math_verify'] score them 0" in line and "reward.functions=[path/to/file.py:fn]" in line

@@ -2,8 +2,8 @@
 worker pool that calls them with a timeout (pool.py) and the batch scorer (scorer.py)."""
 
 from colo_rl.errors import RewardError
-from colo_rl.rewards.scorer import RewardResult, RewardScorer, add_source, model_weight, source_metric
-from colo_rl.rewards.sources import RewardSource, check_reward_config, load_source, resolve_sources
+from colo_rl.rewards.scorer import RewardResult, RewardScorer, add_source, model_weight
+from colo_rl.rewards.sources import RewardSource, check_reward_config, load_source, resolve_sources, source_metric
 from colo_rl.rewards.verifiers import (REWARD_FUNCTIONS, RewardFn, answers_match, extract_final_answer,
                                        extract_last_number, format_reward, last_number_reward, math_verify_reward,
                                        register_reward)

@@ -8,16 +8,18 @@ one sample: RewardError at once, naming the file and the function.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from colo_rl.errors import RewardError
 from colo_rl.rewards.pool import Call, RewardPool
-from colo_rl.rewards.sources import RewardSource, resolve_sources, split_spec
-from colo_rl.rewards.verifiers import answers_match, extract_final_answer, extract_last_number
+from colo_rl.rewards.sources import RewardSource, resolve_sources, source_metric, split_spec
+from colo_rl.rewards.verifiers import answers_match, extract_final_answer, extract_last_number, is_number_literal
+
+log = logging.getLogger("colo_rl")
 
 
 @dataclass
@@ -36,13 +38,6 @@ def add_source(result: RewardResult, name: str, values: list[float], weight: flo
     a score that comes from outside the verifiers (an environment's own)."""
     result.per_source[name] = list(values)
     result.rewards = [r + weight * v for r, v in zip(result.rewards, values)]
-
-
-def source_metric(source: RewardSource) -> str:
-    """The source's name in metrics: the registered name, or `<file stem>:<function>`."""
-    if source.file is None:
-        return source.label
-    return f"{Path(source.file).stem}:{split_spec(source.label)[1]}"
 
 
 def model_weight(reward_cfg) -> float:
@@ -91,6 +86,19 @@ class RewardScorer:
             if len(failed) == len(truths):
                 raise RewardError(f"{where}: reward function {src.where} failed on every one: "
                                   f"{failed[0][len(src.where) + 2:]}")
+
+    def count_unmatchable(self, truths: list[str], origins: list[str], what: str) -> int:
+        """Truths no stated answer can match (not a number literal: MATH's `\\frac{1}{2}`), counted and
+        logged: reward/accuracy and eval/accuracy count them wrong, the built-in rewards score them 0."""
+        bad = [k for k, t in enumerate(truths) if not is_number_literal(t)]
+        if bad:
+            builtin = [s.label for s in self.sources if s.file is None]
+            log.warning("%s: %d of %d answers are not number literals (first: %r, %s); colo_rl's verifiers compare "
+                        "numbers only, so accuracy counts them wrong%s. Score them with a reward function of your own "
+                        "(reward.functions=[path/to/file.py:fn], docs/rewards.md)", what, len(bad), len(truths),
+                        truths[bad[0]], origins[bad[0]] or "record 1",
+                        f" and {builtin} score them 0" if builtin else "")
+        return len(bad)
 
     def verify(self, completions: list[str], truths: list[str]) -> RewardResult:
         """Correctness and format only (held-out evaluation): no reward source is called."""

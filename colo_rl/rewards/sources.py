@@ -229,10 +229,21 @@ def resolve_sources(specs: list[str], base_dir: Optional[Path] = None) -> list[R
     return [load_source(s, base_dir) for s in specs]
 
 
+def source_metric(source: RewardSource) -> str:
+    """The source's name in metrics: the registered name, or `<file stem>:<function>`."""
+    if source.file is None:
+        return source.label
+    return f"{Path(source.file).stem}:{split_spec(source.label)[1]}"
+
+
 def check_reward_config(reward_cfg) -> None:
     """The start-up check of the reward options (config.validate): every reward.functions entry
     loads with a usable signature, and reward.weights has one weight per source."""
-    resolve_sources(list(reward_cfg.functions))
+    names = [source_metric(s) for s in resolve_sources(list(reward_cfg.functions))]
+    if twice := sorted({n for n in names if names.count(n) > 1}):  # their reward_source/<name> metrics would collide
+        raise ConfigError(f"reward.functions={list(reward_cfg.functions)}: {twice} more than once (the same "
+                          f"function twice, or two files of one name with a function of one name). List each "
+                          f"once and weigh it with reward.weights, or rename one")
     sources = list(reward_cfg.functions) + (["reward.model.path"] if reward_cfg.model.path else [])
     weights = list(reward_cfg.weights)
     if weights and len(weights) != len(sources):

@@ -20,13 +20,19 @@ NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 # of them, so a run with no number after it fails at once (a plain * tried every split of "$$$...":
 # exponential in its length).
 _MARKUP = r"(?:\s|\*\*|\$|\\\(|\\\$)*+"
-_NOT_AN_EXPRESSION = r"(?!\s*[-+*/^×x÷]\s*\d)"  # a following operator: an expression, which does not count
+# a following operator on the same line: an expression, which does not count (a markdown list's
+# "- 3 boxes" on the next line is not one)
+_NOT_AN_EXPRESSION = r"(?![ \t]*[-+*/^×x÷][ \t]*\d)"
+_NOT_A_HEADING = r"(?![.)][ \t]*[A-Za-z])"  # "#### 2. Verification": a heading, not an answer
+# "Answer:" over a numbered list ("Answer:\n1. Janet has 16 eggs"): the list's first number is no answer
+_NOT_A_LIST = r"(?!(?:[ \t]|\*\*)*+\n\s*+\d+[.)][ \t]*[A-Za-z])"
 # A stated answer: "answer is 58", "answer is: 58", "**Answer**: 58", "answer = $58$", "#### 58" at a
 # line's start (GSM8K's; "#### 2. Verification", a markdown heading, is not one), "\boxed{58}" (a
 # unit, %, or a final period inside the box allowed).
 _STATED = re.compile(
-    r"(?:answer(?:\*\*)?\s*+(?:is(?:\s*+:)?|:|=)" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + ")"
-    r"|(?:^[ \t]*+####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + r"(?![.)]\s*[A-Za-z]))"
+    r"(?:answer(?:\*\*)?\s*+(?:is(?:\s*+:)?|:|=)" + _NOT_A_LIST + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION
+    + ")"
+    r"|(?:^[ \t]*+####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + _NOT_A_HEADING + ")"
     r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\s*+(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*+\})",
     re.IGNORECASE | re.MULTILINE,
 )
@@ -41,6 +47,15 @@ def extract_final_answer(text: str) -> Optional[str]:
         return None
     m = matches[-1]
     return next(g for g in m.groups() if g is not None).replace(",", "")
+
+
+_LITERAL = re.compile(r"\s*" + _MARKUP + NUMBER + r"\s*")
+
+
+def is_number_literal(truth: str) -> bool:
+    """Can a stated answer ever match this truth? The verifiers compare number literals only
+    (`\\frac{1}{2}`, `(1,2)` or `x = 3` never match)."""
+    return _LITERAL.fullmatch(str(truth).translate(_MINUS)) is not None
 
 
 def extract_last_number(text: str) -> Optional[str]:
