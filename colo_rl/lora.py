@@ -78,19 +78,18 @@ def check_target_modules(model, targets) -> None:
     layer names otherwise (one typo among good names included). At start-up on the model's skeleton
     (models.model_skeleton), and again in apply_lora."""
     full = linear_modules(model)
-    missing = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in full)]
+    matches = lambda name, target: name == target or name.endswith(f".{target}")  # noqa: E731
+    missing = [t for t in targets if not any(matches(n, t) for n in full)]
     if missing:
         names = sorted({n.rsplit(".", 1)[-1] for n in full})
         raise ConfigError(f"model.lora.target_modules: {missing} match no linear layer of this model; its linear "
                           f"layers are {names}")
     # a layer sharing its weight with the input embedding (tie_word_embeddings: the LM head) is listed
     # once, as the embedding, so its adapter could not be merged into the engine's or exported weights
-    embedding = getattr(model.get_input_embeddings(), "weight", None) if hasattr(model, "get_input_embeddings") else None
-    modules = dict(model.named_modules())
-    tied = [t for t in targets for n in full if (n == t or n.endswith(f".{t}")) and embedding is not None
-            and getattr(modules[n], "weight", None) is embedding]
+    embedding, modules = model.get_input_embeddings().weight, dict(model.named_modules())
+    tied = sorted({t for t in targets for n in full if matches(n, t) and modules[n].weight is embedding})
     if tied:
-        raise ConfigError(f"model.lora.target_modules: {sorted(set(tied))} share their weight with the input "
+        raise ConfigError(f"model.lora.target_modules: {tied} share their weight with the input "
                           f"embedding (tie_word_embeddings), so an adapter on them cannot be merged; remove them")
 
 
