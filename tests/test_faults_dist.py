@@ -171,37 +171,34 @@ def test_a_killed_generation_rank_ends_a_split_run_with_an_error_naming_it(run):
     assert "Traceback" not in after  # one line per failure, no bare gloo trace
 
 
-def test_sigint_to_the_trainer_of_a_split_run_under_drop_ends_every_rank(run):
-    """Split, staleness_policy=drop, on-policy (max_staleness=0): the generator outruns the update and
-    waits on its full queue, taking no weights. A SIGINT to the trainer (rank 1) ends the run after
-    the step with a checkpoint; its stop reaches the generator (the trainer reads the slot the
-    generator waits on first: TrainerPool._unblock_generators) instead of waiting forever."""
-    r = run(extra=("placement.mode=split", "rollout.max_staleness=0", "rollout.staleness_policy=drop"),
-            launcher="colo_rl.launch")
+def sigint_split_run(run, rank: int, who: str, extra: tuple = ()) -> tuple[str, int]:
+    """An on-policy split run given a SIGINT on `rank` after step 2: every rank is gone (rc 130)
+    within 30 s, the last logged step is checkpointed, no traceback. (output, the last step)."""
+    r = run(extra=("placement.mode=split", "rollout.max_staleness=0", *extra), launcher="colo_rl.launch")
     r.wait_for_step(2)
-    rc, seconds, alive = r.signal_rank(1, signal.SIGINT, timeout=90)
+    rc, seconds, alive = r.signal_rank(rank, signal.SIGINT, timeout=90)
     out = r.output()
-    print(f"SIGINT to the trainer rank of a split run (drop): launcher rc {rc} {seconds:.1f}s later")
+    print(f"SIGINT to {who}: launcher rc {rc} {seconds:.1f}s later")
     assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
     assert seconds < 30, seconds
     last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
     assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
     assert "Traceback" not in out
+    return out, last
+
+
+def test_sigint_to_the_trainer_of_a_split_run_under_drop_ends_every_rank(run):
+    """Split, staleness_policy=drop, on-policy (max_staleness=0): the generator outruns the update and
+    waits on its full queue, taking no weights. A SIGINT to the trainer (rank 1) ends the run after
+    the step with a checkpoint; its stop reaches the generator (the trainer reads the slot the
+    generator waits on first: TrainerPool._unblock_generators) instead of waiting forever."""
+    sigint_split_run(run, 1, "the trainer rank of a split run (drop)", ("rollout.staleness_policy=drop",))
 
 
 def test_sigint_to_the_generation_rank_of_a_split_run_stops_the_run(run):
     """Split, on-policy: a SIGINT to the generation rank alone (rank 0) goes to the trainer with the
     next slot (RolloutPart.stop_signal), which stops after that step with a checkpoint and stops the
     generator; before, the generator logged the signal and the run went on to its last step."""
-    r = run(extra=("placement.mode=split", "rollout.max_staleness=0"), launcher="colo_rl.launch")
-    r.wait_for_step(2)
-    rc, seconds, alive = r.signal_rank(0, signal.SIGINT, timeout=90)
-    out = r.output()
-    print(f"SIGINT to the generation rank of a split run: launcher rc {rc} {seconds:.1f}s later")
-    assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
-    assert seconds < 30, seconds
+    out, last = sigint_split_run(run, 0, "the generation rank of a split run")
     assert "rank 0 got SIGINT: stopping after the current step" in out
-    last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
     assert last < 20 and f"stopped by SIGINT after step {last}" in out, last
-    assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
-    assert "Traceback" not in out
