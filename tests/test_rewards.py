@@ -38,6 +38,14 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("**Answer:**\n1. Janet sells 13 at $2 = $26.", None),
     ("**Answer:**\n\n26", "26"),
     ("The answer is 18. She sells the rest.", "18"),
+    ("The answer is *18*.", "18"),  # italics, code, bold inside a box
+    ("*Answer*: `18`", "18"),
+    ("\\boxed{\\textbf{18}}", "18"),
+    ("The answer is 1 000.", "1000"),  # thousands in LaTeX's and typesetters' spacing, not 1
+    ("The answer is $1\\,000$.", "1000"),
+    ("\\boxed{1{,}000}", "1000"),
+    ("The answer is -\\$18.", "-18"),  # a sign before the currency mark is kept
+    ("The answer is $10-$3", "10"),  # a difference of amounts is no sign
 ])
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected
@@ -59,6 +67,7 @@ def test_correct_answer_scores_one_with_format_bonus():
     assert res.correct == [True, False, False]
     assert res.correct_lenient == [True, False, True]
     assert extract_last_number("a 1 b 2,000") == "2000"
+    assert extract_last_number("She lost -$18") == "-18"
 
 
 def test_number_search_is_linear_in_the_text():

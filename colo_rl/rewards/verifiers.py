@@ -12,14 +12,17 @@ import re
 import threading
 from typing import Callable, Optional
 
-# A whole literal, never a part of one: digits grouped by thousands ("1,234") or not, a decimal
-# part; not inside a longer literal ("12,34,5", "7e2", "1.2.3"); no backtracking to a prefix.
-NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
+# Thousands separators: a comma, LaTeX's thin space "\," and math comma "{,}", a space (LaTeX ignores
+# spaces in math: "1 000" renders as 1000), a no-break or thin space.
+_GROUP = r"(?:,|\\,|\{,\}|[ \u00a0\u2009\u202f])"
+# A whole literal, never a part of one: digits grouped by thousands ("1,234", "1 000") or not, a
+# decimal part; not inside a longer literal ("12,34,5", "7e2", "1.2.3"); no backtracking to a prefix.
+NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:" + _GROUP + r"\d{3})+|\d+)(?:\.\d+)?"
           r"(?![\d])(?![.,]\d)(?![eE][-+]?\d)")
-# Markup before the literal: spaces, **, $ (and $$), \(, \$. Possessive (*+): one way to read a run
-# of them, so a run with no number after it fails at once (a plain * tried every split of "$$$...":
-# exponential in its length).
-_MARKUP = r"(?:\s|\*\*|\$|\\\(|\\\$)*+"
+# Markup before the literal: spaces, * and ** (italic, bold), ` (code), $ (and $$), \(, \$, and
+# \textbf{ \mathbf{ \text{ \mathrm{. Possessive (*+): one way to read a run of them, so a run with no
+# number after it fails at once (a plain * tried every split of "$$$...": exponential in its length).
+_MARKUP = r"(?:\s|\*|`|\$|\\\(|\\\$|\\(?:textbf|mathbf|text|mathrm)\{)*+"
 # a following operator on the same line: an expression, which does not count (a markdown list's
 # "- 3 boxes" on the next line is not one)
 _NOT_AN_EXPRESSION = r"(?![ \t]*[-+*/^×x÷][ \t]*\d)"
@@ -30,23 +33,36 @@ _NOT_A_LIST = r"(?!(?:[ \t]|\*\*)*+\n\s*+\d+[.)][ \t]*[A-Za-z])"
 # line's start (GSM8K's; "#### 2. Verification", a markdown heading, is not one), "\boxed{58}" (a
 # unit, %, or a final period inside the box allowed).
 _STATED = re.compile(
-    r"(?:answer(?:\*\*)?\s*+(?:is(?:\s*+:)?|:|=)" + _NOT_A_LIST + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION
+    r"(?:answer\**+\s*+(?:is(?:\s*+:)?|:|=)" + _NOT_A_LIST + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION
     + ")"
     r"|(?:^[ \t]*+####" + _MARKUP + "(" + NUMBER + ")" + _NOT_AN_EXPRESSION + _NOT_A_HEADING + ")"
-    r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\s*+(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*+\})",
+    r"|(?:\\boxed\{" + _MARKUP + "(" + NUMBER + r")\}?\s*+(?:\\%|%|\\text\{[^{}]*\}|\.)?\s*+\})",
     re.IGNORECASE | re.MULTILINE,
 )
 _ANY_NUMBER = re.compile(NUMBER)
 _MINUS = str.maketrans({"\u2212": "-"})  # the Unicode minus sign
+# "-\$18" / "-$18": a sign before the currency mark, moved after it ("\$-18") so the literal keeps it;
+# not a minus between two amounts ("$10-$3")
+_SIGN_BEFORE_CURRENCY = re.compile(r"(?<![\w)}\]$])-(\s*+)(\\?\$)")
+_SEPARATORS = re.compile(_GROUP)
+
+
+def _normalized(text: str) -> str:
+    return _SIGN_BEFORE_CURRENCY.sub(r"\2\1-", text.translate(_MINUS))
+
+
+def _plain(literal: str) -> str:
+    """A literal without its thousands separators ("1,234" and "1\\,234" -> "1234")."""
+    return _SEPARATORS.sub("", literal)
 
 
 def extract_final_answer(text: str) -> Optional[str]:
-    """The last stated answer literal (commas removed), or None when none is stated."""
-    matches = list(_STATED.finditer(text.translate(_MINUS)))
+    """The last stated answer literal (thousands separators removed), or None when none is stated."""
+    matches = list(_STATED.finditer(_normalized(text)))
     if not matches:
         return None
     m = matches[-1]
-    return next(g for g in m.groups() if g is not None).replace(",", "")
+    return _plain(next(g for g in m.groups() if g is not None))
 
 
 _LITERAL = re.compile(r"\s*" + _MARKUP + NUMBER + r"\s*")
@@ -55,13 +71,13 @@ _LITERAL = re.compile(r"\s*" + _MARKUP + NUMBER + r"\s*")
 def is_number_literal(truth: str) -> bool:
     """Can a stated answer ever match this truth? The verifiers compare number literals only
     (`\\frac{1}{2}`, `(1,2)` or `x = 3` never match)."""
-    return _LITERAL.fullmatch(str(truth).translate(_MINUS)) is not None
+    return _LITERAL.fullmatch(_normalized(str(truth))) is not None
 
 
 def extract_last_number(text: str) -> Optional[str]:
     """Lenient extraction (last number anywhere); reported as a metric, never rewarded."""
-    nums = _ANY_NUMBER.findall(text.translate(_MINUS))
-    return nums[-1].replace(",", "") if nums else None
+    nums = _ANY_NUMBER.findall(_normalized(text))
+    return _plain(nums[-1]) if nums else None
 
 
 _QUIET_NO_TIMEOUT: list[bool] = []
