@@ -194,6 +194,27 @@ def frozen_fingerprint(named_parameters) -> dict[str, tuple[int, int]]:
     return {n: tensor_fingerprint(local_part(p)) for n, p in named_parameters if not p.requires_grad}
 
 
+def partition_bounds(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank `rank`'s elements of a flattened parameter under ZeRO-3 over `world`
+    ranks: the tensor padded to a multiple of `world`, cut in equal shards (partition_parameters.py
+    _partition_param); padding is no element, so the last shards may be short or empty."""
+    size = -(-numel // world)
+    start = min(numel, rank * size)
+    return start, min(numel, start + size)
+
+
+def rank_fingerprint(named_parameters, rank: int, world: int, partitioned: bool) -> dict[str, tuple[int, int]]:
+    """frozen_fingerprint as rank `rank` of `world` computed it in a run, from whole tensors (one
+    process, no DeepSpeed): its ZeRO-3 part of each when `partitioned`, else the whole tensor."""
+    out = {}
+    for n, p in named_parameters:
+        if not p.requires_grad:
+            flat = p.detach().reshape(-1)
+            out[n] = tensor_fingerprint(flat[slice(*partition_bounds(flat.numel(), rank, world))] if partitioned
+                                        else flat)
+    return out
+
+
 def fingerprint_differences(saved: dict, current: dict) -> list[str]:
     """Names whose fingerprints differ, or that only one side has (sorted)."""
     saved = {n: tuple(v) for n, v in saved.items()}

@@ -254,3 +254,17 @@ def test_the_exported_merge_of_a_bf16_run_is_the_runs_own_merge():
     assert all(torch.equal(exported[n], t) for n, t in run.items())
     in_bf16 = copy.deepcopy(model).merge_and_unload().state_dict()
     assert any(not torch.equal(in_bf16[n], t) for n, t in run.items())
+
+
+def test_partition_bounds_cover_each_element_once_as_zero3_shards_do():
+    """ZeRO-3 pads a tensor to a multiple of the world size and cuts equal shards: rank r holds
+    [r*s, (r+1)*s) of the real elements (s = ceil(numel / world)); the last ranks may hold none."""
+    from colo_rl.lora import partition_bounds
+
+    assert [partition_bounds(5, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    for numel in (1, 7, 64, 1001):
+        for world in (1, 2, 3, 8):
+            parts = [partition_bounds(numel, r, world) for r in range(world)]
+            assert parts[0][0] == 0 and parts[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+            assert all(stop - start <= -(-numel // world) for start, stop in parts)

@@ -84,3 +84,28 @@ def test_checkpoint_export_equals_the_live_export(runs, tmp_path):
         assert live.keys() == offline.keys(), rel
         for k in live:
             torch.testing.assert_close(offline[k], live[k], rtol=0, atol=1e-6)
+
+
+def test_checkpoint_export_refuses_another_base(runs, tmp_path):
+    """The export rebuilds the base the checkpoint left out; one rebuilt another way (here: another
+    seed for the random base) is refused by the ranks' fingerprints of their ZeRO-3 parts, not merged."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from colo_rl.checkpoint import CheckpointError, export_checkpoint_to_hf, newest_checkpoint
+    from colo_rl.checkpoint.export import saved_base_fingerprints
+
+    a, _ = runs
+    source = newest_checkpoint(a / "checkpoints")
+    ckpt = shutil.copytree(source, tmp_path / source.name)
+    saved, partitioned = saved_base_fingerprints(ckpt)
+    assert partitioned and len(saved) == 2 and all(saved)  # both ranks' parts
+    cfg = OmegaConf.load(ckpt / "config.yaml")
+    cfg.trainer.seed += 1
+    OmegaConf.save(cfg, ckpt / "config.yaml")
+    with pytest.raises(CheckpointError, match=r"rank 0's part: \d+ of \d+ frozen tensors differ.*--base"):
+        export_checkpoint_to_hf(ckpt, tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+    with pytest.raises(CheckpointError, match="random base.*drop --base"):
+        export_checkpoint_to_hf(ckpt, tmp_path / "exported", base=str(tmp_path))

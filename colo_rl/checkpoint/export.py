@@ -18,7 +18,8 @@ from colo_rl import dist
 from colo_rl.checkpoint.manager import CHECKPOINTS, COMPLETE, DS_TAG, is_complete, newest_checkpoint
 from colo_rl.config import RunConfig
 from colo_rl.errors import CheckpointError
-from colo_rl.lora import apply_lora, is_adapter, lora_enabled
+from colo_rl.lora import (FROZEN_BASE_KEY, apply_lora, fingerprint_differences, is_adapter, lora_enabled,
+                          rank_fingerprint)
 from colo_rl.models import base_generation_config, load_model, load_tokenizer, model_config
 from colo_rl.train.adapters import adapter_state_dict_on_rank0, merged_state_dict_on_rank0
 
@@ -66,9 +67,11 @@ def check_out_dir(checkpoint: Path, out_dir: Path) -> None:
                               f"its out_dir whole, and would delete what is there); pass a new or empty directory")
 
 
-def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
+def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path, base: Optional[str] = None) -> Path:
     """Export a saved checkpoint (any rank count, any ZeRO stage) to an HF model directory, in one
-    process without torchrun: DeepSpeed consolidates the fp32 master weights from the shards."""
+    process without torchrun: DeepSpeed consolidates the fp32 master weights from the shards.
+    `base`: a LoRA run's base model directory, when it has moved since the run (default: the run's
+    model.path); checked against the checkpoint's fingerprint of the base either way."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoModelForCausalLM
 
@@ -79,6 +82,14 @@ def export_checkpoint_to_hf(checkpoint: Path, out_dir: Path) -> Path:
     check_out_dir(checkpoint, out_dir)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig),
                                               OmegaConf.load(checkpoint / "config.yaml")))
+    if base is not None:
+        if not lora_enabled(cfg.model):
+            raise CheckpointError(f"export: --base is for a LoRA checkpoint (whose base it does not hold); "
+                                  f"{checkpoint} holds the whole model (model.lora.rank=0)")
+        if cfg.model.random_init:
+            raise CheckpointError(f"export: {checkpoint}'s run started from a seeded random base "
+                                  f"(model.random_init=true), which the export rebuilds; drop --base")
+        cfg.model.path = base
     state = json.loads((checkpoint / "state.json").read_text())
     dtype = getattr(torch, state.get("dtype", "float32"))
     weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=DS_TAG)
@@ -110,8 +121,9 @@ def _export_lora_checkpoint(checkpoint: Path, cfg, weights: dict, dtype: torch.d
     """A LoRA checkpoint holds the adapters (its base is frozen: model.path's weights, or the seeded
     random ones): the base is rebuilt as the run built it, the adapters loaded, and both the PEFT
     adapter (<out_dir>/adapter/) and the merged model written."""
-    model = apply_lora(load_model(cfg.model, torch.float32, seed=cfg.trainer.seed), cfg.model.lora,
-                       seed=cfg.trainer.seed)
+    # the base as the run built it: in the run's dtype, so its bits are the fingerprinted ones
+    model = apply_lora(load_model(cfg.model, dtype, seed=cfg.trainer.seed), cfg.model.lora, seed=cfg.trainer.seed)
+    check_saved_base(checkpoint, cfg.model, model)
     adapters = {k: v for k, v in weights.items() if is_adapter(k)}
     missing = [k for k, _ in model.named_parameters() if is_adapter(k) and k not in adapters]
     if not adapters or missing:
@@ -131,6 +143,37 @@ def _export_lora_checkpoint(checkpoint: Path, cfg, weights: dict, dtype: torch.d
     os.replace(tmp, out_dir)
     log.info("HF model (merged LoRA) and PEFT adapter from %s written to %s", checkpoint, out_dir)
     return out_dir
+
+
+def saved_base_fingerprints(checkpoint: Path) -> tuple[list[Optional[dict]], bool]:
+    """Each rank's fingerprint of the frozen base (lora.FROZEN_BASE_KEY in its DeepSpeed client
+    state, None in a checkpoint written before there was one), rank order, and whether the ranks
+    held ZeRO-3 parts (one model-states file per rank) or the whole base (one file)."""
+    tag_dir = checkpoint / DS_TAG
+    per_rank = sorted(tag_dir.glob("zero_pp_rank_*_mp_rank_00_model_states.pt"),
+                      key=lambda f: int(f.name.split("_")[3]))
+    files = per_rank or [tag_dir / "mp_rank_00_model_states.pt"]
+    # DeepSpeed's own files, loaded as DeepSpeed loads them (they pickle its config objects)
+    states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    return [s.get(FROZEN_BASE_KEY) for s in states], bool(per_rank)
+
+
+def check_saved_base(checkpoint: Path, model_cfg, model) -> None:
+    """The base this export rebuilt against the one the run trained its adapters on (each rank's
+    fingerprint of its part): CheckpointError naming the first differing tensor."""
+    saved, partitioned = saved_base_fingerprints(checkpoint)
+    for rank, fingerprint in enumerate(saved):
+        if fingerprint is None:  # an older checkpoint: nothing to check against
+            continue
+        current = rank_fingerprint(model.named_parameters(), rank, len(saved), partitioned)
+        differing = fingerprint_differences(fingerprint, current)
+        if differing:
+            base = ("the seeded random base (model.random_init)" if model_cfg.random_init
+                    else f"the base rebuilt from model.path={model_cfg.path!r}")
+            raise CheckpointError(
+                f"export: {checkpoint} holds LoRA adapters, not their frozen base, and {base} is not the one they "
+                f"were trained on (rank {rank}'s part: {len(differing)} of {len(current)} frozen tensors differ, the "
+                f"first {differing[0]}). Pass the base the run started from with --base <HF model directory>.")
 
 
 def checkpoint_to_export(path: Path) -> Path:
@@ -181,10 +224,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                                      description="Export a colo_rl checkpoint to an HF model directory.")
     parser.add_argument("checkpoint", help="<run_dir>/checkpoints/step-NNNNNN, or a run dir (its newest)")
     parser.add_argument("out_dir")
+    parser.add_argument("--base", help="a LoRA run's base model directory, when it has moved since the run "
+                                       "(default: the run's model.path; checked against the checkpoint)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        export_checkpoint_to_hf(checkpoint_to_export(Path(args.checkpoint)), Path(args.out_dir))
+        export_checkpoint_to_hf(checkpoint_to_export(Path(args.checkpoint)), Path(args.out_dir), base=args.base)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
