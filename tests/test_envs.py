@@ -2,6 +2,7 @@
 tool's limits hold, malformed calls and faulty tools become observations; per-episode state (a
 notebook-like python tool, environment classes from a file, `retry`) and its failure modes."""
 
+import json
 import threading
 import time
 from types import SimpleNamespace
@@ -42,7 +43,32 @@ def test_calculator_refuses_everything_else(expr, why):
 def test_python_tool_runs_code_and_cuts_its_output():
     assert run_python("print(123 * 456)", 5.0, 256, 100) == "56088"
     out = run_python("print('x' * 10000)", 5.0, 256, 100)
-    assert out.startswith("x" * 100) and out.endswith("[truncated 9900 chars]") and len(out) < 130
+    assert out == "x" * 74 + "...[truncated 9926 chars]"  # 100 characters, the marker among them
+
+
+def test_a_failed_calls_output_is_cut_once_and_keeps_its_exception():
+    """The tool cuts what the code printed to leave room for the exception and the environment's
+    "error: "; a second cut (by the environment's limit) lost the exception and miscounted."""
+    from types import SimpleNamespace
+
+    from colo_rl.envs.environment import ENVIRONMENTS
+
+    cfg = SimpleNamespace(name="python", format="json", python_sandbox="bwrap", tool_timeout_s=5, tool_memory_mb=512,
+                          python_max_processes=16, python_output_bytes=65536, max_output_chars=256,
+                          python_keep_state=False)
+    episode = ENVIRONMENTS.get("python")(cfg, None, True).start(None)
+
+    def shown(code):
+        call = json.dumps({"name": "python", "arguments": {"code": code}})
+        step = episode.step(f"<tool_call>{call}</tool_call>", None)
+        return step.observation.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+
+    failed = shown("print('x' * 1000); {}['missing_key']")
+    assert failed.startswith("error: xxx") and failed.endswith("KeyError: 'missing_key' (line 1)") and len(failed) <= 256
+    kept = int(failed.split("[truncated ")[1].split(" chars]")[0])
+    assert failed.count("x") + kept == 1000  # every cut character counted
+    printed = shown("print('y' * 1000)")
+    assert len(printed) <= 256 and printed.count("y") + int(printed.split("[truncated ")[1].split(" ")[0]) == 1000
 
 
 def test_python_tool_time_limit_holds():
@@ -513,6 +539,30 @@ def test_llama_format_names_what_is_wrong_with_a_malformed_call(text, error):
     parsed = choose_format("llama", None, tools("calculator")).parse(text)
     assert parsed.call is None and error in parsed.error
     assert not choose_format("llama", None, tools("calculator")).parse("The answer is {6}.").wants_tool
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("json", "<tool_call>" + "[" * 5000 + "</tool_call>"),
+    ("json", '<tool_call>{"name": "calculator", "arguments": "' + "[" * 5000 + '"}</tool_call>'),
+    ("llama", '{"name": "calculator", "parameters": ' + "[" * 5000),
+    ("llama", '{"a":' * 5000),
+])
+def test_a_call_nested_past_the_recursion_limit_is_an_error_for_the_policy(fmt, text):
+    """json's decoder recurses per level: the policy's text raised RecursionError through the
+    rollout (its rank, then the job, died)."""
+    parsed = choose_format(fmt, None, tools("calculator")).parse(text)
+    assert parsed.call is None and parsed.error is not None
+    assert "nested too deeply" in parsed.error or '"arguments" must be a JSON object' in parsed.error
+
+
+def test_a_code_call_ending_in_a_long_run_of_spaces_is_read_in_linear_time():
+    """The trailer (whitespace, EOS) was cut by a pattern anchored at the end, retried from every
+    position of a run of spaces: 3.3 s for 20k spaces, on the rollout's thread."""
+    fmt = choose_format("llama", None, tools("python"))
+    t0 = time.perf_counter()
+    parsed = fmt.parse("<|python_tag|>print(1)" + " " * 200_000 + "x<|eom_id|>  <|eot_id|>\n")
+    assert parsed.call.arguments["code"] == "print(1)" + " " * 200_000 + "x"
+    assert time.perf_counter() - t0 < 1.0
 
 
 @pytest.mark.parametrize("text, code", [

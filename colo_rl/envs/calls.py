@@ -48,6 +48,10 @@ class ParsedTurn:
         return self.call is not None or self.error is not None
 
 
+def _why(error: Exception) -> str:
+    return error.msg if isinstance(error, json.JSONDecodeError) else "nested too deeply"
+
+
 class JsonCallFormat:
     name = "json"
     template_writes_tools = True  # the chat template may declare the tools itself (its `tools` argument)
@@ -78,8 +82,8 @@ class JsonCallFormat:
         body = text[start + len(self.OPEN):stop].strip()
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            return ParsedTurn(error=f"the call is not valid JSON ({e.msg})", end=end)
+        except (json.JSONDecodeError, RecursionError) as e:
+            return ParsedTurn(error=f"the call is not valid JSON ({_why(e)})", end=end)
         return self._call(obj, "arguments", end)
 
     def _call(self, obj: Any, args_key: str, end: Optional[int]) -> ParsedTurn:
@@ -90,7 +94,7 @@ class JsonCallFormat:
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
         if not isinstance(args, dict):
             return ParsedTurn(error=f'"{args_key}" must be a JSON object', end=end)
@@ -167,7 +171,7 @@ class LlamaCallFormat(JsonCallFormat):
     reads_special = (PYTHON_TAG,)
     _BEFORE_CALL = re.compile(r"\s*(?:<\|python_tag\|>\s*)?")  # whitespace, then Llama's code-call tag at times
     _AFTER_CALL = re.compile(r"(?:\s|<\|[\w.-]+\|>)*")  # whitespace and special tokens (EOS) only
-    _TRAILING = re.compile(_AFTER_CALL.pattern + r"\Z")  # the same, ending the turn
+    _LAST_SPECIAL = re.compile(r"<\|[\w.-]+\|>\Z")
     _BUILT_IN = re.compile(r"\s*(brave_search|wolfram_alpha|photogen)\.call\(")  # Llama's other built-ins
 
     def __init__(self, tools: dict[str, Tool], turns: Optional[UserTurns] = None):
@@ -187,15 +191,27 @@ class LlamaCallFormat(JsonCallFormat):
         start = self._BEFORE_CALL.match(text).end()
         if not text.startswith("{", start):
             if self.PYTHON_TAG in text[:start]:  # the code interpreter: the code itself, up to EOS
-                return self._code_call(text[start:self._TRAILING.search(text, start).start()])
+                return self._code_call(self._without_trailer(text[start:]))
             return ParsedTurn()  # an answer, not a call
         try:
             obj, end = json.JSONDecoder().raw_decode(text, start)
-        except json.JSONDecodeError as e:  # cut short, or not JSON after all: the turn runs to its end
-            return ParsedTurn(error=f"the call is not valid JSON ({e.msg})")
+        except (json.JSONDecodeError, RecursionError) as e:  # cut short, or not JSON after all: the turn runs to its end
+            return ParsedTurn(error=f"the call is not valid JSON ({_why(e)})")
         keep_whole = self._AFTER_CALL.fullmatch(text, end) is not None  # the call fills the turn, EOS included
         args_key = "arguments" if isinstance(obj, dict) and "arguments" in obj else "parameters"
         return self._call(obj, args_key, None if keep_whole else end)
+
+    @classmethod
+    def _without_trailer(cls, text: str) -> str:
+        """`text` without the whitespace and special tokens (EOS) ending it. Peeled from the end: a
+        pattern anchored at the end (`(\s|<|..|>)*\Z`) retried at every position of a long run of
+        spaces, quadratic in its length, on the rollout's thread."""
+        while True:
+            text = text.rstrip()
+            m = cls._LAST_SPECIAL.search(text, max(0, text.rfind("<|")))
+            if m is None:
+                return text
+            text = text[:m.start()]
 
     def _code_call(self, code: str) -> ParsedTurn:
         python = self.tools.get("python")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from colo_rl.envs.calls import ParsedTurn, choose_format, template_declares_tools
-from colo_rl.envs.tools import TOOLS, Tool, ToolError, truncate
+from colo_rl.envs.tools import ERROR_PREFIX, TOOLS, Tool, ToolError, truncate
 from colo_rl.envs.turns import UserTurns
 from colo_rl.registry import Registry
 
@@ -158,11 +158,11 @@ class ToolSession:
         if not parsed.wants_tool:
             return Step()
         if parsed.error is not None:
-            return self._answer(f"error: {parsed.error}", parsed, None, parsed.error, end_token)
+            return self._answer(f"{ERROR_PREFIX}{parsed.error}", parsed, None, parsed.error, end_token)
         call = parsed.call
         run = self.runners[call.name]
         result, error = call_with_timeout(lambda: str(run(call.arguments)), env.timeout_s, "the tool")
-        return self._answer(result if error is None else f"error: {error}", parsed, call.name, error, end_token)
+        return self._answer(result if error is None else f"{ERROR_PREFIX}{error}", parsed, call.name, error, end_token)
 
     def reward(self) -> tuple[Optional[float], Optional[str]]:
         return None, None  # tools score nothing: the verifiers do

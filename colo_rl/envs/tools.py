@@ -47,8 +47,16 @@ class Tool:
 TOOLS: Registry[Callable[[Any], Tool]] = Registry("env tool")
 
 
+ERROR_PREFIX = "error: "  # how the environment shows a failed call to the policy
+
+
 def truncate(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + f"...[truncated {len(text) - limit} chars]"
+    """`text` in at most `limit` characters (the cut's marker included, so a cut text is not cut again
+    by a later limit), or the marker alone where `limit` cannot hold it."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - len(f"...[truncated {len(text)} chars]"))
+    return text[:keep] + f"...[truncated {len(text) - keep} chars]"
 
 
 # ------------------------------------------------------------------------- calculator
@@ -128,16 +136,18 @@ def observation(result: CallResult, limits: Limits, max_output_chars: int) -> st
     """What the policy reads for a finished call: its output, or a ToolError naming why it failed
     (the exception it raised, after what it printed; the limit it hit)."""
     text = result.output.decode("utf-8", errors="replace").strip()
+    error_chars = max_output_chars - len(ERROR_PREFIX)  # a ToolError is shown after the prefix
     if result.stopped == "timeout":
         raise ToolError(f"timed out after {limits.timeout_s:g} s")
     if result.stopped == "output":
-        raise ToolError(truncate(text, max_output_chars // 2) + f"\nstopped: printed more than {limits.output_bytes} bytes")
+        stopped = f"\nstopped: printed more than {limits.output_bytes} bytes"
+        raise ToolError(truncate(text, max(0, error_chars - len(stopped))) + stopped)
     if result.stopped == "status":
         raise ToolError("stopped: wrote more than 1 MiB to a file descriptor that is not its output")
     if result.returncode == 0:
         return truncate(text, max_output_chars)
     if result.error is not None:  # keep the exception whole: cut what was printed before it
-        printed = truncate(text, max(0, max_output_chars - len(result.error) - 1)) if text else ""
+        printed = truncate(text, max(0, error_chars - len(result.error) - 1)) if text else ""
         raise ToolError(f"{printed}\n{result.error}" if printed else result.error)
     rc = result.returncode
     signum = -rc if rc is not None and rc < 0 else rc - 128 if rc is not None and rc > 128 else None  # bwrap: 128 + n
@@ -146,7 +156,7 @@ def observation(result: CallResult, limits: Limits, max_output_chars: int) -> st
     if signum in _KILLED_BY:
         raise ToolError(f"killed by signal {signum} ({_KILLED_BY[signum]})")
     tail = text.splitlines()[-1] if text else ""
-    raise ToolError(truncate(tail or f"exit status {result.returncode}", max_output_chars))
+    raise ToolError(truncate(tail or f"exit status {result.returncode}", error_chars))
 
 
 def run_python(code: str, timeout_s: float, memory_mb: int, max_output_chars: int, earlier: Sequence[str] = (),
