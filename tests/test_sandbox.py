@@ -495,3 +495,33 @@ def test_a_machine_where_bwrap_cannot_make_the_sandbox_is_refused_with_what_to_e
     with pytest.raises(ConfigError, match=r"cannot make the sandbox here \(bwrap: No permissions to creating new "
                                           r"namespace.*kernel.unprivileged_userns_clone=1.*apparmor_restrict_unprivil"):
         sandbox_module.get_sandbox("bwrap")
+
+
+@needs_bwrap
+def test_calls_leave_no_zombie_for_a_subreaper_trainer(tmp_path):
+    """A trainer that is PID 1 of its container (or under torchrun, a subreaper) inherits whatever a
+    call orphans. bwrap's own init was orphaned on every call, and the namespace's pid 1 on every
+    timeout: one zombie each, until the container ran out of pids."""
+    script = tmp_path / "subreaper.py"
+    script.write_text(
+        "import ctypes, os, time\n"
+        "ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER\n"
+        "from colo_rl.envs.sandbox import Limits, get_sandbox\n"
+        "box = get_sandbox('bwrap')\n"
+        "for code in ['print(1)', 'import os, time\\nif os.fork() == 0:\\n    time.sleep(60)\\nprint(2)',\n"
+        "             'while True: pass', '1/0']:\n"
+        "    box.run([code], Limits(timeout_s=1.0))\n"
+        "time.sleep(0.5)\n"
+        "me, zombies = os.getpid(), []\n"
+        "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "    try:\n"
+        "        stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if stat[0] == 'Z' and int(stat[1]) == me:\n"
+        "        zombies.append(pid)\n"
+        "print('zombies', len(zombies))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["zombies", "0"], out.stdout

@@ -5,8 +5,9 @@ answers or outlive its call (docs/sandbox.md says what is isolated and what is n
 network, IPC, UTS and cgroup namespaces (and a user namespace when the trainer is not root); the
 filesystem is a read-only view of /usr, the interpreter's prefix and the loader's cache only, plus
 a small private writable /tmp and /dev/shm; no capabilities, its own session, an unprivileged uid
-(as root: a uid of its own per concurrent call); pid 1 of its namespace dies with the call (and
-with the trainer), and every process in the namespace with it.
+(as root: a uid of its own per concurrent call); the launcher is pid 1 of its namespace (bwrap
+--as-pid-1: bwrap reaps it, no zombie per call) and dies with the call (and with the trainer), and
+every process in the namespace with it.
 Limits per call: a cgroup (memory, processes, one CPU) where this process can make one (cgroup v1
 hierarchies or a v2 subtree it can write); otherwise RLIMIT_NPROC (counting only the call's own
 processes) times the per-process RLIMIT_AS. Per process always: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE.
@@ -174,7 +175,11 @@ class Sandbox:
                      "--", *inner]
         else:
             namespaces = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
-        return [self.bwrap, *namespaces, "--die-with-parent", "--new-session", "--hostname", "sandbox", *self.view,
+        # --as-pid-1: the launcher is the namespace's pid 1 and bwrap waits for it. bwrap's own init
+        # reports the exit code over an eventfd and bwrap exits before reaping it: every call left
+        # one zombie for the nearest subreaper (a trainer that is PID 1 of its container, torchrun).
+        return [self.bwrap, *namespaces, "--as-pid-1", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+                *self.view,
                 "--proc", "/proc", "--dev", "/dev",
                 "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
                 "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/dev/shm",
@@ -231,7 +236,19 @@ class Sandbox:
                     self._free_uids.append(uid)
 
     def _kill(self, proc: subprocess.Popen) -> None:
-        """The call's whole tree: its session (none), its pid namespace via bwrap's death (bwrap)."""
+        """The call's whole tree: its session (none), its pid namespace (bwrap): the namespace's pid 1
+        first, so that bwrap reaps it and exits; killed first, bwrap would leave it (dying of
+        --die-with-parent) to the nearest subreaper as a zombie."""
+        if proc.poll() is None and self.kind == "bwrap":
+            for pid in _children(proc.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -311,6 +328,15 @@ class Sandbox:
         except (ValueError, TypeError, AttributeError):
             pass  # the code wrote over its status pipe: only its own report suffers
         return result
+
+def _children(pid: int) -> list[int]:
+    """A process's children (Linux /proc; none where the kernel does not list them)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
 
 _SANDBOXES: dict[str, Sandbox] = {}
 
