@@ -105,6 +105,7 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     save_steps(tmp_path, [3], keep_last=2)
     (tmp_path / "checkpoints" / "step-000004.tmp").mkdir()
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps({"step": s, "moves": []}) + "\n" for s in range(5)))
     cfg = make_cfg(tmp_path, keep_last=2)
     cfg.resume = "auto"
     mgr = CheckpointManager(tmp_path, cfg)
@@ -114,6 +115,8 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     assert actor.loaded[1] == "ds" and (sampler.epoch, sampler.position) == (0, 4)
     # rows an interrupted run logged after its last checkpoint are redone by the resumed run
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    # and the phase switches of those steps (the ledger counts steps from 0: steps 0-2 are done)
+    assert [json.loads(l)["step"] for l in (tmp_path / "ledger.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
 def test_a_torn_metrics_line_is_skipped_not_a_crash_on_resume(tmp_path, caplog):

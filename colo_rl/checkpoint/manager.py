@@ -240,21 +240,27 @@ class CheckpointManager:
         self.last_saved_step = state["step"]
         self.last_saved = path
         if dist.is_rank0():
-            self._truncate_metrics(state["step"])
+            self._truncate_logs(state["step"])
         dist.barrier()
         log.info("resumed from %s: continuing after step %d", path, state["step"])
         return int(state["step"])
 
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop rows an interrupted run logged after its last checkpoint: they are redone."""
-        path = self.run_dir / "metrics.jsonl"
+    def _truncate_logs(self, step: int) -> None:
+        """Drop what an interrupted run logged after its last checkpoint (after `step` steps): those
+        steps are redone. metrics.jsonl's rows name steps done (1-based), ledger.jsonl's records the
+        step they belong to (0-based: the checkpoint's last is step - 1)."""
+        self._truncate_jsonl("metrics.jsonl", lambda row: row.get("step", 0) <= step)
+        self._truncate_jsonl("ledger.jsonl", lambda record: record.get("step", 0) < step)
+
+    def _truncate_jsonl(self, name: str, kept) -> None:
+        path = self.run_dir / name
         if not path.exists():
             return
         lines = path.read_text().splitlines()
-        keep = [ln for ln, row in zip(lines, parse_rows(lines, path)) if row is not None and row.get("step", 0) <= step]
+        keep = [ln for ln, row in zip(lines, parse_rows(lines, path)) if row is not None and kept(row)]
         if len(keep) != len([ln for ln in lines if ln.strip()]):
-            log.info("metrics.jsonl: dropping %d row(s) logged after step %d by the interrupted run",
-                     len(lines) - len(keep), step)
+            log.info("%s: dropping %d row(s) logged after the checkpoint by the interrupted run", name,
+                     len(lines) - len(keep))
             tmp = path.with_suffix(".jsonl.tmp")
             _write_file(tmp, "".join(ln + "\n" for ln in keep))
             os.replace(tmp, path)
