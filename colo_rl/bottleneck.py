@@ -51,9 +51,11 @@ def _is_step(row: dict) -> bool:
 def charged_rows(rows: Iterable[dict]) -> list[dict]:
     """The rows, each step row (step > 0, with time/step) charged the switch into the generation
     phase that the evaluation logged before it paid in its stead (colo_rl/evaluation.py
-    `eval_switch_seconds`): its time/handoff, time/phase_switch and time/step grow by it, as in a
-    run without that evaluation. The last evaluation's switch has no step after it and is left out.
-    The rows given are not changed."""
+    `switch_seconds_paid`): its time/handoff, time/phase_switch and time/step grow by it, as in a
+    run without that evaluation. Not when a save after the evaluation switched back to the update
+    phase (time/save_phase_switch in the evaluation's row): the next step then paid its own, and
+    the evaluation's switch was the evaluation's cost. The last evaluation's switch has no step
+    after it and is left out. The rows given are not changed."""
     out, carried = [], {}
     for r in rows:
         if _is_step(r) and carried:
@@ -64,7 +66,7 @@ def charged_rows(rows: Iterable[dict]) -> list[dict]:
             carried = {}
         out.append(r)
         paid = {step_key: float(r[key]) for key, step_key in EVAL_SWITCH.items() if r.get(key)}
-        if paid:
+        if paid and not r.get("time/save_phase_switch"):
             carried = paid
     return out
 

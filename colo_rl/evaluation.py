@@ -73,19 +73,20 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
     before = colo.switch.timed_phase_seconds()
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
-    return {**reported(res, step, prefix), **eval_switch_seconds(before, colo.switch.timed_phase_seconds())}
+    return {**reported(res, step, prefix), **switch_seconds_paid("eval", before, colo.switch.timed_phase_seconds())}
 
 
-def eval_switch_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The switch into the generation phase that an evaluation paid (time/eval_handoff,
-    time/eval_phase_switch; part of time/eval), or nothing when the engine already had the phase.
-    The next training step finds the engine generating and pays no handoff of its own: the
-    bottleneck report charges this one to it (colo_rl/bottleneck.py `charged_steps`)."""
+def switch_seconds_paid(by: str, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The phase switch that work outside a step paid (`timed_phase_seconds` before and after it):
+    time/<by>_handoff and time/<by>_phase_switch, or nothing when the phase was already right.
+    An evaluation's switch into the generation phase (part of time/eval) spares the next step its
+    own: the bottleneck report charges it to that step (colo_rl/bottleneck.py `charged_rows`),
+    unless a save (time/save_phase_switch) switched back first."""
     if not after:  # a rank without phases (split placement's trainer)
         return {}
-    paid = {"time/eval_handoff": after["time/handoff"] - before["time/handoff"],
-            "time/eval_phase_switch": after["time/phase_switch"] - before["time/phase_switch"]}
-    return paid if any(v > 0 for v in paid.values()) else {}
+    paid = {f"time/{by}_handoff": after["time/handoff"] - before["time/handoff"],
+            f"time/{by}_phase_switch": after["time/phase_switch"] - before["time/phase_switch"]}
+    return {k: v for k, v in paid.items() if v > 0}
 
 
 def reported(res: dict, step: int, prefix: str = "eval/") -> dict[str, float]:

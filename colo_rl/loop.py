@@ -7,8 +7,9 @@ A recipe is a class with five methods; `run` drives it:
     for step in start .. total_steps - 1:
         recipe.train_step(step)             # one optimizer step (GRPO: generate, score, update)
         recipe.evaluate(step + 1)           # every trainer.eval_every steps and at the end
-        metrics row; progress; collective stop check
+        collective stop check
         recipe.save(ckpt, step + 1)         # every trainer.save_every steps, on a stop, at the end
+        metrics row (the save's time in it); progress
     recipe.finish(result)                   # export, plots, summary (skipped after a stop)
 
 A SIGINT / SIGTERM on any rank stops every rank after the same step, with a checkpoint; the
@@ -45,8 +46,9 @@ class Recipe(Protocol):
     def train_step(self, step: int) -> dict[str, float]:
         """One optimizer step; returns the step's metrics, already reduced over ranks."""
 
-    def save(self, ckpt, step: int) -> None:
-        """A resumable checkpoint after `step` steps (every rank calls it)."""
+    def save(self, ckpt, step: int) -> Optional[dict[str, float]]:
+        """A resumable checkpoint after `step` steps (every rank calls it); what it cost besides its
+        time (GRPO: the switch out of the generation phase an evaluation left), or None."""
 
     def finish(self, result: "LoopResult") -> None:
         """After the last step of an uninterrupted run: final export, plots, summary."""
@@ -103,11 +105,13 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
                 with timer("eval"):
                     last_eval = recipe.evaluate(step + 1)
                 step_metrics.update({**last_eval, **timer.pop()})
-            progress.advance()
-            metrics.log(step + 1, step_metrics, progress=progress.status())  # i/N and ETA where no bar is drawn
             stopped_by = stop.requested()  # a collective: every rank stops after the same step
             if ckpt.due(step + 1) or stopped_by or last:
-                recipe.save(ckpt, step + 1)
+                with timer("save"):
+                    saved = recipe.save(ckpt, step + 1)
+                step_metrics.update({**(saved or {}), **timer.pop()})
+            progress.advance()
+            metrics.log(step + 1, step_metrics, progress=progress.status())  # i/N and ETA where no bar is drawn
             if stopped_by:
                 log.warning("stopped by %s after step %d; continue with resume=auto run_dir=%s", stopped_by,
                             step + 1, ckpt.run_dir)

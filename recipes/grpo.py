@@ -30,7 +30,8 @@ from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
-from colo_rl.evaluation import check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported
+from colo_rl.evaluation import (check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported,
+                                switch_seconds_paid)
 from colo_rl.metrics import MetricsLogger, StepSums, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
@@ -222,14 +223,16 @@ class GRPORecipe:
             log.info("split placement: generators stopped; %d slot(s) generated past the end were not trained",
                      unused)
 
-    def save(self, ckpt, step: int) -> None:
+    def save(self, ckpt, step: int) -> dict[str, float]:
         extra = {"kl_in_reward_coef": self.kl_ctl.coef}
         if self.split is not None:  # the data lives on the generation ranks: their positions after the last slot used
             ckpt.save(step, self.colo.actor, extra={**extra, "split_positions": self.pool.positions,
                                                     "split_staleness": self.pool.stats.state_dict()})
-            return
-        with self.colo.switch.update():
+            return {}
+        before = self.colo.switch.timed_phase_seconds()
+        with self.colo.switch.update():  # an evaluation before it left the engine generating: switch back
             ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine, extra=extra)
+        return switch_seconds_paid("save", before, self.colo.switch.timed_phase_seconds())
 
     def finish(self, result: loop.LoopResult) -> None:
         with self.colo.switch.update():

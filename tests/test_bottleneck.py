@@ -108,3 +108,14 @@ def test_an_evaluations_switch_is_charged_to_the_step_after_it():
     assert every[1]["time/handoff"] == 0.0  # the logged rows are left as they were
     assert bottleneck_report(every, n_gpus=1, skip=0)["shares"]["switch"] == pytest.approx(
         (0.8 + 0.8 + 0.1) / (4.8 + 4.8 + 4.1))
+
+
+def test_an_evaluations_switch_is_its_own_when_a_save_switched_back():
+    """Evaluate, then save: the save switches back to the update phase and the next step pays its
+    own handoff; charging the evaluation's switch to it too would count a switch twice."""
+    r = rows(gen=2.0, logprobs=0.0, update=2.0, handoff=0.5, switch=0.3, reward=0.0, n=2)
+    r[1].update({"time/eval_handoff": 0.5, "time/eval_phase_switch": 0.2, "time/save": 1.0,
+                 "time/save_phase_switch": 0.1})
+    steps = charged_steps(r)
+    assert [x["time/handoff"] for x in steps] == [0.5, 0.5]
+    assert [x["time/step"] for x in steps] == pytest.approx([4.8, 4.8])

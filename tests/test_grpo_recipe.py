@@ -59,6 +59,8 @@ def test_metrics_have_one_line_per_step_with_every_key(run_dir):
     # the last evaluation followed an update: it handed the engine the new weights, and says so
     assert r[-1]["time/eval_handoff"] > 0 and r[-1]["time/eval_phase_switch"] > 0
     assert r[-1]["time/eval"] > r[-1]["time/eval_handoff"] + r[-1]["time/eval_phase_switch"]
+    # the final save switched back to the update phase, and its row says what that and the save cost
+    assert r[-1]["time/save"] > r[-1]["time/save_phase_switch"] > 0 and "time/save_handoff" not in r[-1]
     for row in r[1:]:
         missing = [k for k in KEYS if k not in row]
         assert not missing, missing
