@@ -36,7 +36,35 @@ def test_a_peers_name_means_what_it_means_in_that_recipe():
         check_override_keys(["beta=0.1"], "dpo")
     with pytest.raises(ConfigError, match=r"colo_rl's is trainer.epochs: write trainer.epochs=3"):
         check_override_keys(["num_train_epochs=3"], "sft")
-    check_override_keys(["beta=0.1"], "sft")  # SFT reads no KL coefficient: left to Hydra's refusal
+    # SFT reads no KL coefficient or DPO temperature: said, not matched to a close name
+    with pytest.raises(ConfigError, match=r"beta is TRL's option, algo.beta in colo_rl, which the sft recipe does "
+                                          r"not read \(DPO only\)"):
+        check_override_keys(["beta=0.1"], "sft")
+    # verl's SFT trainer: its data.train_batch_size counts examples (data.train_size, one edit away,
+    # would cap the data instead)
+    with pytest.raises(ConfigError, match=r"colo_rl's is trainer.batch_size .*: write trainer.batch_size=64"):
+        check_override_keys(["data.train_batch_size=64"], "sft")
+    with pytest.raises(ConfigError, match=r"colo_rl's is trainer.epochs: write trainer.epochs=3"):
+        check_override_keys(["trainer.total_epochs=3"], "dpo")
+    with pytest.raises(ConfigError, match=r"trainer.epochs in colo_rl, which the grpo recipe does not read "
+                                          r"\(set trainer.total_steps\)"):
+        check_override_keys(["trainer.total_epochs=3"], "grpo")
+
+
+@pytest.mark.parametrize("arg,write", [
+    ("report_to=wandb", "write logger=[jsonl,wandb]"),  # a list, jsonl kept
+    ("report_to=none", "write logger=[jsonl]"),
+    ("loss_type=dr_grpo", "write algo.loss_agg=seq-mean-token-sum-norm"),
+    ("scale_rewards=group", "write algo.scale_by_std=true"),
+    ("scale_rewards=batch", "set algo.scale_by_std."),  # no such choice: no ready value
+    ("custom_reward_function.path=r.py", "write reward.functions=[r.py:compute_score]"),
+    ("per_device_train_batch_size=4", "set trainer.micro_batch_tokens."),  # other units: never a 4-token budget
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=16", "set trainer.mini_batches_per_step."),
+])
+def test_a_peers_value_is_written_as_colo_rls_or_not_at_all(arg, write):
+    with pytest.raises(ConfigError) as e:
+        check_override_keys([arg], "grpo")
+    assert write in str(e.value)
     assert not [t for keys in RECIPE_PEER_KEYS.values() for _, t, _ in keys.values() if t not in OPTIONS]
 
 

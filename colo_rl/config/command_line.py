@@ -100,9 +100,46 @@ OFFLINE_PEER_KEYS: dict[str, tuple[str, str, str]] = {
         "TRL", "trainer.batch_size", "examples (DPO: pairs) per optimizer step over all ranks; micro-batches "
                                      "follow trainer.micro_batch_tokens"),
 }
+# verl's SFT trainer (fsdp_sft_trainer.yaml): its data.train_batch_size counts examples, not prompts.
+VERL_SFT_KEYS: dict[str, tuple[str, str, str]] = {
+    "data.train_batch_size": ("verl", "trainer.batch_size", "examples (DPO: pairs) per optimizer step, all ranks"),
+    "data.micro_batch_size_per_gpu": ("verl", "trainer.micro_batch_tokens", "micro-batches are sized in tokens"),
+    "data.max_length": ("verl", "data.max_seq_len", "prompt + completion tokens"),
+    "trainer.total_epochs": ("verl", "trainer.epochs", ""),
+    "trainer.total_training_steps": ("verl", "trainer.max_steps", "0 = all epochs"),
+    "optim.lr": ("verl", "trainer.lr", ""),
+    "model.partial_pretrain": ("verl", "model.path", ""),
+}
 RECIPE_PEER_KEYS: dict[str, dict[str, tuple[str, str, str]]] = {
-    "sft": OFFLINE_PEER_KEYS,
-    "dpo": {**OFFLINE_PEER_KEYS, "beta": ("TRL", "algo.beta", "DPO's inverse temperature")},
+    "sft": {**OFFLINE_PEER_KEYS, **VERL_SFT_KEYS},
+    "dpo": {**OFFLINE_PEER_KEYS, **VERL_SFT_KEYS, "beta": ("TRL", "algo.beta", "DPO's inverse temperature")},
+}
+
+
+def _loggers(value: str) -> str | None:
+    """TRL's report_to (one name, or none / all) as colo_rl's logger list, which always keeps jsonl."""
+    if value == "none":
+        return "[jsonl]"
+    return f"[jsonl,{value}]" if value in ("tensorboard", "wandb") else None
+
+
+# How a peer's value reads as colo_rl's, where it does not carry over as it is; None: no ready value
+# (other units, or another shape), the note says what to write.
+_TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean",
+                   "dr_grpo": "seq-mean-token-sum-norm"}
+PEER_VALUES = {
+    "report_to": _loggers,
+    "trainer.logger": lambda v: None,
+    "loss_type": lambda v: _TRL_LOSS_TYPES.get(v.strip("'\"")),
+    "scale_rewards": lambda v: {"group": "true", "true": "true", "none": "false", "false": "false"}.get(v.lower()),
+    "custom_reward_function.path": lambda v: f"[{v}:compute_score]",  # verl's default function name
+    "custom_reward_function.name": lambda v: None,
+    "reward_funcs": lambda v: None,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": lambda v: None,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": lambda v: None,
+    "data.micro_batch_size_per_gpu": lambda v: None,
+    "per_device_train_batch_size": lambda v: None,
+    "gradient_accumulation_steps": lambda v: None,
 }
 
 
@@ -137,6 +174,7 @@ def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib, cutoff 0.8; a `+key` typo is
     left to validation.check_schema_keys, whose message says what a `+` does)."""
     options, peers = list(OPTIONS), peer_keys(recipe)
+    every_peer = {**PEER_KEYS, **{k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}}
     for arg in overrides:
         key = override_key(arg)
         if key is None or _known(key):
@@ -144,9 +182,16 @@ def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
         value = arg.split("=", 1)[1] if "=" in arg else "..."
         if key in peers:
             whose, ours, note = peers[key]
+            ours_value = PEER_VALUES.get(key, lambda v: v)(value) if "=" in arg else None
+            write = f"write {ours}={ours_value}" if ours_value is not None else f"set {ours}"
             raise ConfigError(f"{key} is {whose}'s option; colo_rl's is {ours}" + (f" ({note})" if note else "") +
-                              f": write {ours}={value}. verl / TRL / colo_rl names side by side: docs/data.md "
+                              f": {write}. verl / TRL / colo_rl names side by side: docs/data.md "
                               f"(Option names); every option: docs/config.md")
+        if key in every_peer:  # another recipe's: a close match here would mean something else
+            whose, ours, _ = every_peer[key]
+            instead = OPTIONS[ours].scope.instead.get(recipe)
+            raise ConfigError(f"{key} is {whose}'s option, {ours} in colo_rl, which the {recipe} recipe does not read"
+                              + (f" ({instead})" if instead else "") + "; every option: docs/config.md")
         if arg.startswith("+"):  # composed first, then validation.check_schema_keys says what a `+` does
             continue
         close = difflib.get_close_matches(key, options, n=1, cutoff=0.8)
