@@ -27,7 +27,7 @@ from colo_rl.checkpoint import export_hf
 from colo_rl.colocate.handoff import LogprobAgreement
 from colo_rl.colocate.setup import build_colocated, build_split_generator, build_split_trainer
 from colo_rl.config import ConfigError, register_configs
-from colo_rl.data import PromptBuilder, load_problems
+from colo_rl.data import DataError, PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import (check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported,
@@ -88,6 +88,15 @@ class GRPORecipe:
         self.eval_no_tools = [] if self.env is None else plain.encode_all(eval_problems)
         log.info("data: %d train / %d held-out prompts (%d over-length dropped, %d truncated)",
                  len(self.train), len(self.eval_set), builder.stats.dropped, builder.stats.truncated)
+        if not self.train:
+            raise DataError(f"no training prompt is left: all {len(train_problems)} are longer than "
+                            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} and were dropped "
+                            f"(data.overlong_policy=drop); raise data.max_prompt_tokens or set "
+                            f"data.overlong_policy=truncate")
+        if len(self.train) < cfg.rollout.prompts_per_step:
+            log.warning("data: %d training prompts, fewer than rollout.prompts_per_step=%d: a step repeats prompts "
+                        "(an epoch is shorter than a step); use more data or fewer prompts per step",
+                        len(self.train), cfg.rollout.prompts_per_step)
         check_held_out_size(len(self.eval_set), world)
         self.sampler = EpochSampler(len(self.train), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.start_metrics = {"data/overlong_dropped": builder.stats.dropped,

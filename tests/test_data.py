@@ -81,6 +81,7 @@ def test_a_gsm8k_solution_under_any_key_gives_its_last_final_number(tmp_path):
     ({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
                  {"role": "assistant", "content": "Seen."}, {"role": "user", "content": "Count?"}], "answer": "4"},
      r"prompt\[0\]\.content must be a string or a list of"),
+    ({"prompt": {"text": "What is 2+2?"}, "answer": 4}, r"d\.jsonl:1: key 'prompt' is a dict; a prompt is a string"),
 ])
 def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp_path, row, message):
     p = tmp_path / "d.jsonl"
@@ -97,6 +98,13 @@ def test_openai_style_text_parts_are_joined_and_tool_calls_kept():
     call = {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f"}}]}
     reply = {"role": "tool", "content": "4", "tool_call_id": "c1"}
     assert check_messages([parts[0], call, reply], "f:1", "prompt")[1:] == [call, reply]
+
+
+def test_a_file_that_is_not_what_its_suffix_says_is_named(tmp_path):
+    p = tmp_path / "train.parquet"
+    p.write_text(json.dumps({"prompt": "x", "answer": "1"}) + "\n")  # JSONL renamed
+    with pytest.raises(DataError, match=r"train\.parquet: not a readable Parquet file .*\(\.jsonl\)"):
+        read_records(p)
 
 
 def test_empty_prompt_is_an_error(tmp_path, tokenizer):
@@ -304,3 +312,25 @@ def test_plain_prompts_start_with_the_bos_the_tokenizer_adds_and_truncation_keep
     assert enc.prompt_ids == [bos] + sft_prompt and len(sft_prompt) > 64
     kept = apply_length_policy(enc, plain, LengthStats(), "x.jsonl:1", ChatEncoder(tok, plain).head)
     assert kept.prompt_ids == [bos] + sft_prompt[-63:]
+
+
+def test_grpo_with_every_prompt_over_length_says_what_to_change(tmp_path):
+    """All prompts dropped by data.max_prompt_tokens: a traceback from the sampler ("the training set
+    is empty") before; now the error line names the limit and the policy to change."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import child_env
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {k} plus {k}? Think it through.", "answer": str(2 * k)})
+                            + "\n" for k in range(12)))
+    proc = subprocess.run([sys.executable, "recipes/grpo.py", "model=tiny", f"data.path={data}", "data.eval_size=4",
+                           "data.max_prompt_tokens=5", f"run_dir={tmp_path}/run"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                          env=child_env(OMP_NUM_THREADS="1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "error: no training prompt is left: all 8 are longer than data.max_prompt_tokens=5" in out, out[-3000:]
+    assert "data.overlong_policy=truncate" in out and "Traceback" not in out

@@ -65,6 +65,8 @@ def test_sglang_kwargs_stay_a_free_dict():
     ("trainer.micro_batch_tokens=lots", r"trainer.micro_batch_tokens='lots' must be auto or a positive number"),
     ("trainer.micro_batch_tokens=0", r"trainer.micro_batch_tokens='0' must be auto or a positive number"),
     ("trainer.micro_batch_size=-1", r"trainer.micro_batch_size=-1 must be >= 0 \(0 = no cap"),
+    ("data.min_operand=50", r"data.min_operand=50 > data.max_operand=30: .* raise data.max_operand"),
+    ("data.three_operand_fraction=1.5", r"data.three_operand_fraction=1.5 must be in \[0, 1\]"),
 ])
 def test_out_of_range_value_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):

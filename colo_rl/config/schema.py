@@ -123,9 +123,9 @@ class DataConfig:
     # the run's seed, so every recipe and every trainer.seed evaluate on the same held-out set.
     split_seed: int = opt(1234, ALL, resume=DATA_ORDER)
     # Arithmetic task: operand range and the share of three-operand problems.
-    min_operand: int = opt(1, ALL, resume=DATA_ORDER)
-    max_operand: int = opt(30, ALL, resume=DATA_ORDER)
-    three_operand_fraction: float = opt(0.2, ALL, resume=DATA_ORDER)
+    min_operand: int = opt(1, ALL, check=ge(0), resume=DATA_ORDER)
+    max_operand: int = opt(30, ALL, check=ge(1), resume=DATA_ORDER)  # >= min_operand (validation.validate)
+    three_operand_fraction: float = opt(0.2, ALL, check=within(0, 1), resume=DATA_ORDER)
     # Harder arithmetic (e.g. for env=calculator): the share above has 2 .. max_operations
     # operations; multiplication operands go up to max_factor.
     max_operations: int = opt(2, ALL, check=ge(2, "a multi-operand problem has at least 2 operations"),

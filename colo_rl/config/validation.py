@@ -72,6 +72,9 @@ def validate(cfg: RunConfig | DictConfig, recipe: Optional[str] = None, override
             raise ConfigError(f"{key}={value!r} is not one of {allowed}")
         if rules.check is not None and not rules.check.accepts(value):
             raise ConfigError(f"{key}={value!r} {rules.check.what}")
+    if obj.data.min_operand > obj.data.max_operand:
+        raise ConfigError(f"data.min_operand={obj.data.min_operand} > data.max_operand={obj.data.max_operand}: the "
+                          f"arithmetic task draws operands from [min_operand, max_operand]; raise data.max_operand")
     ENGINES.get(obj.rollout.engine).check_config(obj)
     if spec["group_based"] and obj.algo.adv_estimator in GROUP_ESTIMATORS and obj.rollout.group_size < 2:
         raise ConfigError(f"rollout.group_size={obj.rollout.group_size}: algo.adv_estimator={obj.algo.adv_estimator}'s "

@@ -100,7 +100,13 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(p).to_pylist()
+        import pyarrow as pa
+
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{p}: not a readable Parquet file ({e}); check the file, or give it the suffix of "
+                            f"what it holds (.jsonl)") from None
         return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows)]
     raise DataError(f"data.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
                     ".parquet or a directory saved with datasets.save_to_disk")

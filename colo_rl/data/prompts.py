@@ -143,7 +143,10 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
     if isinstance(prompt, list):
         return Problem(id=str(d.get("id", index)), question="", answer=answer,
                        messages=check_messages(prompt, rec.origin, prompt_at), origin=rec.origin, fields=dict(d))
-    if not str(prompt).strip():
+    if not isinstance(prompt, str):  # its repr would be the prompt
+        raise DataError(f"{rec.origin}: key {prompt_at!r} is a {type(prompt).__name__}; a prompt is a string or a "
+                        f"list of {{role, content}} messages (data.prompt_key names a nested one: a.b)")
+    if not prompt.strip():
         raise DataError(f"{rec.origin}: empty prompt; remove the record or fill it in")
     return Problem(id=str(d.get("id", index)), question=str(prompt), answer=answer, origin=rec.origin,
                    fields=dict(d))
