@@ -62,6 +62,24 @@ def check_held_out_size(n: int, world: int) -> bool:
     return False
 
 
+def generates_for_accuracy(eval_generate: bool, held: list) -> bool:
+    """SFT / DPO (trainer.eval_generate): greedy held-out accuracy needs an answer on every held-out
+    example (its `answer`); when some lack one it is off, and that is said with the first such
+    record, not left to the missing eval/accuracy to tell."""
+    if not (eval_generate and held):
+        return False
+    missing = [ex for ex in held if ex.answer is None]
+    if not missing:
+        return True
+    if len(missing) < len(held):
+        log.warning("trainer.eval_generate: %d of %d held-out examples have no answer (first: %s), so greedy held-out "
+                    "accuracy is off (held-out loss only); give every record an answer, or set "
+                    "trainer.eval_generate=false to say so", len(missing), len(held), missing[0].origin or missing[0].id)
+    else:
+        log.info("trainer.eval_generate: the held-out examples carry no answer: held-out loss only, no accuracy")
+    return False
+
+
 def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer, max_new_tokens: int,
                       step: int, multiturn=None, prefix: str = "eval/", problems: Optional[list] = None
                       ) -> dict[str, float]:

@@ -37,7 +37,7 @@ from colo_rl.colocate.setup import build_actor, reference_model
 from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
-from colo_rl.evaluation import check_held_out_size, held_out_accuracy
+from colo_rl.evaluation import check_held_out_size, generates_for_accuracy, held_out_accuracy
 from colo_rl.metrics import StepSums, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
@@ -77,7 +77,7 @@ class DPORecipe:
                  algo.beta, algo.label_smoothing,
                  "precomputed once" if algo.precompute_ref_logprobs else "from a frozen reference model")
         # ---- policy (+ rollout engine for the optional greedy accuracy) and reference
-        self.gen_eval = bool(tr.eval_generate and self.held and all(p.answer is not None for p in self.held))
+        self.gen_eval = generates_for_accuracy(tr.eval_generate, self.held)
         if self.gen_eval:  # prompt + eval_max_new_tokens within the context, checked before the model loads
             runtime.check_held_out_generation(cfg, [ex.prompt_ids for ex in self.held])
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,

@@ -31,7 +31,7 @@ from colo_rl.colocate.setup import build_actor
 from colo_rl.config import register_configs
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.data.sft import load_sft_data
-from colo_rl.evaluation import check_held_out_size, held_out_accuracy
+from colo_rl.evaluation import check_held_out_size, generates_for_accuracy, held_out_accuracy
 from colo_rl.metrics import StepSums, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
@@ -67,7 +67,7 @@ class SFTRecipe:
                  self.plan.steps_per_epoch, tr.batch_size, self.plan.local_batch, tr.micro_batch_tokens,
                  ", packed" if cfg.trainer.packing else "")
         # ---- trainer; plus the rollout engine when the held-out examples can be scored by generation
-        self.gen_eval = bool(tr.eval_generate and self.held and all(ex.answer is not None for ex in self.held))
+        self.gen_eval = generates_for_accuracy(tr.eval_generate, self.held)
         if self.gen_eval:  # prompt + eval_max_new_tokens within the context, checked before the model loads
             runtime.check_held_out_generation(cfg, [ex.prompt_ids for ex in self.held])
         self.actor, self.colo = build_actor(cfg, ctx.dtype, self.tokenizer, ctx.run_dir, self.plan.total_steps,

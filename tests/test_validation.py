@@ -592,3 +592,22 @@ def test_packing_needs_an_attention_that_takes_its_mask(recipe, attention, refus
         assert _cfg(overrides + ["trainer.packing=false"], recipe).trainer.packing is False
     else:
         assert _cfg(overrides, recipe).model.attn_implementation == attention
+
+
+def test_held_out_accuracy_off_for_missing_answers_is_said(caplog):
+    """SFT / DPO: one held-out record without an answer turned greedy accuracy off without a word."""
+    import logging
+    from types import SimpleNamespace
+
+    from colo_rl.evaluation import generates_for_accuracy
+
+    held = [SimpleNamespace(answer="4", origin="d.jsonl:1", id="0"), SimpleNamespace(answer=None, origin="d.jsonl:7",
+                                                                                     id="1")]
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        assert generates_for_accuracy(True, held[:1])
+        assert not generates_for_accuracy(False, held[:1]) and not caplog.records
+        assert not generates_for_accuracy(True, held)
+        assert "1 of 2 held-out examples have no answer (first: d.jsonl:7)" in caplog.records[-1].getMessage()
+        assert caplog.records[-1].levelno == logging.WARNING
+        assert not generates_for_accuracy(True, held[1:])
+        assert "carry no answer" in caplog.records[-1].getMessage()
