@@ -525,3 +525,25 @@ def test_calls_leave_no_zombie_for_a_subreaper_trainer(tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["zombies", "0"], out.stdout
+
+
+@needs_bwrap
+@pytest.mark.skipif(os.geteuid() != 0, reason="as root only: otherwise each call has a user namespace of its own")
+def test_two_trainer_processes_never_share_a_call_uid(tmp_path):
+    """Ranks as root gave their calls uids from one range: one rank's call counted against another's
+    RLIMIT_NPROC and failed to fork (BlockingIOError). Each process now claims a range of its own."""
+    script = tmp_path / "rank.py"
+    script.write_text("import sys\nfrom colo_rl.envs.sandbox import Limits, get_sandbox\n"
+                      "out = get_sandbox('bwrap').run(['import os; print(os.getuid())'], Limits()).output\n"
+                      "print('uid', out.decode().strip(), flush=True)\nsys.stdin.read()\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ranks = [subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    try:
+        uids = [int(p.stdout.readline().split()[1]) for p in ranks]  # both alive, holding their ranges
+    finally:
+        for p in ranks:
+            p.stdin.close()
+            p.wait(timeout=30)
+    assert all(u >= sandbox_module.CALL_UID_BASE for u in uids)
+    assert abs(uids[0] - uids[1]) >= sandbox_module.CALL_UID_SLOTS

@@ -87,7 +87,7 @@ class CgroupPlan:
                 plan._remove_stale(parent)
             if plan.v2:
                 _write(os.path.join(plan.parents[""], "cgroup.subtree_control"), "+memory +pids +cpu")
-            probe = plan.create("probe", Limits())
+            probe = plan.create(f"{os.getpid()}_probe", Limits())  # ranks probe at once: a name of its own
             plan.remove(probe)
         except OSError as e:
             log.info("no per-call cgroup here (%s): the process limit times the per-process memory limit bounds a call", e)
@@ -96,10 +96,11 @@ class CgroupPlan:
 
     @staticmethod
     def _remove_stale(parent: str) -> None:
-        """Empty call cgroups left by a trainer that died mid-call (named <pid>_<n>; that pid is gone)."""
+        """Empty call cgroups left by a trainer that died mid-call (named <pid>_<n>; that pid is gone),
+        and an older version's shared "probe"."""
         for name in os.listdir(parent):
             pid = name.split("_", 1)[0]
-            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            if name == "probe" or (pid.isdigit() and not os.path.exists(f"/proc/{pid}")):
                 try:
                     os.rmdir(os.path.join(parent, name))
                 except OSError:

@@ -20,6 +20,7 @@ earlier cells that failed on replay) on its own pipe.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from colo_rl.envs.cgroups import CgroupPlan, Limits
 from colo_rl.errors import ConfigError
@@ -41,8 +42,9 @@ from colo_rl.errors import ConfigError
 log = logging.getLogger(__name__)
 
 SANDBOX_KINDS = ("bwrap", "none")
-# As root, each concurrent call runs as a uid of its own from this range (no account needs to exist).
-CALL_UID_BASE, CALL_UID_SLOTS = 1_900_000_000, 4096
+# As root, each concurrent call runs as a uid of its own (no account needs to exist), from a range of
+# CALL_UID_SLOTS that this process claims among CALL_UID_RANGES (`claim_uid_range`).
+CALL_UID_BASE, CALL_UID_SLOTS, CALL_UID_RANGES = 1_900_000_000, 4096, 1024
 TMP_BYTES = 16 << 20  # each of the call's /tmp and /dev/shm
 STATUS_MAX_BYTES = 1 << 20  # the runner's report (its error, the replay's failures): far less than this
 
@@ -134,7 +136,8 @@ class Sandbox:
         self.as_root = os.geteuid() == 0 and kind == "bwrap"
         self.cgroups = CgroupPlan.probe() if kind == "bwrap" else None
         self._lock = threading.Lock()
-        self._free_uids = list(range(CALL_UID_BASE + CALL_UID_SLOTS - 1, CALL_UID_BASE - 1, -1))
+        first_uid, self._uid_claim = claim_uid_range() if self.as_root else (CALL_UID_BASE, None)
+        self._free_uids = list(range(first_uid + CALL_UID_SLOTS - 1, first_uid - 1, -1))
         self._calls = 0
         self.view: list[str] = []  # bwrap's arguments for the read-only filesystem view
         if kind != "bwrap":
@@ -160,7 +163,7 @@ class Sandbox:
             return "none (UNSANDBOXED: the policy's code runs as the trainer's user, with its files and network)"
         bound = ("a cgroup per call (memory, processes, 1 CPU)" if self.cgroups is not None else
                  "RLIMIT_NPROC x per-process RLIMIT_AS (no writable cgroup here)")
-        who = (f"a uid of its own per call ({CALL_UID_BASE}+)" if self.as_root else
+        who = (f"a uid of its own per call ({self._free_uids[-1]}+)" if self.as_root else
                f"uid {os.geteuid()} in a user namespace of its own")
         return f"bwrap ({self.bwrap}), {who}, {bound}"
 
@@ -328,6 +331,23 @@ class Sandbox:
         except (ValueError, TypeError, AttributeError):
             pass  # the code wrote over its status pipe: only its own report suffers
         return result
+
+def claim_uid_range() -> tuple[int, Any]:
+    """The first uid of a range no other process on this machine gives its calls: the first of
+    CALL_UID_RANGES whose lock file this process can flock (held while it lives; the kernel drops it
+    when the process dies), and the open lock. Every rank used one range before, so one rank's call
+    counted against another's RLIMIT_NPROC and failed to fork."""
+    for k in range(CALL_UID_RANGES):
+        fh = open(os.path.join(tempfile.gettempdir(), f"colo_rl_sandbox_uids.{k}.lock"), "a")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.close()
+            continue
+        return CALL_UID_BASE + k * CALL_UID_SLOTS, fh
+    raise RuntimeError(f"all {CALL_UID_RANGES} python tool uid ranges are held by other processes "
+                       f"({tempfile.gettempdir()}/colo_rl_sandbox_uids.*.lock)")
+
 
 def _children(pid: int) -> list[int]:
     """A process's children (Linux /proc; none where the kernel does not list them)."""
