@@ -450,6 +450,8 @@ def test_keep_state_works_in_the_sandbox_and_a_failing_replay_is_visible(tmp_pat
 
     tool = TOOLS.get("python")(EnvConfig(python_keep_state=True, tool_timeout_s=5.0, tool_memory_mb=256))
     run = tool.start_episode()
+    with pytest.raises(ToolError, match="ZeroDivisionError"):
+        run({"code": "1 / 0"})  # call 1 fails: not kept, but the notes count it as the policy does
     assert run({"code": "x = 6"}) == ""
     deadline = time.time() + 3.0  # a cell that depends on the clock: it passes now and fails when replayed later
     assert run({"code": f"import time\nassert time.time() < {deadline}, 'too late'\ny = 1"}) == ""
@@ -458,8 +460,8 @@ def test_keep_state_works_in_the_sandbox_and_a_failing_replay_is_visible(tmp_pat
     time.sleep(max(0.0, deadline - time.time()) + 0.1)
     out = run({"code": "print(x)"})
     assert out.splitlines() == [  # a cell that used what it defined fails too, and says so
-        "note: earlier call 2 failed when re-run (AssertionError: too late (line 2)); its state is gone",
-        "note: earlier call 3 failed when re-run (NameError: name 'y' is not defined (line 1)); its state is gone", "6"]
+        "note: earlier call 3 failed when re-run (AssertionError: too late (line 2)); its state is gone",
+        "note: earlier call 4 failed when re-run (NameError: name 'y' is not defined (line 1)); its state is gone", "6"]
     assert run({"code": "print(z)"}) == "7"  # dropped: not re-run, not reported again; the others still are
     with pytest.raises(ToolError, match="NameError: name 'y' is not defined"):
         run({"code": "print(y)"})  # what it defined is gone, as the note said

@@ -11,7 +11,8 @@ every process in the namespace with it.
 Limits per call: a cgroup (memory, processes, one CPU) where this process can make one (cgroup v1
 hierarchies or a v2 subtree it can write); otherwise RLIMIT_NPROC (counting only the call's own
 processes) times the per-process RLIMIT_AS. Per process always: RLIMIT_AS, RLIMIT_CPU, RLIMIT_FSIZE.
-`none`: the same interpreter and limits without namespaces (a loud warning at start-up).
+`none`: the same interpreter and per-process limits without namespaces, and no process limit
+(RLIMIT_NPROC would count the user's every process, the trainer's too); a loud warning at start-up.
 
 The code travels on stdin (never argv: no size limit, not in /proc/*/cmdline); output (stdout and
 stderr, one pipe) is read as it comes, up to a byte cap; the launcher reports the exception (and

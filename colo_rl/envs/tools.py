@@ -190,19 +190,24 @@ def python(cfg) -> Tool:
         that fails when re-run (it read a file it wrote, timing, randomness) is dropped from the
         episode and the observation starts with a note naming it and its error."""
         cells: list[str] = []
+        numbers: list[int] = []  # each cell's call number in the episode (failed calls are not cells)
+        calls = 0
 
         def run_in_episode(args: dict[str, Any]) -> str:
+            nonlocal calls
             code = _code(args)
+            calls += 1
             result = box.run([*cells, code], limits)
-            notes = [f"note: earlier call {k + 1} failed when re-run ({error}); its state is gone"
+            notes = [f"note: earlier call {numbers[k]} failed when re-run ({error}); its state is gone"
                      for k, error in result.replay_failed]
             for k, _ in reversed(result.replay_failed):
-                del cells[k]
+                del cells[k], numbers[k]
             try:
                 out = observation(result, limits, cfg.max_output_chars)
             except ToolError as e:
                 raise ToolError("\n".join([*notes, str(e)])) from None
             cells.append(code)  # only a call that succeeded: a failing one would fail every later one
+            numbers.append(calls)
             return "\n".join([*notes, out]) if notes else out
 
         return run_in_episode
