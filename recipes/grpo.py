@@ -379,6 +379,7 @@ class GRPORecipe:
         sums = StepSums(["loss", "entropy", "kl", "tokens"], maxima=[f"mismatch:{k}" for k in algos.MISMATCH_MAX_KEYS])
         want_entropy = algo.entropy_coef > 0 or algo.log_entropy  # in the loss, or train/entropy
         step_stats: dict[str, float] = {}
+        grad_norms: list[float] = []  # every optimizer step's: several per step with mini-batches or PPO epochs
         handoff_stats: dict[str, float] = {}  # the engine-vs-trainer check, kept past later optimizer steps
         skipped = 0.0  # optimizer steps skipped for a non-finite loss / gradient (all ranks agree)
         with self.timer("update"):
@@ -408,6 +409,7 @@ class GRPORecipe:
                         # clip_frac, dual_clip_frac, ratio_mean, ...: token means, weighed by the tokens
                         sums.add({key: value * m_tok for key, value in stats.items()})
                     step_stats = actor.step()
+                    grad_norms.append(step_stats["grad_norm"])
                     skipped += step_stats["skipped"]
                     if epoch == 0 and k == 0 and agreement is not None:  # before any weight change: the same weights
                         handoff_stats = agreement.check(cfg.colocate.handoff_check_max_mean_abs)
@@ -420,7 +422,7 @@ class GRPORecipe:
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch
         out = {"train/loss": loss_sum / n_steps, **{f"train/{k}": v / max(tok, 1) for k, v in totals.items()},
                **({"train/entropy": ent_sum / max(tok, 1)} if want_entropy else {}),
-               "train/grad_norm": step_stats["grad_norm"],
+               "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
                "train/micro_batches": float(len(plan)),
                "train/skipped_steps_total": float(actor.nonfinite_total),

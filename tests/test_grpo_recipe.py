@@ -164,6 +164,8 @@ def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
     assert row["train/ratio_mean"] != pytest.approx(1.0, abs=1e-6)  # the second mini-batch is off-policy
     assert row["train/approx_kl_old"] > 0
     assert 0 <= row["train/dual_clip_frac"] <= 1
+    # the four optimizer steps' gradient norms: their mean and the largest, not the last one's alone
+    assert row["train/grad_norm_max"] > row["train/grad_norm"] > 0
 
 
 def test_rollout_correction_and_the_mismatch_metrics_reach_the_log(tmp_path):
