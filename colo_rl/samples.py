@@ -91,13 +91,19 @@ def groups_of(problems: list, size: int, sources: dict[str, list[float]], **per_
             for j, problem in enumerate(problems)]
 
 
+def _policy_tokens(groups: list[Group]) -> int:
+    return sum(c.trained_tokens for g in groups for c in g.completions)
+
+
 @dataclass
 class Rollout:
     """This rank's groups for one step, all of size `group_size`, in the order they are trained.
 
     `policy_version`: the optimizer steps behind the weights that generated it (a policy lagging
     behind the trainer reads it). `failures`, `rounds`, `filled`: the reward calls that failed, the
-    sampling rounds, and the set-aside groups that filled the batch (DAPO: `keep`, `fill`)."""
+    sampling rounds, and the set-aside groups that filled the batch (DAPO: `keep`, `fill`).
+    `generated_tokens`: the policy tokens the engine sampled for it, every round's, the groups DAPO
+    set aside or cut included (what the generation time bought); None: those of `groups`."""
     groups: list[Group] = field(default_factory=list)
     policy_version: int = 0
     failures: int = 0
@@ -105,6 +111,11 @@ class Rollout:
     filled: int = 0
     set_aside: list[Group] = field(default_factory=list)
     shaping: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], added by `total()` only
+    generated_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.generated_tokens is None:
+            self.generated_tokens = _policy_tokens(self.groups)
 
     @property
     def group_size(self) -> int:
@@ -176,6 +187,7 @@ class Rollout:
                              f"rollout.group_size completions")
         self.groups += [g for g, u in zip(groups, useful) if u]
         self.set_aside += [g for g, u in zip(groups, useful) if not u]
+        self.generated_tokens += _policy_tokens(groups)
 
     def fill(self, wanted: int) -> None:
         """Exactly `wanted` groups: the first kept ones, then set-aside ones where too few were kept (counted)."""

@@ -91,6 +91,8 @@ def test_whitening_and_mismatch_metrics_over_two_ranks(tmp_path):
         m = report["mismatch"]
         assert m["mismatch/kl_k1"] == pytest.approx(k1) and m["mismatch/kl_k3"] == pytest.approx(k3)
         assert m["mismatch/ratio_max"] == pytest.approx(3.0) and m["mismatch/seq_ratio_max"] == pytest.approx(3.0)
+        # all ranks' 12 tokens over the slowest rank's 4 s (rank 0's own 1 s gave 12 tok/s)
+        assert report["gen_tokens_per_s"] == pytest.approx(3.0)
 
 
 # --- masked positions never reach a sum ------------------------------------------------------------

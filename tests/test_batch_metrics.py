@@ -33,9 +33,21 @@ def test_batch_metrics_match_hand_computed_values():
 def test_throughput_counts_the_policys_tokens_not_an_environments():
     r = rollout()
     r.groups[1].completions[1].policy_mask = [1, 1, 0, 0, 0, 1]  # 3 of its 6 tokens an observation
-    out = batch_metrics(r, generation_seconds=2.0)
+    out = batch_metrics(Rollout(groups=r.groups), generation_seconds=2.0)
     assert out["throughput/gen_tokens_per_s"] == 6.5  # 13 generated tokens in 2 s
     assert out["response/len_mean"] == 4.0  # the episode's length, observations included
+
+
+def test_throughput_counts_every_rounds_tokens_under_dynamic_sampling():
+    """DAPO: the engine generated groups that were set aside or cut; the generation time paid for
+    them, so tokens per second counts them (it fell with the share of flat groups before)."""
+    r = Rollout()
+    r.keep(rollout().groups, [False, True])  # round 1: the flat group set aside
+    r.keep(rollout().groups, [False, True])  # round 2
+    r.fill(1)  # one group trains
+    out = batch_metrics(r, generation_seconds=2.0, dynamic_sampling=True)
+    assert r.generated_tokens == 32 and out["throughput/gen_tokens_per_s"] == 16.0  # 2 x 16 tokens in 2 s
+    assert out["response/len_mean"] == 4.0  # the trained batch's own: the second group's 2 and 6 tokens
 
 
 def test_shaping_decides_which_groups_carry_a_signal():

@@ -42,8 +42,9 @@ class RolloutPart:
     version: int  # the weights that generated every group here
     groups: list[Group]
     slot_groups: int  # the generator's groups in this slot (all trainers' parts)
-    failures: int = 0  # the reward calls that failed, set-aside groups used (DAPO): in one trainer's part
-    filled: int = 0
+    failures: int = 0  # the reward calls that failed, set-aside groups used (DAPO), tokens generated: in one
+    filled: int = 0  # trainer's part
+    generated_tokens: int = 0
     rounds: int = 1
     gen_interval: tuple[float, float] = (0.0, 0.0)  # wall clock (time.time) of the generation
     seconds: dict[str, float] = field(default_factory=dict)  # time/generation, time/reward
@@ -187,7 +188,7 @@ class GenerationPool:
             share = self.layout.groups_for(self.index, i, n)
             part = RolloutPart(slot, version, rollout.groups[share.start:share.stop], n,
                                failures=rollout.failures if i == 0 else 0, filled=rollout.filled if i == 0 else 0,
-                               rounds=rollout.rounds,
+                               generated_tokens=rollout.generated_tokens if i == 0 else 0, rounds=rollout.rounds,
                                gen_interval=interval, seconds=seconds, idle_seconds=idle, waits=waits,
                                in_flight=in_flight, position=position, stop_signal=self.stop_signal.signum or 0)
             sends.append(send_object(part, dst))
@@ -291,7 +292,7 @@ class TrainerPool:
         wait = time.perf_counter() - t0
         rollout = Rollout(groups=[g for p in parts for g in p.groups], policy_version=version,
                           failures=sum(p.failures for p in parts), filled=sum(p.filled for p in parts),
-                          rounds=max(p.rounds for p in parts))
+                          generated_tokens=sum(p.generated_tokens for p in parts), rounds=max(p.rounds for p in parts))
         self.stats.record_trained(st.staleness(step, version), sum(p.slot_groups for p in parts))
         generated = (min(p.gen_interval[0] for p in parts), max(p.gen_interval[1] for p in parts))
         out = {"time/trainer_wait": wait, "time/generation_idle": max(p.idle_seconds for p in parts),

@@ -28,8 +28,18 @@ def main(out: str) -> None:
     old = torch.tensor([[math.log([3.0, 0.5][r]), 0.0]])
     sums = StepSums(maxima=algos.MISMATCH_MAX_KEYS)  # the sums over ranks, the maxima's maximum
     sums.add(algos.mismatch_sums(old, torch.zeros(1, 2), torch.ones(1, 2)))
+    # generation throughput: rank 0 sampled 4 tokens in 1 s, rank 1 8 tokens in 4 s (the slow one)
+    from colo_rl.rollout.batch_metrics import batch_metrics
+    from colo_rl.samples import Completion, Rollout, groups_of
+
+    n = [2, 4][r]
+    completions = [Completion([1], list(range(n)), [-0.5] * n, "stop") for _ in range(2)]
+    batch = Rollout(groups=groups_of(["p"], 2, {"s": [0.0, 1.0]}, completions=completions, rewards=[0.0, 1.0],
+                                     correct=[False, True], lenient=[False, True], formatted=[True, True],
+                                     texts=["a", "b"]))
     report = {"whitened": whitened[0].tolist(), "reinforce": reinforce[0].tolist(),
-              "mismatch": algos.mismatch_metrics(sums.totals())}
+              "mismatch": algos.mismatch_metrics(sums.totals()),
+              "gen_tokens_per_s": batch_metrics(batch, generation_seconds=[1.0, 4.0][r])["throughput/gen_tokens_per_s"]}
     with open(f"{out}.rank{r}.json", "w") as fh:
         json.dump(report, fh)
     dist.cleanup()
