@@ -12,6 +12,7 @@ class Phase(str, enum.Enum):
     IDLE = "idle"  # start-up: nothing handed off yet
     GENERATION = "generation"  # engine holds weights + KV cache; trainer states paged out
     UPDATE = "update"  # trainer holds its states; engine released
+    BROKEN = "broken"  # a switch failed midway: memory is in neither phase's layout, nothing may use it
 
 
 

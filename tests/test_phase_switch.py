@@ -9,6 +9,7 @@ import time
 import pytest
 
 from colo_rl.colocate.switch import PhaseSwitcher
+from colo_rl.errors import HandoffError
 from colo_rl.phase import Phase, PhaseError, PhaseGuard
 
 
@@ -98,3 +99,38 @@ def test_phases_do_not_nest(switch):
     with switch.update():  # the refused entry left the switcher usable
         pass
     assert switch.guard.phase is Phase.UPDATE
+
+
+class FailingHandoffManager:
+    """Pages the trainer out, then fails the handoff (a bucket the engine refused)."""
+
+    def __init__(self):
+        self.paged_out = self.reloads = 0
+
+    def to_generation(self, step):
+        self.paged_out += 1
+        raise HandoffError("bucket 3: the engine refused the weights")
+
+    def to_train(self, step):
+        self.reloads += 1
+        return {"seconds": 0.0, "moves": []}
+
+
+def test_a_failed_switch_leaves_no_phase_to_trust():
+    """The guard said UPDATE after a page-out whose handoff failed: a later update() reloaded nothing
+    and the trainer would have run on states that were on the host."""
+    manager, guard = FailingHandoffManager(), PhaseGuard()
+    switch = PhaseSwitcher(manager, guard)
+    with switch.update():  # start-up: the trainer holds its states, nothing to switch
+        pass
+    with pytest.raises(HandoffError):
+        with switch.generation():
+            pass
+    assert guard.phase is Phase.BROKEN
+    with pytest.raises(PhaseError, match="trainer forward needs the update phase but the current phase is broken"):
+        guard.require(Phase.UPDATE, "trainer forward")
+    for enter in (switch.update, switch.generation):
+        with pytest.raises(PhaseError, match="an earlier phase switch failed midway.*resume=auto"):
+            with enter():
+                pass
+    assert manager.reloads == 0 and manager.paged_out == 1

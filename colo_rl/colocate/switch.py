@@ -51,14 +51,28 @@ class PhaseSwitcher:
         self.handoff_seconds += handoff
         self.switch_seconds += wall - handoff
 
+    def _switch(self, transition, to: Phase) -> None:
+        """A transition into `to`; one that raises leaves the phase BROKEN (states half paged, an engine
+        half woken), so that nothing runs on that memory and a later switch refuses rather than
+        trusting the phase it would otherwise read."""
+        if self.guard.phase is Phase.BROKEN:
+            raise PhaseError(f"cannot switch to the {to.value} phase: an earlier phase switch failed midway (its error "
+                             f"came first), so the trainer's and the engine's memory are in neither phase's layout; "
+                             f"restart from the last checkpoint (resume=auto)")
+        try:
+            self._account(transition)
+        except BaseException:
+            self.guard.phase = Phase.BROKEN
+            raise
+        self.guard.phase = to
+
     @contextmanager
     def generation(self):
         if self._inside:
             raise PhaseError(f"switch.generation() entered inside the {self.guard.phase.value} phase; "
                              "phases do not nest")
         if self.guard.phase is not Phase.GENERATION:
-            self._account(self.manager.to_generation)
-            self.guard.phase = Phase.GENERATION
+            self._switch(self.manager.to_generation, Phase.GENERATION)
         self._inside = True
         try:
             yield
@@ -71,9 +85,10 @@ class PhaseSwitcher:
             raise PhaseError(f"switch.update() entered inside the {self.guard.phase.value} phase; "
                              "phases do not nest")
         if self.guard.phase is not Phase.UPDATE:
-            if self.guard.phase is Phase.GENERATION:
-                self._account(self.manager.to_train)
-            self.guard.phase = Phase.UPDATE
+            if self.guard.phase is Phase.IDLE:  # nothing handed off yet: the trainer already holds its states
+                self.guard.phase = Phase.UPDATE
+            else:
+                self._switch(self.manager.to_train, Phase.UPDATE)
         self._inside = True
         try:
             yield
