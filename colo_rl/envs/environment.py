@@ -12,9 +12,10 @@ as the policy's answer.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 from colo_rl.envs.calls import ParsedTurn, choose_format, template_declares_tools
 from colo_rl.envs.tools import ERROR_PREFIX, TOOLS, Tool, ToolError, truncate
@@ -101,6 +102,24 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: s
     return box[0]
 
 
+def special_token_strings(tokenizer) -> list[str]:
+    """The texts the tokenizer reads as its special tokens (EOS, <|im_start|>, Llama's reserved ones)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return sorted({t.content for t in decoder.values() if getattr(t, "special", False)}
+                  | set(getattr(tokenizer, "all_special_tokens", ())))
+
+
+def special_token_defuser(specials: Iterable[str]) -> Callable[[str], str]:
+    """A tool's output (what the policy's code printed) with each special token's text broken by a
+    zero-width space: encoded, it would be that token, and a printed "<|im_end|><|im_start|>user"
+    would forge the conversation's turns in the policy's own context."""
+    specials = sorted((s for s in specials if len(s) > 1), key=len, reverse=True)
+    if not specials:
+        return lambda text: text
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    return lambda text: pattern.sub(lambda m: m.group(0)[0] + "\u200b" + m.group(0)[1:], text)
+
+
 class ToolEnvironment:
     """The policy may call `tools`; each call's result (or the error) is the observation. A call
     still running after `timeout_s` is answered with an error (`call_with_timeout`)."""
@@ -109,8 +128,10 @@ class ToolEnvironment:
     scores_episodes = False
 
     def __init__(self, tools: list[Tool], fmt: str, chat_template: Optional[str], max_output_chars: int,
-                 timeout_s: Optional[float] = None, turns: Optional[UserTurns] = None):
+                 timeout_s: Optional[float] = None, turns: Optional[UserTurns] = None,
+                 special_tokens: Iterable[str] = ()):
         self.tools = {t.name: t for t in tools}
+        self.defuse = special_token_defuser(special_tokens)
         self.timeout_s = timeout_s
         self.format = choose_format(fmt, chat_template, self.tools, turns)
         self.template_renders_tools = self.format.template_writes_tools and template_declares_tools(chat_template)
@@ -174,7 +195,8 @@ class ToolSession:
                 end_token: Optional[str]) -> Step:
         end = end_token if parsed.end is None else None  # a cut turn no longer ends with its EOS
         env = self.env
-        return Step(env.format.observation(truncate(result, env.max_output_chars), end), parsed.end, tool, error)
+        shown = env.defuse(truncate(result, env.max_output_chars))
+        return Step(env.format.observation(shown, end), parsed.end, tool, error)
 
 
 # A factory per name: (the env config group, the policy's tokenizer, data.use_chat_template) -> Environment.
@@ -187,7 +209,8 @@ def _tool_env(*names: str) -> Callable[[Any, Any, bool], ToolEnvironment]:
         template = getattr(tokenizer, "chat_template", None)
         turns = UserTurns(tokenizer, use_chat_template) if tokenizer is not None else None
         return ToolEnvironment([TOOLS.get(n)(cfg) for n in names], cfg.format, template, cfg.max_output_chars,
-                               timeout_s=cfg.tool_timeout_s + 2.0, turns=turns)
+                               timeout_s=cfg.tool_timeout_s + 2.0, turns=turns,
+                               special_tokens=special_token_strings(tokenizer) if tokenizer is not None else ())
 
     return build
 
