@@ -91,19 +91,25 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
     before = colo.switch.timed_phase_seconds()
     with colo.switch.generation():
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
-    return {**reported(res, step, prefix), **switch_seconds_paid("eval", before, colo.switch.timed_phase_seconds())}
+    paid = switch_seconds_paid(EVAL_SWITCH_KEYS, before, colo.switch.timed_phase_seconds())
+    return {**reported(res, step, prefix), **paid}
 
 
-def switch_seconds_paid(by: str, before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """The phase switch that work outside a step paid (`timed_phase_seconds` before and after it):
-    time/<by>_handoff and time/<by>_phase_switch, or nothing when the phase was already right.
-    An evaluation's switch into the generation phase (part of time/eval) spares the next step its
-    own: the bottleneck report charges it to that step (colo_rl/bottleneck.py `charged_rows`),
-    unless a save (time/save_phase_switch) switched back first."""
+# The phase switch that work outside a step paid, under its own keys: an evaluation's switch into
+# the generation phase (part of time/eval), a save's switch back to the update phase (part of
+# time/save; it hands nothing off).
+EVAL_SWITCH_KEYS = {"time/handoff": "time/eval_handoff", "time/phase_switch": "time/eval_phase_switch"}
+SAVE_SWITCH_KEYS = {"time/phase_switch": "time/save_phase_switch"}
+
+
+def switch_seconds_paid(keys: dict[str, str], before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the switcher's `timed_phase_seconds` grew by between `before` and `after`, under `keys`;
+    nothing when the phase was already right. An evaluation's switch spares the next step its own:
+    the bottleneck report charges it to that step (colo_rl/bottleneck.py `charged_rows`), unless a
+    save (time/save_phase_switch) switched back first."""
     if not after:  # a rank without phases (split placement's trainer)
         return {}
-    paid = {f"time/{by}_handoff": after["time/handoff"] - before["time/handoff"],
-            f"time/{by}_phase_switch": after["time/phase_switch"] - before["time/phase_switch"]}
+    paid = {ours: after[k] - before[k] for k, ours in keys.items()}
     return {k: v for k, v in paid.items() if v > 0}
 
 

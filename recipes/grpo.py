@@ -30,8 +30,8 @@ from colo_rl.config import ConfigError, register_configs
 from colo_rl.data import DataError, PromptBuilder, load_problems
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
-from colo_rl.evaluation import (check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported,
-                                switch_seconds_paid)
+from colo_rl.evaluation import (SAVE_SWITCH_KEYS, check_held_out_size, eval_metrics, evaluate_shard,
+                                held_out_accuracy, reported, switch_seconds_paid)
 from colo_rl.metrics import MetricsLogger, StepSums, Timer, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
@@ -241,7 +241,7 @@ class GRPORecipe:
         before = self.colo.switch.timed_phase_seconds()
         with self.colo.switch.update():  # an evaluation before it left the engine generating: switch back
             ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine, extra=extra)
-        return switch_seconds_paid("save", before, self.colo.switch.timed_phase_seconds())
+        return switch_seconds_paid(SAVE_SWITCH_KEYS, before, self.colo.switch.timed_phase_seconds())
 
     def finish(self, result: loop.LoopResult) -> None:
         with self.colo.switch.update():
