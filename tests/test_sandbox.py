@@ -549,3 +549,17 @@ def test_two_trainer_processes_never_share_a_call_uid(tmp_path):
             p.wait(timeout=30)
     assert all(u >= sandbox_module.CALL_UID_BASE for u in uids)
     assert abs(uids[0] - uids[1]) >= sandbox_module.CALL_UID_SLOTS
+
+
+@needs_bwrap
+def test_the_code_keeps_an_ordinary_processs_signals():
+    """The code is not pid 1 of its namespace (which ignores signals it has no handler for): code
+    that bounds itself with alarm() stops at its alarm, not at the tool's timeout."""
+    box = sandbox_module.get_sandbox("bwrap")
+    t0 = time.monotonic()
+    alarm = box.run(["import signal\nsignal.alarm(1)\nwhile True: pass"], sandbox_module.Limits(timeout_s=5.0))
+    assert (alarm.stopped, alarm.returncode) == (None, 128 + signal.SIGALRM) and time.monotonic() - t0 < 3.0
+    term = box.run(["import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\nprint('alive')"],
+                   sandbox_module.Limits(timeout_s=5.0))
+    assert term.output == b"" and term.returncode == 128 + signal.SIGTERM
+    assert box.run(["import os\nprint(os.getpid())"], sandbox_module.Limits()).output.strip() != b"1"

@@ -58,7 +58,26 @@ job = json.loads(sys.stdin.buffer.read())
 null = os.open("/dev/null", os.O_RDONLY); os.dup2(null, 0); os.close(null)
 status_fd = job["status_fd"]
 os.set_inheritable(status_fd, False)
+reaper = os.getpid() == 1
+if reaper:
+    # pid 1 of the call's namespace (bwrap --as-pid-1) ignores signals it has no handler for (the
+    # code's alarm(), abort(), kill(getpid())) and inherits every orphan: it stays a reaper and the
+    # code runs in a child of it; when that child ends, so does the namespace, with its exit status.
+    child = os.fork()
+    if child:
+        os.close(status_fd)
+        code = 1
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if pid == child:
+                code = os.waitstatus_to_exitcode(wait_status)
+                break
+        os._exit(code if code >= 0 else 128 - code)
 for name, value in job["rlimits"].items():
+    value += 1 if reaper and name == "RLIMIT_NPROC" else 0  # the reaper is one of the uid's processes
     resource.setrlimit(getattr(resource, name), (value, value))
 import contextlib, io, traceback
 def describe(exc, filename):
@@ -179,9 +198,10 @@ class Sandbox:
                      "--", *inner]
         else:
             namespaces = ["--unshare-all", "--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
-        # --as-pid-1: the launcher is the namespace's pid 1 and bwrap waits for it. bwrap's own init
-        # reports the exit code over an eventfd and bwrap exits before reaping it: every call left
-        # one zombie for the nearest subreaper (a trainer that is PID 1 of its container, torchrun).
+        # --as-pid-1: the launcher is the namespace's pid 1 (a reaper; the code runs in its child) and
+        # bwrap waits for it. bwrap's own init reports the exit code over an eventfd and bwrap exits
+        # before reaping it: every call left one zombie for the nearest subreaper (a trainer that is
+        # PID 1 of its container, torchrun).
         return [self.bwrap, *namespaces, "--as-pid-1", "--die-with-parent", "--new-session", "--hostname", "sandbox",
                 *self.view,
                 "--proc", "/proc", "--dev", "/dev",
