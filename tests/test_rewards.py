@@ -41,8 +41,9 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("The answer is *18*.", "18"),  # italics, code, bold inside a box
     ("*Answer*: `18`", "18"),
     ("\\boxed{\\textbf{18}}", "18"),
-    ("The answer is 1 000.", "1000"),  # thousands in LaTeX's and typesetters' spacing, not 1
-    ("The answer is $1\\,000$.", "1000"),
+    ("The answer is $1\\,000$.", "1000"),  # thousands in LaTeX's and typesetters' spacing, not 1
+    ("The answer is 1\u2009000.", "1000"),
+    ("The answer is 3 250 ml bottles.", "3"),  # a plain space separates two numbers
     ("\\boxed{1{,}000}", "1000"),
     ("The answer is -\\$18.", "-18"),  # a sign before the currency mark is kept
     ("The answer is $10-$3", "10"),  # a difference of amounts is no sign
@@ -68,6 +69,8 @@ def test_correct_answer_scores_one_with_format_bonus():
     assert res.correct_lenient == [True, False, True]
     assert extract_last_number("a 1 b 2,000") == "2000"
     assert extract_last_number("She lost -$18") == "-18"
+    assert extract_last_number("Total: $10 - $3") == "3"  # a difference: no sign
+    assert extract_last_number("Scores: 7 100 and 9 250") == "250"
 
 
 def test_number_search_is_linear_in_the_text():

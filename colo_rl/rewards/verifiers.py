@@ -12,10 +12,10 @@ import re
 import threading
 from typing import Callable, Optional
 
-# Thousands separators: a comma, LaTeX's thin space "\," and math comma "{,}", a space (LaTeX ignores
-# spaces in math: "1 000" renders as 1000), a no-break or thin space.
-_GROUP = r"(?:,|\\,|\{,\}|[ \u00a0\u2009\u202f])"
-# A whole literal, never a part of one: digits grouped by thousands ("1,234", "1 000") or not, a
+# Thousands separators: a comma, LaTeX's thin space "\," and math comma "{,}", a typographer's thin
+# space. Not a plain or no-break space: "3 250 ml bottles" is 3 bottles, not 3250.
+_GROUP = r"(?:,|\\,|\{,\}|[\u2009\u202f])"
+# A whole literal, never a part of one: digits grouped by thousands ("1,234", "1\\,000") or not, a
 # decimal part; not inside a longer literal ("12,34,5", "7e2", "1.2.3"); no backtracking to a prefix.
 NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:" + _GROUP + r"\d{3})+|\d+)(?:\.\d+)?"
           r"(?![\d])(?![.,]\d)(?![eE][-+]?\d)")
@@ -42,13 +42,21 @@ _STATED = re.compile(
 _ANY_NUMBER = re.compile(NUMBER)
 _MINUS = str.maketrans({"\u2212": "-"})  # the Unicode minus sign
 # "-\$18" / "-$18": a sign before the currency mark, moved after it ("\$-18") so the literal keeps it;
-# not a minus between two amounts ("$10-$3")
-_SIGN_BEFORE_CURRENCY = re.compile(r"(?<![\w)}\]$])-(\s*+)(\\?\$)")
+# not a minus after an amount ("$10-$3", "$10 - $3": an operation)
+_SIGN_BEFORE_CURRENCY = re.compile(r"-(\s*+)(\\?\$)")
+_OPERAND_END = re.compile(r"[\d$%)\]}][ \t]*\Z")
 _SEPARATORS = re.compile(_GROUP)
 
 
 def _normalized(text: str) -> str:
-    return _SIGN_BEFORE_CURRENCY.sub(r"\2\1-", text.translate(_MINUS))
+    text = text.translate(_MINUS)
+
+    def sign(m: re.Match) -> str:
+        if _OPERAND_END.search(text, max(0, m.start() - 64), m.start()):  # an operator, not a sign
+            return m.group(0)
+        return m.group(2) + m.group(1) + "-"
+
+    return _SIGN_BEFORE_CURRENCY.sub(sign, text)
 
 
 def _plain(literal: str) -> str:
