@@ -49,6 +49,9 @@ def test_a_peers_name_means_what_it_means_in_that_recipe():
     with pytest.raises(ConfigError, match=r"trainer.epochs in colo_rl, which the grpo recipe does not read "
                                           r"\(set trainer.total_steps\)"):
         check_override_keys(["trainer.total_epochs=3"], "grpo")
+    # another recipe's peer name for an option this recipe reads too: said as such, never "does not read"
+    with pytest.raises(ConfigError, match=r"optim.lr is verl's option; colo_rl's is trainer.lr: write trainer.lr=1e-6"):
+        check_override_keys(["optim.lr=1e-6"], "grpo")
 
 
 @pytest.mark.parametrize("arg,write", [

@@ -146,7 +146,9 @@ PEER_VALUES = {
 def peer_keys(recipe: str) -> dict[str, tuple[str, str, str]]:
     """The verl / TRL names a recipe's users type, and colo_rl's option for each: those whose option
     the recipe reads (SFT has no KL coefficient to point TRL's `beta` at)."""
-    keys = {**PEER_KEYS, **RECIPE_PEER_KEYS.get(recipe, {})}
+    # another recipe's names too where this recipe reads their option (verl SFT's optim.lr is trainer.lr)
+    others = {k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}
+    keys = {**others, **PEER_KEYS, **RECIPE_PEER_KEYS.get(recipe, {})}
     return {k: v for k, v in keys.items() if recipe in OPTIONS[v[1]].scope.reads}
 
 
