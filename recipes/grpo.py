@@ -422,7 +422,9 @@ class GRPORecipe:
         passes = cfg.trainer.ppo_epochs  # every token is seen once per epoch
         out = {"train/loss": loss_sum / n_steps, **{f"train/{k}": v / max(tok, 1) for k, v in totals.items()},
                **({"train/entropy": ent_sum / max(tok, 1)} if want_entropy else {}),
-               "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
+               # a non-finite norm (a skipped step) shows in both; max() alone would drop a NaN by position
+               "train/grad_norm": sum(grad_norms) / len(grad_norms),
+               "train/grad_norm_max": float(torch.tensor(grad_norms, dtype=torch.float64).max()),
                "train/lr": step_stats["lr"], "throughput/train_tokens": tok / passes, "train/skipped_steps": skipped,
                "train/micro_batches": float(len(plan)),
                "train/skipped_steps_total": float(actor.nonfinite_total),
