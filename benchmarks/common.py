@@ -33,7 +33,7 @@ GIB = 1 << 30
 # Order of the sections in results/README.md (others follow alphabetically).
 ORDER = ["step_breakdown", "step_breakdown_sglang", "step_breakdown_hf", "step_breakdown_sglang_tools", "handoff",
          "phase_switch", "phase_switch_sglang_0.5b", "phase_switch_sglang_smollm2", "race_trl", "race_learning",
-         "algorithms", "engine_compare", "engine_sampling", "split_pools"]
+         "algorithms", "algorithms_subset", "engine_compare", "engine_sampling", "split_pools"]
 TITLES = {
     "step_breakdown": "Step breakdown: where a GRPO step's time and memory go",
     "handoff": "Weight handoff vs model size, against memcpy bandwidth",
@@ -42,11 +42,13 @@ TITLES = {
     "race_learning": "Learning per step: colo_rl vs TRL GRPOTrainer, same work, several seeds",
     "bf16_update_share": "bf16: how much of a small update reaches the forward, master on the bf16 grid or not",
     "algorithms": "Algorithms: estimators and policy losses on the demo's task and budget",
+    "algorithms_subset": "Algorithms: a rerun of some variants (benchmarks/algorithms.py --variants)",
     "engine_compare": "Engines: the demo with the HF engine and with SGLang, same seeds",
     "engine_sampling": "Engines' samplers: do they draw from the distribution the trainer computes?",
     "split_pools": "Placement: colocated vs split pools (1 generation + 1 trainer rank), the demo's work",
     "update_overhead": "Update overhead: the GRPO update's host cost per step and per micro-batch, before / after",
     "update_overhead_demo": "Update overhead: the demo's update seconds per step, before / after",
+    "update_overhead_compile": "Update overhead: every variant of today's code, with compiled decoder layers",
     "host_overhead": "Host overhead: the update's host time per micro-batch, arithmetic negligible, by ZeRO-3 setting",
     "packed_attention_memory": "Packed-row attention: peak memory of an 8k-token row, dense mask vs FlexAttention",
     "step_breakdown_sglang": "Step breakdown, GRPO with the SGLang engine (GPU)",
@@ -279,6 +281,14 @@ def _strip_title(md: str) -> str:
 
 def refresh_readme(out_dir: Path = RESULTS) -> Path:
     """Rebuild results/README.md: per benchmark and device, the latest table (its .md file) and chart."""
+    path = Path(out_dir) / "README.md"
+    path.write_text(readme_text(out_dir))
+    return path
+
+
+def readme_text(out_dir: Path = RESULTS) -> str:
+    """results/README.md as `refresh_readme` writes it (notes belong in runs.md or a run's .md: an
+    edit of the README itself is lost at the next benchmark)."""
     out_dir = Path(out_dir)
     latest = latest_results(out_dir)
     names = sorted({b for b, _ in latest}, key=lambda b: (ORDER.index(b) if b in ORDER else len(ORDER), b))
@@ -307,9 +317,7 @@ def refresh_readme(out_dir: Path = RESULTS) -> Path:
     if checks:  # make gpu-check's and gpu-perf's runs: what passed and failed, what was changed, their logs
         parts += ["## GPU runs (`make gpu-check`, `make gpu-perf`)", ""]
         parts += [f"- [`{s.parent.name}`]({s.parent.name}/SUMMARY.md)" for s in checks] + [""]
-    path = out_dir / "README.md"
-    path.write_text("\n".join(parts).rstrip() + "\n")
-    return path
+    return "\n".join(parts).rstrip() + "\n"
 
 
 # ----------------------------------------------------------------------------- small helpers

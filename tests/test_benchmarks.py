@@ -46,6 +46,13 @@ def test_readme_keeps_the_latest_table_per_benchmark_and_device(tmp_path):
     assert "- [`gpu_check-nvidia-h100-2026-01-10`](gpu_check-nvidia-h100-2026-01-10/SUMMARY.md)" in text
 
 
+def test_the_committed_results_readme_is_what_the_generator_writes():
+    """A note written into results/README.md by hand (or a partial rerun taking a full one's place)
+    is lost or wrong at the next benchmark: notes go in runs.md or the run's own .md."""
+    committed = (common.RESULTS / "README.md").read_text()
+    assert common.readme_text(common.RESULTS) == committed, "run benchmarks.common.refresh_readme() and commit"
+
+
 def test_readme_breaks_same_day_ties_by_timestamp(tmp_path):
     _fake_result(tmp_path, "race_trl", "cpu", "2026-03-01", "2026-03-01T09:00:00", "MORNING")
     latest = common.latest_results(tmp_path)

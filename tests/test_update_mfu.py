@@ -3,7 +3,7 @@ FLOP count (the GPU run itself: `python benchmarks/gpu/update_mfu.py`; its CPU r
 
 import pytest
 
-from benchmarks.gpu.trace_stats import busy_fraction, union_seconds
+from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed, union_seconds
 from benchmarks.gpu.update_mfu import MODEL_05B, update_flops
 
 
@@ -22,6 +22,8 @@ def test_busy_fraction_is_kernel_time_inside_the_update_range():
         {"name": "k4", "ph": "X", "ts": 300, "dur": 5, "cat": "kernel"}]}   # after the range
     got = busy_fraction(trace, "kernel")
     assert got["busy_us"] == 50 and got["wall_us"] == 100 and got["busy_fraction"] == pytest.approx(0.5)
+    # the profiler slows the host: over an unprofiled update of 62.5 us the same kernels are 80 % of it
+    assert busy_of_timed(got, 62.5e-6) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="no 'update' range"):
         busy_fraction({"traceEvents": []}, "kernel")
 
