@@ -97,14 +97,16 @@ class MetricsLogger:
         self.enabled = dist.is_rank0()
         self.console_keys = list(console_keys)
         self.path = self.run_dir / "metrics.jsonl"
-        self.writers = [LOGGERS.get(name)(self.run_dir, config or {}) for name in loggers] if self.enabled else []
+        # metrics.jsonl first: the run reads it back (summary, plots, resume), whatever the others do
+        names = sorted(loggers, key=lambda name: name != "jsonl")
+        self.writers = [(name, LOGGERS.get(name)(self.run_dir, config or {})) for name in names] if self.enabled else []
 
     def log(self, step: int, metrics: dict[str, float], console: bool = True, progress: str = "") -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        for writer in self.writers:
-            writer.write(step, row)
+        for name, writer in list(self.writers):
+            self._guarded(name, writer, lambda: writer.write(step, row), f"step {step}")
         if console:
             shown = [k for k in self.console_keys if k in row]
             keys = shown or [k for k in row if k != "step"][:8]
@@ -114,9 +116,21 @@ class MetricsLogger:
                      f" | {progress}" if progress else "")
 
     def close(self) -> None:
-        for writer in self.writers:
-            writer.close()
+        for name, writer in list(self.writers):
+            self._guarded(name, writer, writer.close, "closing")
         self.writers = []
+
+    def _guarded(self, name: str, writer, call, what: str) -> None:
+        """A monitoring service that fails mid-run (wandb's process gone, an MLflow server down) is
+        dropped with a warning, not the training run; metrics.jsonl's own failure (a full disk) stops it."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - any writer's failure
+            if name == "jsonl":
+                raise
+            log.warning("logger %s failed (%s: %s) at %s: it writes nothing more this run; metrics.jsonl and the "
+                        "other loggers go on", name, type(e).__name__, e, what)
+            self.writers = [(n, w) for n, w in self.writers if w is not writer]
 
 
 # Last parts that say nothing alone: reward/mean stays reward/mean, time/step is not a step number.
@@ -187,8 +201,11 @@ class Progress:
             self.start, self.done, self.t0 = start, start, time.monotonic()
             return
 
+        # speed over the whole run: rich's default 30-s window holds no sample when a step takes longer
+        # (a GRPO step takes minutes), and the ETA stayed -:--:--
         self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+                                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False,
+                                speed_estimate_period=7 * 24 * 3600.0)
         self.bar.start()
         self.task = self.bar.add_task(description, total=total, completed=start)
 

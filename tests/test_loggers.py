@@ -199,3 +199,53 @@ def test_a_missing_optional_package_is_named_with_its_extra(monkeypatch, logger,
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     with pytest.raises(ConfigError, match=rf"needs the `{missing}` package.*pip install -e '\.\[{logger}\]'"):
         checked(names=["jsonl", logger])
+
+
+def test_a_logger_that_fails_mid_run_is_dropped_not_the_run(tmp_path, caplog):
+    """wandb's process killed or an MLflow server down raised out of metrics.log and ended the run; a
+    writer listed before jsonl also cost metrics.jsonl the row."""
+    import logging
+
+    class Flaky:
+        def __init__(self, run_dir, config):
+            self.rows = []
+
+        def write(self, step, row):
+            if step == 2:
+                raise ConnectionResetError("Connection lost")
+            self.rows.append(step)
+
+        def close(self):
+            raise ConnectionResetError("Connection lost")
+
+    LOGGERS.register("flaky_test")(Flaky)
+    try:
+        metrics = MetricsLogger(tmp_path, ["flaky_test", "jsonl"])
+        with caplog.at_level(logging.WARNING, logger="colo_rl"):
+            for step in (1, 2, 3):
+                metrics.log(step, {"train/loss": 0.5}, console=False)
+            metrics.close()
+    finally:
+        LOGGERS._entries.pop("flaky_test", None)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "logger flaky_test failed (ConnectionResetError: Connection lost) at step 2" in warnings[0]
+
+
+def test_the_terminal_progress_bar_has_an_eta_for_steps_longer_than_30_s(monkeypatch):
+    """rich estimates speed over a 30-s window by default: with a GRPO step of minutes it held no
+    sample and the ETA stayed -:--:--."""
+    from colo_rl import metrics as metrics_module
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    progress = metrics_module.Progress(10, "grpo", terminal=True)
+    try:
+        progress.bar.get_time = lambda: now[0]
+        for _ in range(3):
+            now[0] += 45.0
+            progress.advance()
+        task = progress.bar.tasks[0]
+        assert task.time_remaining == pytest.approx(7 * 45.0)
+    finally:
+        progress.close()
