@@ -112,7 +112,9 @@ class MetricsLogger:
             keys = shown or [k for k in row if k != "step"][:8]
             # named against every console key, not this row's: a metric keeps one name on every line
             names = console_names(self.console_keys if shown else keys)
-            log.info("step %d | %s%s", step, "  ".join(f"{names[k]}={_fmt(row[k])}" for k in keys),
+            # the value as measured (nan, inf), where the row holds null for it
+            shown_value = {k: _fmt(float(metrics[k])) if row[k] is None and k in metrics else _fmt(row[k]) for k in keys}
+            log.info("step %d | %s%s", step, "  ".join(f"{names[k]}={shown_value[k]}" for k in keys),
                      f" | {progress}" if progress else "")
 
     def close(self) -> None:
@@ -158,6 +160,21 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def json_text(obj) -> str:
+    """`obj` as JSON (indented), a non-finite number as null, as metrics.jsonl writes it: Python's
+    NaN / Infinity are no JSON, and other readers (jq, JavaScript) refuse the file."""
+    def finite(o):
+        if isinstance(o, dict):
+            return {k: finite(v) for k, v in o.items()}
+        if isinstance(o, (list, tuple)):
+            return [finite(v) for v in o]
+        if o is None or isinstance(o, (str, bool, int)):
+            return o
+        return _clean(o)
+
+    return json.dumps(finite(obj), indent=2, allow_nan=False, default=float)
 
 
 def parse_rows(lines: list[str], path) -> list[Optional[dict]]:
@@ -242,6 +259,7 @@ def plot_curves(rows: list[dict], out_path: Path, panels: list[tuple[str, list[s
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [(t, [k for k in keys if any(r.get(k) is not None for r in rows)]) for t, keys in panels]
     panels = [(t, keys) for t, keys in panels if keys]
@@ -255,6 +273,7 @@ def plot_curves(rows: list[dict], out_path: Path, panels: list[tuple[str, list[s
             ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, label=k)
         ax.set_title(panel_title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # a short run's axis read 1.25, 1.5, ...
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

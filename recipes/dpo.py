@@ -21,7 +21,6 @@ The loop around it (resume, evaluation, checkpoints, clean stop) is colo_rl/loop
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
@@ -38,7 +37,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, generates_for_accuracy, held_out_accuracy
-from colo_rl.metrics import StepSums, Timer, plot_curves, read_jsonl
+from colo_rl.metrics import StepSums, Timer, json_text, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import empty_batch, equalise, pair_logps, pair_micro_batches, plan_steps, split_pair_logps
@@ -184,7 +183,7 @@ class DPORecipe:
                    "overlong": vars(stats) | {"dropped_origins": stats.dropped_origins[:10]},
                    "start": first, "end": last, "checkpoint": str(final), "seconds": time.perf_counter() - self.t_start}
         if dist.is_rank0():
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            (self.run_dir / "summary.json").write_text(json_text(summary))
         if self.held and "eval/rewards/accuracy" in first:
             log.info("held-out preference accuracy %.3f -> %.3f, margin %.4f -> %.4f (%d pairs)",
                      first["eval/rewards/accuracy"], last["eval/rewards/accuracy"], first["eval/rewards/margins"],

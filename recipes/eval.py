@@ -123,15 +123,15 @@ def markdown(report: dict) -> str:
 def main(hydra_cfg: DictConfig) -> None:
     hydra_cfg.model.path = hf_model_dir(hydra_cfg.model.path)  # a run directory -> its checkpoint-final/
     ctx = runtime.start(hydra_cfg, recipe="eval")
+    metrics = runtime.metrics_logger(ctx, CONSOLE)  # before the evaluation: a logger that cannot start says so first
     report = run_eval(ctx)
-    metrics = runtime.metrics_logger(ctx, CONSOLE)
-    metrics.log(0, {**report["figures"], **{f"time/{k}": v for k, v in report["seconds"].items()}})
-    metrics.close()
-    if dist.is_rank0():
+    if dist.is_rank0():  # the report first: nothing after it can lose the evaluation
         (ctx.run_dir / "eval.json").write_text(json.dumps(report, indent=2))
         (ctx.run_dir / "eval.md").write_text(markdown(report))
         log.info("%s", markdown(report))
         log.info("report: %s/eval.json, eval.md", ctx.run_dir)
+    metrics.log(0, {**report["figures"], **{f"time/{k}": v for k, v in report["seconds"].items()}})
+    metrics.close()
     runtime.finish()
 
 

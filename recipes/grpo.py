@@ -13,7 +13,6 @@ The loop around it (resume, evaluation, checkpoints, clean stop) is colo_rl/loop
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -32,7 +31,7 @@ from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import (SAVE_SWITCH_KEYS, check_held_out_size, eval_metrics, evaluate_shard,
                                 held_out_accuracy, reported, switch_seconds_paid)
-from colo_rl.metrics import MetricsLogger, StepSums, Timer, plot_curves, read_jsonl
+from colo_rl.metrics import MetricsLogger, StepSums, Timer, json_text, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
@@ -265,7 +264,7 @@ class GRPORecipe:
             summary["bottleneck"] = bottleneck_report(rows, dist.world_size())
             log.info("%s", format_report(summary["bottleneck"]))
         if dist.is_rank0():
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            (self.run_dir / "summary.json").write_text(json_text(summary))
 
     # ------------------------------------------------------------------ generation phase
     def rollout(self, policy_version: int = 0) -> Rollout:

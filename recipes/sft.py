@@ -18,7 +18,6 @@ checkpoint (<run dir>/checkpoint-final) is a model.path for dpo.py and grpo.py.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 
@@ -32,7 +31,7 @@ from colo_rl.config import register_configs
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.data.sft import load_sft_data
 from colo_rl.evaluation import check_held_out_size, generates_for_accuracy, held_out_accuracy
-from colo_rl.metrics import StepSums, plot_curves, read_jsonl
+from colo_rl.metrics import StepSums, json_text, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import equalise, masked_token_count, plan_steps, sft_micro_batches
@@ -137,7 +136,7 @@ class SFTRecipe:
                    "overlong": vars(stats) | {"dropped_origins": stats.dropped_origins[:10]},
                    "start": first, "end": last, "checkpoint": str(final), "seconds": time.perf_counter() - self.t_start}
         if dist.is_rank0():
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            (self.run_dir / "summary.json").write_text(json_text(summary))
         if self.gen_eval and "eval/accuracy" in first:
             log.info("held-out accuracy: %.3f before -> %.3f after SFT (%d problems)", first["eval/accuracy"],
                      last["eval/accuracy"], int(last["eval/count"]))

@@ -249,3 +249,19 @@ def test_the_terminal_progress_bar_has_an_eta_for_steps_longer_than_30_s(monkeyp
         assert task.time_remaining == pytest.approx(7 * 45.0)
     finally:
         progress.close()
+
+
+def test_summary_json_is_json_and_the_console_shows_nan(tmp_path, caplog):
+    """summary.json held NaN (no JSON: jq and JavaScript refuse it) where metrics.jsonl holds null;
+    the console line printed None for a non-finite loss."""
+    import logging
+
+    from colo_rl.metrics import json_text
+
+    text = json_text({"end": {"eval/loss": float("nan"), "steps": 3, "x": [1.5, float("inf")]}})
+    assert json.loads(text) == {"end": {"eval/loss": None, "steps": 3, "x": [1.5, None]}}
+    metrics = MetricsLogger(tmp_path, ["jsonl"], console_keys=["train/loss"])
+    with caplog.at_level(logging.INFO, logger="colo_rl"):
+        metrics.log(1, {"train/loss": float("nan")})
+    assert "loss=nan" in caplog.records[-1].getMessage()
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["train/loss"] is None
