@@ -154,7 +154,13 @@ class WandbWriter:
 
 class MlflowWriter:
     """One MLflow run per run directory (tagged with it, so resume=auto continues the same run); the
-    flattened config as params (on the run's first start: MLflow params cannot change later)."""
+    flattened config as params (on the run's first start: MLflow params cannot change later).
+
+    MLflow cannot delete a metric's points: when the first row to write has a step the run already
+    holds (a resumed run redoes the steps after its checkpoint; a fresh start in the same directory
+    begins again at 0), the writer starts a new MLflow run for the directory (the newest is the one a
+    later resume finds), replays metrics.jsonl's rows before that step into it, and marks the old one
+    killed: no step holds two values."""
 
     RUN_DIR_TAG = "colo_rl.run_dir"
 
@@ -164,26 +170,56 @@ class MlflowWriter:
         from mlflow import MlflowClient  # the optional extra [mlflow]: imported only when logger lists it
         from mlflow.entities import Param, RunStatus
 
-        run_dir = Path(run_dir).resolve()
+        self.run_dir = run_dir = Path(run_dir).resolve()
         self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir / 'mlflow.db'}"
         self.client = MlflowClient(tracking_uri=self.uri)
+        self._params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "colo_rl")
         exp = self.client.get_experiment_by_name(name)
-        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
-        found = self.client.search_runs([exp_id], filter_string=f"tags.`{self.RUN_DIR_TAG}` = '{run_dir}'",
-                                        max_results=1)
+        self.exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(name)
+        found = self.client.search_runs([self.exp_id], filter_string=f"tags.`{self.RUN_DIR_TAG}` = '{run_dir}'",
+                                        max_results=1, order_by=["attributes.start_time DESC"])
+        self.continued = bool(found)
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status=RunStatus.to_string(RunStatus.RUNNING))
         else:
-            self.run_id = self.client.create_run(exp_id, run_name=run_dir.name,
-                                                 tags={self.RUN_DIR_TAG: str(run_dir)}).info.run_id
-            params = [Param(k, str(v)[:6000]) for k, v in flatten(config).items()]
-            for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-                self.client.log_batch(self.run_id, params=params[i:i + 100])
+            self.run_id = self._new_run({})
         log.info("mlflow: run %s in experiment %r at %s", self.run_id, name, self.uri)
 
+    def _new_run(self, tags: dict[str, str]) -> str:
+        run_id = self.client.create_run(self.exp_id, run_name=self.run_dir.name,
+                                        tags={self.RUN_DIR_TAG: str(self.run_dir), **tags}).info.run_id
+        for i in range(0, len(self._params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(run_id, params=self._params[i:i + 100])
+        return run_id
+
+    def _holds_step(self, step: int, row: dict[str, Any]) -> bool:
+        keys = list(scalars(row))
+        return bool(keys) and any(m.step >= step for m in self.client.get_metric_history(self.run_id, keys[0]))
+
+    def _start_over(self, step: int) -> None:
+        from mlflow.entities import RunStatus
+
+        old, self.run_id = self.run_id, self._new_run({"colo_rl.previous_run": self.run_id,
+                                                        "colo_rl.continued_at_step": str(step)})
+        self.client.set_terminated(old, status=RunStatus.to_string(RunStatus.KILLED))
+        earlier = self.run_dir / "metrics.jsonl"
+        rows = [json.loads(line) for line in earlier.read_text().splitlines() if line.strip()] if earlier.exists() else []
+        for r in rows:
+            if r.get("step", 0) < step:
+                self._log(r["step"], r)
+        log.info("mlflow: run %s held steps from %d on (an interrupted or earlier run): continued in a new run %s "
+                 "with metrics.jsonl's rows before them", old, step, self.run_id)
+
     def write(self, step: int, row: dict[str, Any]) -> None:
+        if self.continued:
+            self.continued = False
+            if self._holds_step(step, row):
+                self._start_over(step)
+        self._log(step, row)
+
+    def _log(self, step: int, row: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)

@@ -265,3 +265,33 @@ def test_summary_json_is_json_and_the_console_shows_nan(tmp_path, caplog):
         metrics.log(1, {"train/loss": float("nan")})
     assert "loss=nan" in caplog.records[-1].getMessage()
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["train/loss"] is None
+
+
+def test_mlflow_never_holds_two_values_for_a_redone_step(tmp_path, monkeypatch):
+    """A resume redoes the steps after its checkpoint (and a fresh start in the same directory begins
+    at 0 again): the continued MLflow run held both the interrupted run's values and the new ones.
+    The writer now continues in a new run that starts with metrics.jsonl's rows before the redo."""
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = MetricsLogger(run_dir, ["jsonl", "mlflow"], config=CONFIG)
+    for step in (1, 2, 3):  # interrupted after step 3; its checkpoint is step 1's
+        first.log(step, {"reward/mean": float(step)}, console=False)
+    first.close()
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] <= 1]  # what resume's cut-back leaves
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    resumed = MetricsLogger(run_dir, ["jsonl", "mlflow"], config=CONFIG)
+    for step in (2, 3):
+        resumed.log(step, {"reward/mean": 10.0 * step}, console=False)
+    resumed.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("colo_rl").experiment_id],
+                              order_by=["attributes.start_time DESC"])
+    assert [r.info.status for r in runs] == ["FINISHED", "KILLED"]
+    newest = [(m.step, m.value) for m in client.get_metric_history(runs[0].info.run_id, "reward/mean")]
+    assert sorted(newest) == [(1, 1.0), (2, 20.0), (3, 30.0)]
+    assert runs[0].data.tags["colo_rl.previous_run"] == runs[1].info.run_id
+    assert runs[0].data.params == runs[1].data.params  # the config logged again
