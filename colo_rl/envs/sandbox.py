@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from colo_rl.envs.cgroups import CgroupPlan, Limits
@@ -49,79 +50,9 @@ CALL_UID_BASE, CALL_UID_SLOTS, CALL_UID_RANGES = 1_900_000_000, 4096, 1024
 TMP_BYTES = 16 << 20  # each of the call's /tmp and /dev/shm
 STATUS_MAX_BYTES = 1 << 20  # the runner's report (its error, the replay's failures): far less than this
 
-# Runs inside the sandbox before the policy's code (our code: argv is fine for it). Reads the job
-# from stdin, sets the per-process limits, replays earlier cells (env.python_keep_state) with their
-# output hidden, runs the last one, and writes what failed as JSON on the status fd.
-_LAUNCHER = r"""
-import json, os, resource, sys
-job = json.loads(sys.stdin.buffer.read())
-null = os.open("/dev/null", os.O_RDONLY); os.dup2(null, 0); os.close(null)
-status_fd = job["status_fd"]
-os.set_inheritable(status_fd, False)
-reaper = os.getpid() == 1
-if reaper:
-    # pid 1 of the call's namespace (bwrap --as-pid-1) ignores signals it has no handler for (the
-    # code's alarm(), abort(), kill(getpid())) and inherits every orphan: it stays a reaper and the
-    # code runs in a child of it; when that child ends, so does the namespace, with its exit status.
-    child = os.fork()
-    if child:
-        os.close(status_fd)
-        code = 1
-        while True:
-            try:
-                pid, wait_status = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            if pid == child:
-                code = os.waitstatus_to_exitcode(wait_status)
-                break
-        os._exit(code if code >= 0 else 128 - code)
-for name, value in job["rlimits"].items():
-    value += 1 if reaper and name == "RLIMIT_NPROC" else 0  # the reaper is one of the uid's processes
-    resource.setrlimit(getattr(resource, name), (value, value))
-import contextlib, io, traceback
-def describe(exc, filename):
-    line, tb = None, exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == filename:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    if isinstance(exc, SyntaxError):
-        line = exc.lineno if exc.filename == filename else None
-    text = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return text + (f" (line {line})" if line is not None else "")
-status = {"replay_failed": [], "error": None}
-scope = {"__name__": "__main__"}
-cells = job.pop("cells")
-del job
-for k, cell in enumerate(cells[:-1]):
-    name = f"<earlier call {k + 1}>"
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        try:
-            exec(compile(cell, name, "exec"), scope)
-        except SystemExit:  # it ended its own call early; the calls after it still run
-            pass
-        except BaseException as exc:
-            status["replay_failed"].append([k, describe(exc, name)])
-code = 0
-try:
-    exec(compile(cells[-1], "<tool>", "exec"), scope)
-except SystemExit as exc:
-    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    if exc.code is not None and not isinstance(exc.code, int):
-        print(exc.code, file=sys.stderr)
-except BaseException as exc:
-    status["error"], code = describe(exc, "<tool>"), 1
-try:
-    sys.stdout.flush(); sys.stderr.flush()
-except Exception:
-    pass
-try:
-    os.write(status_fd, json.dumps(status).encode())
-except OSError:
-    pass
-os._exit(code)
-"""
+# Runs inside the sandbox before the policy's code (our code: argv is fine for it): a file of its
+# own, passed as the interpreter's -c text.
+_LAUNCHER = (Path(__file__).parent / "sandbox_launcher.py").read_text()
 
 
 @dataclass
