@@ -28,7 +28,7 @@ import logging
 from typing import Callable, Iterable, Optional
 
 from colo_rl.errors import ConfigError
-from colo_rl.metrics import read_jsonl
+from colo_rl.metrics import EVAL_SWITCH_KEYS, SAVE_SWITCH_KEYS, read_jsonl
 from colo_rl.split.placement import split_layout as layout_of
 
 log = logging.getLogger("colo_rl")
@@ -41,7 +41,8 @@ PHASES = {"generation": ["time/generation"],
 SHARES = (*PHASES, "other")
 
 
-EVAL_SWITCH = {"time/eval_handoff": "time/handoff", "time/eval_phase_switch": "time/phase_switch"}
+EVAL_SWITCH = {paid: key for key, paid in EVAL_SWITCH_KEYS.items()}  # time/eval_handoff -> time/handoff, ...
+SAVE_SWITCH = SAVE_SWITCH_KEYS["time/phase_switch"]
 
 
 def _is_step(row: dict) -> bool:
@@ -66,7 +67,7 @@ def charged_rows(rows: Iterable[dict]) -> list[dict]:
             carried = {}
         out.append(r)
         paid = {step_key: float(r[key]) for key, step_key in EVAL_SWITCH.items() if r.get(key)}
-        if paid and not r.get("time/save_phase_switch"):
+        if paid and not r.get(SAVE_SWITCH):
             carried = paid
     return out
 

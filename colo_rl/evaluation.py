@@ -7,6 +7,7 @@ import math
 from typing import Optional
 
 from colo_rl import dist
+from colo_rl.metrics import EVAL_SWITCH_KEYS
 from colo_rl.rollout.base import SamplingParams
 from colo_rl.rollout.multiturn import generate_completions, policy_texts
 
@@ -93,13 +94,6 @@ def held_out_accuracy(colo, tokenizer, prompt_ids: list[list[int]], answers: lis
         res = evaluate(colo.engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
     paid = switch_seconds_paid(EVAL_SWITCH_KEYS, before, colo.switch.timed_phase_seconds())
     return {**reported(res, step, prefix), **paid}
-
-
-# The phase switch that work outside a step paid, under its own keys: an evaluation's switch into
-# the generation phase (part of time/eval), a save's switch back to the update phase (part of
-# time/save; it hands nothing off).
-EVAL_SWITCH_KEYS = {"time/handoff": "time/eval_handoff", "time/phase_switch": "time/eval_phase_switch"}
-SAVE_SWITCH_KEYS = {"time/phase_switch": "time/save_phase_switch"}
 
 
 def switch_seconds_paid(keys: dict[str, str], before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

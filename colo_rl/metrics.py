@@ -87,6 +87,13 @@ def _maximum(a, b):
     return a if (a != a or a >= b) else b
 
 
+# The phase switch that work outside a step paid, under its own keys: an evaluation's switch into
+# the generation phase (part of time/eval), a save's switch back to the update phase (part of
+# time/save; it hands nothing off). colo_rl/bottleneck.py charges them.
+EVAL_SWITCH_KEYS = {"time/handoff": "time/eval_handoff", "time/phase_switch": "time/eval_phase_switch"}
+SAVE_SWITCH_KEYS = {"time/phase_switch": "time/save_phase_switch"}
+
+
 class MetricsLogger:
     """Rank 0 writes each step's row to every writer `loggers` names (colo_rl/loggers.py: metrics.jsonl,
     TensorBoard, wandb), each given the resolved `config` once; every rank may call `log` (no-op elsewhere)."""
