@@ -119,9 +119,9 @@ class MetricsLogger:
             keys = shown or [k for k in row if k != "step"][:8]
             # named against every console key, not this row's: a metric keeps one name on every line
             names = console_names(self.console_keys if shown else keys)
-            # the value as measured (nan, inf), where the row holds null for it
-            shown_value = {k: _fmt(float(metrics[k])) if row[k] is None and k in metrics else _fmt(row[k]) for k in keys}
-            log.info("step %d | %s%s", step, "  ".join(f"{names[k]}={shown_value[k]}" for k in keys),
+            # the value as measured (nan, inf) where the row holds null for it
+            log.info("step %d | %s%s", step, "  ".join(f"{names[k]}={_fmt(_measured(metrics.get(k, row[k])))}"
+                                                        for k in keys),
                      f" | {progress}" if progress else "")
 
     def close(self) -> None:
@@ -167,6 +167,14 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+def _measured(v):
+    """A metric as a float where it is a number (nan and inf kept), else as it is (None, text)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
 
 
 def json_text(obj) -> str:
