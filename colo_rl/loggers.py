@@ -195,8 +195,8 @@ class MlflowWriter:
         return run_id
 
     def _holds_step(self, step: int, row: dict[str, Any]) -> bool:
-        keys = list(scalars(row))
-        return bool(keys) and any(m.step >= step for m in self.client.get_metric_history(self.run_id, keys[0]))
+        """Does the run hold a value at `step` or later for any of the row's keys (once per start)?"""
+        return any(m.step >= step for key in scalars(row) for m in self.client.get_metric_history(self.run_id, key))
 
     def _start_over(self, step: int) -> None:
         from mlflow.entities import RunStatus
