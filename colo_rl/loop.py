@@ -107,6 +107,7 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
                 step_metrics.update({**last_eval, **timer.pop()})
             stopped_by = stop.requested()  # a collective: every rank stops after the same step
             if ckpt.due(step + 1) or stopped_by or last:
+                ckpt.step_row = step_metrics  # kept in the checkpoint: a kill before the row is logged loses nothing
                 with timer("save"):
                     saved = recipe.save(ckpt, step + 1)
                 step_metrics.update({**(saved or {}), **timer.pop()})

@@ -111,7 +111,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float], console: bool = True, progress: str = "") -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: clean_value(v) for k, v in metrics.items()}}
         for name, writer in list(self.writers):
             self._guarded(name, writer, lambda: writer.write(step, row), f"step {step}")
         if console:
@@ -155,7 +155,8 @@ def console_names(keys: list[str]) -> dict[str, str]:
             for k, n in zip(keys, last)}
 
 
-def _clean(v):
+def clean_value(v):
+    """A metric as JSON writes it: a number as a float, a non-finite one as None; text as it is."""
     try:
         v = float(v)
     except (TypeError, ValueError):
@@ -187,7 +188,7 @@ def json_text(obj) -> str:
             return [finite(v) for v in o]
         if o is None or isinstance(o, (str, bool, int)):
             return o
-        return _clean(o)
+        return clean_value(o)
 
     return json.dumps(finite(obj), indent=2, allow_nan=False, default=float)
 

@@ -119,6 +119,26 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "ledger.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
+def test_a_kill_between_the_checkpoint_and_its_row_loses_no_row(tmp_path):
+    """The loop saves before it logs the step's row (the row carries the save's time): killed right
+    after the checkpoint, the run had no row for that step, and a resume does not redo it. The
+    checkpoint keeps the row, and the resume writes it back."""
+    cfg = make_cfg(tmp_path, keep_last=2)
+    mgr = CheckpointManager(tmp_path, cfg)
+    mgr.step_row = {"train/loss": 0.5, "train/grad_norm": float("nan"), "step": 99}
+    mgr.save(2, FakeActor(), EpochSampler(10, seed=1))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(2)))  # killed
+    cfg.resume = "auto"
+    assert CheckpointManager(tmp_path, cfg).maybe_resume(FakeActor(), EpochSampler(10, seed=1)) == 2
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1] == {"train/loss": 0.5, "train/grad_norm": None, "step": 2} and len(rows) == 3
+    # logged before the kill: not written twice
+    cfg2 = make_cfg(tmp_path, keep_last=2)
+    cfg2.resume = "auto"
+    CheckpointManager(tmp_path, cfg2).maybe_resume(FakeActor(), EpochSampler(10, seed=1))
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
 def test_a_torn_metrics_line_is_skipped_not_a_crash_on_resume(tmp_path, caplog):
     """A full disk can cut a metrics row mid-write; the checkpoint code tells the user to resume=auto."""
     save_steps(tmp_path, [2], keep_last=2)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint.compat import capture_rng, compare_configs, config_container, restore_rng
 from colo_rl.errors import CheckpointError
-from colo_rl.metrics import parse_rows
+from colo_rl.metrics import clean_value, parse_rows, read_jsonl
 
 log = logging.getLogger("colo_rl")
 
@@ -143,6 +143,9 @@ class CheckpointManager:
         self.last_saved_step: Optional[int] = None
         self.last_saved: Optional[Path] = None
         self.extra: dict = {}
+        # The step's metrics row, set by the loop before a save: the checkpoint keeps it, and a resume
+        # writes it back where a kill between the checkpoint and the row's write left it out.
+        self.step_row: Optional[dict] = None
         outcome = None
         if dist.is_rank0():
             try:
@@ -240,17 +243,23 @@ class CheckpointManager:
         self.last_saved_step = state["step"]
         self.last_saved = path
         if dist.is_rank0():
-            self._truncate_logs(state["step"])
+            self._truncate_logs(state["step"], state.get("row"))
         dist.barrier()
         log.info("resumed from %s: continuing after step %d", path, state["step"])
         return int(state["step"])
 
-    def _truncate_logs(self, step: int) -> None:
+    def _truncate_logs(self, step: int, row: Optional[dict] = None) -> None:
         """Drop what an interrupted run logged after its last checkpoint (after `step` steps): those
         steps are redone. metrics.jsonl's rows name steps done (1-based), ledger.jsonl's records the
-        step they belong to (0-based: the checkpoint's last is step - 1)."""
-        self._truncate_jsonl("metrics.jsonl", lambda row: row.get("step", 0) <= step)
+        step they belong to (0-based: the checkpoint's last is step - 1). The checkpoint's own step
+        row (`row`, kept in it) is written back where the run was killed before it logged it."""
+        self._truncate_jsonl("metrics.jsonl", lambda r: r.get("step", 0) <= step)
         self._truncate_jsonl("ledger.jsonl", lambda record: record.get("step", 0) < step)
+        path = self.run_dir / "metrics.jsonl"
+        if row is not None and not any(r.get("step") == step for r in read_jsonl(path)):
+            with open(path, "a") as fh:
+                fh.write(json.dumps({**row, "step": step}) + "\n")
+            log.info("metrics.jsonl: step %d's row, written before the kill only into its checkpoint, restored", step)
 
     def _truncate_jsonl(self, name: str, kept) -> None:
         path = self.run_dir / name
@@ -291,7 +300,9 @@ class CheckpointManager:
                          "time": time.time(),
                          "dtype": str(actor.dtype).replace("torch.", ""),
                          "sampler": sampler.state_dict() if sampler is not None else None,
-                         "actor": actor.counters() if hasattr(actor, "counters") else {}, "extra": extra or {}}
+                         "actor": actor.counters() if hasattr(actor, "counters") else {}, "extra": extra or {},
+                         "row": (None if self.step_row is None
+                                 else {k: clean_value(v) for k, v in self.step_row.items()})}
                 _write_file(tmp / "state.json", json.dumps(state, indent=1))
                 _write_file(tmp / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config_container(self.cfg))))
             _fsync_tree(tmp)  # every rank flushes what it wrote before saying it is done
