@@ -129,26 +129,23 @@ _TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": 
                    "dr_grpo": "seq-mean-token-sum-norm"}
 PEER_VALUES = {
     "report_to": _loggers,
-    "trainer.logger": lambda v: None,
     "loss_type": lambda v: _TRL_LOSS_TYPES.get(v.strip("'\"")),
     "scale_rewards": lambda v: {"group": "true", "true": "true", "none": "false", "false": "false"}.get(v.lower()),
     "custom_reward_function.path": lambda v: f"[{v}:compute_score]",  # verl's default function name
-    "custom_reward_function.name": lambda v: None,
-    "reward_funcs": lambda v: None,
-    "actor_rollout_ref.actor.ppo_mini_batch_size": lambda v: None,
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": lambda v: None,
-    "data.micro_batch_size_per_gpu": lambda v: None,
-    "per_device_train_batch_size": lambda v: None,
-    "gradient_accumulation_steps": lambda v: None,
+    **{key: lambda v: None for key in (
+        "trainer.logger", "custom_reward_function.name", "reward_funcs", "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "data.micro_batch_size_per_gpu",
+        "per_device_train_batch_size", "gradient_accumulation_steps")},
 }
+# Every recipe's own peer names in one table (a name another recipe knows is never a typo here).
+ANY_RECIPES_PEER_KEYS = {k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}
 
 
 def peer_keys(recipe: str) -> dict[str, tuple[str, str, str]]:
     """The verl / TRL names a recipe's users type, and colo_rl's option for each: those whose option
     the recipe reads (SFT has no KL coefficient to point TRL's `beta` at)."""
     # another recipe's names too where this recipe reads their option (verl SFT's optim.lr is trainer.lr)
-    others = {k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}
-    keys = {**others, **PEER_KEYS, **RECIPE_PEER_KEYS.get(recipe, {})}
+    keys = {**ANY_RECIPES_PEER_KEYS, **PEER_KEYS, **RECIPE_PEER_KEYS.get(recipe, {})}
     return {k: v for k, v in keys.items() if recipe in OPTIONS[v[1]].scope.reads}
 
 
@@ -176,7 +173,7 @@ def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib, cutoff 0.8; a `+key` typo is
     left to validation.check_schema_keys, whose message says what a `+` does)."""
     options, peers = list(OPTIONS), peer_keys(recipe)
-    every_peer = {**PEER_KEYS, **{k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}}
+    every_peer = {**PEER_KEYS, **ANY_RECIPES_PEER_KEYS}
     for arg in overrides:
         key = override_key(arg)
         if key is None or _known(key):
