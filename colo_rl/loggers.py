@@ -125,28 +125,73 @@ def wandb_mode(environ: Optional[dict] = None, netrc_path: Optional[Path] = None
         return "offline"
 
 
+def rows_before(run_dir: Path, step: int) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows before `step`: what a writer that continues in a new run starts with."""
+    earlier = Path(run_dir) / "metrics.jsonl"
+    rows = [json.loads(line) for line in earlier.read_text().splitlines() if line.strip()] if earlier.exists() else []
+    return [r for r in rows if r.get("step", 0) < step]
+
+
 class WandbWriter:
+    """One wandb run per run directory: its id follows the directory, so resume=auto continues it.
+
+    wandb drops a row whose step is at or below one the run holds. When the first row to write
+    has such a step (a resumed run redoes the steps after its checkpoint; a fresh start in the same
+    directory begins at 0 again), the writer leaves that run as it is and continues in a new one
+    (`<id>-<n>`, the id a later resume continues) that starts with metrics.jsonl's rows before the
+    redo, and names the old run in its config: no step keeps the interrupted run's value.
+    The id and the last step logged are kept in <run_dir>/wandb/colo_rl_run.json: an offline run
+    cannot ask wandb's server what it holds."""
+
+    STATE = "colo_rl_run.json"
+
     def __init__(self, run_dir: Path, config: dict):
         import wandb  # the optional extra [wandb]: imported only when logger lists it
 
-        self.wandb = wandb
+        self.wandb, self.config, self.mode = wandb, config, wandb_mode()
+        self.run_dir = run_dir = Path(run_dir)
+        self.state_file = run_dir / "wandb" / self.STATE
+        state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+        self.base_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        self.last_step: Optional[int] = state.get("last_step")  # None: this directory's run holds no row
+        self.run_id, self.run = state.get("id", self.base_id), None
+        if self.last_step is None:  # a new run starts now (a bad key fails at start-up); a continued one
+            self.run = self._init(self.run_id, {})  # at its first row, which says whether it redoes steps
+        if self.mode == "offline":
+            log.info("wandb: offline (no API key); upload later with `wandb sync %s/offline-run-*`",
+                     run_dir / "wandb")
 
-        run_dir = Path(run_dir)
-        mode = wandb_mode()
-        # The run's id follows its directory: a resumed run (resume=auto) continues the same wandb run.
-        run_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "colo_rl"), name=run_dir.name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=config, mode=mode,
-                              # no stdout capture (the progress bar owns the terminal), no banners
-                              settings=wandb.Settings(console="off", silent=True))
-        if mode == "offline":
-            log.info("wandb: offline (no API key); upload later with `wandb sync %s`", Path(self.run.dir).parent)
+    def _init(self, run_id: str, extra_config: dict):
+        self.run_id = run_id
+        return self.wandb.init(project=os.environ.get("WANDB_PROJECT", "colo_rl"), name=self.run_dir.name,
+                               id=run_id, resume="allow", dir=str(self.run_dir),
+                               config={**self.config, **extra_config}, mode=self.mode,
+                               # no stdout capture (the progress bar owns the terminal), no banners
+                               settings=self.wandb.Settings(console="off", silent=True))
+
+    def _start_over(self, step: int) -> None:
+        old = self.run_id
+        n = int(old[len(self.base_id) + 1:]) + 1 if old != self.base_id else 1
+        self.run = self._init(f"{self.base_id}-{n}", {"colo_rl_previous_run": old, "colo_rl_continued_at_step": step})
+        for r in rows_before(self.run_dir, step):
+            self.run.log(scalars(r), step=r["step"])
+        log.info("wandb: run %s held steps from %d on (an interrupted or earlier run): continued in a new run %s "
+                 "with metrics.jsonl's rows before them", old, step, self.run_id)
 
     def write(self, step: int, row: dict[str, Any]) -> None:
+        if self.run is None:
+            if self.last_step is not None and step <= self.last_step:
+                self._start_over(step)
+            else:
+                self.run = self._init(self.run_id, {})
         self.run.log(scalars(row), step=step)
+        self.last_step = step
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        self.state_file.write_text(json.dumps({"id": self.run_id, "last_step": step}))
 
     def close(self) -> None:
-        self.run.finish()
+        if self.run is not None:
+            self.run.finish()
         # Stop wandb's service process now: left to atexit, it is already gone once SGLang's exit hook
         # has killed this process's children, and wandb's teardown prints a ConnectionResetError trace.
         self.wandb.teardown()
@@ -204,11 +249,8 @@ class MlflowWriter:
         old, self.run_id = self.run_id, self._new_run({"colo_rl.previous_run": self.run_id,
                                                         "colo_rl.continued_at_step": str(step)})
         self.client.set_terminated(old, status=RunStatus.to_string(RunStatus.KILLED))
-        earlier = self.run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in earlier.read_text().splitlines() if line.strip()] if earlier.exists() else []
-        for r in rows:
-            if r.get("step", 0) < step:
-                self._log(r["step"], r)
+        for r in rows_before(self.run_dir, step):
+            self._log(r["step"], r)
         log.info("mlflow: run %s held steps from %d on (an interrupted or earlier run): continued in a new run %s "
                  "with metrics.jsonl's rows before them", old, step, self.run_id)
 

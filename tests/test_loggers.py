@@ -295,3 +295,50 @@ def test_mlflow_never_holds_two_values_for_a_redone_step(tmp_path, monkeypatch):
     assert sorted(newest) == [(1, 1.0), (2, 20.0), (3, 30.0)]
     assert runs[0].data.tags["colo_rl.previous_run"] == runs[1].info.run_id
     assert runs[0].data.params == runs[1].data.params  # the config logged again
+
+
+def wandb_history(run_file: Path) -> list[tuple[int, float]]:
+    """(step, reward/mean) of every history record of an offline run file."""
+    out = []
+    for r in wandb_records(run_file):
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            out.append((items["_step"], items["reward/mean"]))
+    return out
+
+
+def test_wandb_never_keeps_the_interrupted_runs_value_for_a_redone_step(tmp_path, monkeypatch):
+    """wandb drops a step at or below one its run holds: a resume that redoes logged steps kept the
+    interrupted run's values. The writer now continues in a new run that starts with metrics.jsonl's
+    rows before the redo; a later resume continues that new run, and one that redoes nothing continues
+    the same run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def run_ids() -> list[str]:  # offline-run-<date>_<time>-<id>, oldest first
+        return [d.name.split("-", 3)[3] for d in sorted((run_dir / "wandb").glob("offline-run-*"))]
+
+    def log_steps(steps, scale):
+        metrics = MetricsLogger(run_dir, ["jsonl", "wandb"], config=CONFIG)
+        for step in steps:
+            metrics.log(step, {"reward/mean": scale * step}, console=False)
+        metrics.close()
+
+    log_steps((1, 2, 3), 1.0)  # interrupted after step 3; its checkpoint is step 1's
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] <= 1]  # resume's cut-back
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    time.sleep(1.1)  # offline run directories are named by the second they start in
+    log_steps((2, 3), 10.0)
+    first, second = run_ids()
+    assert second == f"{first}-1"
+    old_file, new_file = (next((run_dir / "wandb").glob(f"offline-run-*/run-{i}.wandb")) for i in (first, second))
+    assert wandb_history(old_file) == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert wandb_history(new_file) == [(1, 1.0), (2, 20.0), (3, 30.0)]
+    (run,) = [r.run for r in wandb_records(new_file) if r.WhichOneof("record_type") == "run"]
+    config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+    assert config == {**CONFIG, "colo_rl_previous_run": first, "colo_rl_continued_at_step": 2}
+    time.sleep(1.1)
+    log_steps((4,), 10.0)  # a resume from step 3's checkpoint redoes nothing: the same (new) run goes on
+    assert run_ids() == [first, second, second]
