@@ -47,6 +47,11 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("\\boxed{1{,}000}", "1000"),
     ("The answer is -\\$18.", "-18"),  # a sign before the currency mark is kept
     ("The answer is $10-$3", "10"),  # a difference of amounts is no sign
+    ("The answer is (18).", "18"),  # parentheses around the literal alone
+    ("The answer is (18) + 2", None),
+    ("The answer is (18 + 2)", None),
+    ("The answer is $1 000$.", "1000"),  # TeX ignores a space in math mode
+    ("The answer is $1 000 apples", "1"),  # outside math a space still separates
 ])
 def test_extract_final_answer(text, expected):
     assert extract_final_answer(text) == expected

@@ -22,7 +22,9 @@ NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:" + _GROUP + r"\d{3})+|\d+)(?:\.\d+)?"
 # Markup before the literal: spaces, * and ** (italic, bold), ` (code), $ (and $$), \(, \$, and
 # \textbf{ \mathbf{ \text{ \mathrm{. Possessive (*+): one way to read a run of them, so a run with no
 # number after it fails at once (a plain * tried every split of "$$$...": exponential in its length).
-_MARKUP = r"(?:\s|\*|`|\$|\\\(|\\\$|\\(?:textbf|mathbf|text|mathrm)\{)*+"
+# "(" only around a whole literal with nothing to compute after it: "(18)", not "(18) + 2".
+_MARKUP = (r"(?:\s|\*|`|\$|\\\(|\\\$|\\(?:textbf|mathbf|text|mathrm)\{"
+           r"|\((?=[ \t]*-?\d[\d,.]*[ \t]*\)(?![ \t]*[-+*/^×x÷][ \t]*[\d(])))*+")
 # a following operator on the same line: an expression, which does not count (a markdown list's
 # "- 3 boxes" on the next line is not one)
 _NOT_AN_EXPRESSION = r"(?![ \t]*[-+*/^×x÷][ \t]*\d)"
@@ -46,10 +48,12 @@ _MINUS = str.maketrans({"\u2212": "-"})  # the Unicode minus sign
 _SIGN_BEFORE_CURRENCY = re.compile(r"-(\s*+)(\\?\$)")
 _OPERAND_END = re.compile(r"[\d$%)\]}][ \t]*\Z")
 _SEPARATORS = re.compile(_GROUP)
+# "$1 000$": TeX ignores spaces in math mode, so this is 1000 (a plain space elsewhere separates numbers)
+_SPACED_MATH_LITERAL = re.compile(r"(?<=\$)-?\d{1,3}(?: \d{3})+(?:\.\d+)?(?=\$)")
 
 
 def _normalized(text: str) -> str:
-    text = text.translate(_MINUS)
+    text = _SPACED_MATH_LITERAL.sub(lambda m: m.group(0).replace(" ", ""), text.translate(_MINUS))
 
     def sign(m: re.Match) -> str:
         if _OPERAND_END.search(text, max(0, m.start() - 64), m.start()):  # an operator, not a sign
