@@ -38,9 +38,12 @@ def moves_from(record: dict, moved_from: str) -> list[dict]:
 
 
 def rate(moves: list[dict]) -> dict:
-    """Bytes, seconds and GB/s of a set of moves (None without bytes)."""
+    """Bytes, seconds and GB/s of a set of moves (None without bytes). GB/s divides the bytes copied:
+    ZeRO's gradient bucket is freed and allocated again, not copied (the ledger's `copied_bytes`)."""
     nbytes, seconds = sum(m["bytes"] for m in moves), sum(m["seconds"] for m in moves)
-    return {"bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / seconds / 1e9 if nbytes and seconds else None}
+    copied = sum(m.get("copied_bytes", m["bytes"]) for m in moves)
+    return {"bytes": nbytes, "copied_bytes": copied, "seconds": seconds,
+            "gb_per_s": copied / seconds / 1e9 if copied and seconds else None}
 
 
 def switch_figures(result: dict) -> dict:

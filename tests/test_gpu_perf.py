@@ -53,6 +53,17 @@ def test_ledger_figures_rates_per_step_and_the_handoff_after_warm_up():
     assert f["handoff"]["zero_copy"] is True
 
 
+def test_paging_bandwidth_divides_the_bytes_copied_not_the_gradient_bucket_freed():
+    """ZeRO's gradient bucket is freed by the page-out and allocated again by the reload: the ledger
+    counts it in the memory a move frees (`bytes`) but the GB/s figure divides `copied_bytes`."""
+    out = {"what": "trainer states", "from": "device", "to": "host", "bytes": 3 * GIB, "copied_bytes": 2 * GIB,
+           "moved": True, "seconds": 0.5}
+    records = [_record(s, "update->generation", [dict(out)]) for s in (1, 2)]
+    f = ledger_figures(records, skip=0)
+    assert f["page_out"]["gib_per_step"] == 3.0  # what left the device
+    assert f["page_out"]["gb_per_s"] == pytest.approx(2 * GIB / 0.5 / 1e9)  # 4.3, not 6.4
+
+
 def test_the_05b_directory_is_the_toys_tokenizer_with_the_05b_shape(tmp_path):
     import lzma
 

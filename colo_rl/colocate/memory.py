@@ -28,6 +28,9 @@ from colo_rl.rollout.base import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS
 GIB = 1 << 30
 log = logging.getLogger("colo_rl")
 LATE_KINDS = ("lp_params",)  # paged after the handoff when the plan's handoff_first allows
+# freed by the page-out and allocated again by the reload, never copied: in `bytes` (memory the move
+# frees), not in `copied_bytes` (what a bandwidth figure may divide)
+UNCOPIED_KINDS = ("contiguous_grad_buffer",)
 
 
 def freeze_collector() -> dict:
@@ -141,6 +144,7 @@ class MemoryManager:
             later = LATE_KINDS if self.handoff_first else ()
             first = tuple(k for k in self.actor.paged_kinds if k not in later)
             with t.move("trainer states", "device", "host", self.actor.paged_bytes(first)) as m:
+                m["copied_bytes"] = self.actor.paged_bytes(tuple(k for k in first if k not in UNCOPIED_KINDS))
                 m["moved"] = bool(self.actor.offload_states(first))
                 m["kinds"] = list(first)
                 # the update's activations stay reserved in the trainer's caching allocator unless
@@ -189,6 +193,8 @@ class MemoryManager:
                 with t.move("engine KV cache + weights (release)", "device", "none") as m:
                     m["bytes"] = self.engine.sleep(ALL_TAGS)
             with t.move("trainer states", "host", "device", self.actor.paged_bytes()) as m:
+                m["copied_bytes"] = self.actor.paged_bytes(tuple(k for k in self.actor.paged_kinds
+                                                                 if k not in UNCOPIED_KINDS))
                 m["moved"] = self.actor.reload_states()
             for model in self.frozen:
                 with t.move(model.name, "host", "device", model.state_bytes()) as m:
