@@ -205,6 +205,21 @@ def test_wire_carries_weights_and_rollouts_over_gloo(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_wire_carries_weights_and_rollouts_over_nccl(tmp_path):
-    """The same over NCCL (one GPU per rank): every buffer on the device (wire.on_wire)."""
+    """The same over NCCL (one GPU per rank): every buffer on the device (wire.wire_device)."""
     run_torchrun(WORKERS / "split_wire_worker.py", [str(tmp_path)], timeout=300)
     check_wire(tmp_path)
+
+
+def test_an_nccl_wires_buffers_are_allocated_on_the_device_not_staged_on_the_host(monkeypatch):
+    """Every bucket of every weight version was `torch.empty` on the host, then copied to the GPU:
+    a model-sized pageable host buffer per version. On NCCL the buffer is now allocated on the
+    device itself (here the meta device stands in: a 1 TiB host buffer could not exist)."""
+    from colo_rl import dist
+    from colo_rl.split import wire
+
+    monkeypatch.setattr(wire.tdist, "get_backend", lambda *a, **k: "nccl")
+    monkeypatch.setattr(dist, "device", lambda: torch.device("meta"))
+    flat = wire.wire_empty(1 << 40, torch.uint8)
+    assert flat.device.type == "meta" and flat.numel() == 1 << 40
+    monkeypatch.setattr(wire.tdist, "get_backend", lambda *a, **k: "gloo")
+    assert wire.wire_empty(4, torch.int64).device.type == "cpu"

@@ -7,7 +7,8 @@ Weights: the leader trainer broadcasts in buckets to the weight group (leader + 
 an int64 header (version, stop, evaluate), then each bucket as one flat uint8 buffer. A generation rank
 posts its receives ahead (async) and looks between generate calls whether they completed, so
 its engine switches version only between generate calls.
-On NCCL every buffer lives on the rank's GPU (`on_wire`); that is the only GPU-specific line.
+On NCCL every buffer lives on the rank's GPU (`wire_device`): that is the only GPU-specific line; empty
+buffers are allocated there directly (`wire_empty`), never staged on the host.
 
 A wait on a weight broadcast polls (`wait`) and ends with an error as soon as a rank of the job on
 this node is gone (`watch_peers`): gloo does not always fail a broadcast whose peer died (a
@@ -33,9 +34,20 @@ KIND_OBJECT, KIND_END = 0, 1
 ALIGN = 16  # bytes: each tensor of a bucket starts aligned, so a uint8 slice views as any dtype
 
 
+def wire_device() -> torch.device:
+    """Where the backend wants its tensors: the GPU for NCCL, the host for gloo."""
+    return dist.device() if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def on_wire(t: torch.Tensor) -> torch.Tensor:
-    """Where the backend wants the tensor: the GPU for NCCL, the host for gloo."""
-    return t.to(dist.device()) if tdist.get_backend() == "nccl" else t
+    """A tensor with contents, where the backend wants it."""
+    return t.to(wire_device())
+
+
+def wire_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer to receive or pack into, allocated where the backend wants it: no model-sized host
+    buffer staged and copied to the GPU for every bucket of every weight version."""
+    return torch.empty(n, dtype=dtype, device=wire_device())
 
 
 @dataclass
@@ -116,12 +128,12 @@ def send_object(obj: Any, dst: int) -> Pending:
 
 def recv_object(src: int) -> Optional[Any]:
     """The next object from job rank `src` (blocking); None at its end marker."""
-    header = on_wire(torch.empty(2, dtype=torch.int64))
+    header = wire_empty(2, torch.int64)
     tdist.recv(header, src)
     n, kind = (int(x) for x in header.cpu())
     if kind == KIND_END:
         return None
-    payload = on_wire(torch.empty(n, dtype=torch.uint8))
+    payload = wire_empty(n, torch.uint8)
     tdist.recv(payload, src)
     return pickle.loads(payload.cpu().numpy().tobytes())
 
@@ -214,7 +226,7 @@ class WeightSender:
         for names, bucket in zip(self.gathers, self.buckets):
             with self.weights.gathered(names) as tensors:  # a collective of the trainers
                 if self.is_leader:
-                    flat = on_wire(torch.empty(bucket_bytes(bucket), dtype=torch.uint8))
+                    flat = wire_empty(bucket_bytes(bucket), torch.uint8)
                     pack(bucket, tensors, flat)
                     wait([tdist.broadcast(flat, src=self.leader, group=self.group, async_op=True)])
                     sent += flat.numel()
@@ -232,8 +244,8 @@ class WeightReceiver:
         tdist.broadcast_object_list(box, src=leader, group=group)
         self.buckets: list[list[Slot]] = box[0]
         # one copy of the weights, received into again and again (the start-up memory plan's one copy)
-        self.header = on_wire(torch.empty(3, dtype=torch.int64))
-        self.flats = [on_wire(torch.empty(bucket_bytes(b), dtype=torch.uint8)) for b in self.buckets]
+        self.header = wire_empty(3, torch.int64)
+        self.flats = [wire_empty(bucket_bytes(b), torch.uint8) for b in self.buckets]
         self._post()
 
     def _post(self) -> None:

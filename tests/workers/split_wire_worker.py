@@ -1,7 +1,7 @@
 """The split placement's wire under torchrun, 2 ranks: rank 0 a generation rank, rank 1 the trainer
 leader. Weights of two versions travel in buckets (mixed dtypes) over the weight group, a rollout
 part and the end marker point-to-point; each rank writes what it saw to <out>/rank<r>.json.
-gloo on CPU; NCCL when run on two GPUs (the GPU-only lines: wire.on_wire)."""
+gloo on CPU; NCCL when run on two GPUs (the GPU-only lines: wire.wire_device)."""
 
 from __future__ import annotations
 
@@ -66,20 +66,20 @@ def main(out: Path) -> None:
         seen["end"] = recv_object(0) is None
     else:
         engine = Engine()
-        live, peak, allocate = [], [0], wire.on_wire  # the receive buffers alive as each one is allocated
+        live, peak, allocate = [], [0], wire.wire_empty  # the receive buffers alive as each one is allocated
 
-        def tracked(t):
-            t = allocate(t)
+        def tracked(n, dtype):
+            t = allocate(n, dtype)
             peak[0] = max(peak[0], sum(r().nbytes for r in live if r() is not None) + t.nbytes)
             live.append(weakref.ref(t))
             return t
-        wire.on_wire = tracked
+        wire.wire_empty = tracked
         receiver = WeightReceiver(weight_group, leader=1)
         versions = [receiver.take(engine)]
         first = {n: bool(torch.equal(t, p.data)) for n, t in engine.loaded.items()
                  for m, p in model(0).named_parameters() if m == n}
         versions.append(receiver.take(engine))
-        wire.on_wire = allocate
+        wire.wire_empty = allocate
         second = {n: bool(torch.equal(t, p.data)) for n, t in engine.loaded.items()
                   for m, p in model(1).named_parameters() if m == n}
         seen.update(versions=versions, first=first, second=second,
