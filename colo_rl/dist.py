@@ -213,6 +213,12 @@ def device_free_bytes() -> Optional[int]:
 # that died closes its sockets, so the others usually fail at once; the timeout is the last resort.
 # Long enough for the slowest legitimate wait (one rank generating while another waits to train).
 TIMEOUT_ENV = "COLO_RL_DIST_TIMEOUT_MIN"
+_TIMEOUT_MINUTES = [30.0]  # the job group's, as `init` set it (the groups made later take the same)
+
+
+def timeout_minutes() -> float:
+    """The collective timeout `init` gave the job's process group, in minutes."""
+    return _TIMEOUT_MINUTES[0]
 
 
 def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
@@ -225,6 +231,7 @@ def init(timeout_minutes: Optional[float] = None, debug: bool = False) -> None:
     """
     if timeout_minutes is None:
         timeout_minutes = float(os.environ.get(TIMEOUT_ENV, 30.0))
+    _TIMEOUT_MINUTES[0] = timeout_minutes
     if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun: do not outlive it
         exit_with_parent()
     keep_freed_host_memory(on_gpu=torch.cuda.is_available())  # a CPU run's tensors reuse freed heap (host_malloc.py)

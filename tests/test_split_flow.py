@@ -36,12 +36,12 @@ class Wire:
         self.to_trainer: queue.Queue = queue.Queue()
         self.weights: queue.Queue = queue.Queue()
 
-    def send_object(self, obj, dst):
+    def send_object(self, obj, dst, group):
         sent = Sent()
         self.to_trainer.put((obj, sent))
         return sent
 
-    def recv_object(self, src):
+    def recv_object(self, src, group):
         obj, sent = self.to_trainer.get(timeout=30)
         sent.taken.set()
         return obj

@@ -92,6 +92,7 @@ class GenerationPool:
         self.k, self.policy, self.total_steps = cfg.rollout.max_staleness, cfg.rollout.staleness_policy, total_steps
         self.evaluate_shard, self.tp_group = evaluate_shard, role.tp_group
         self.receiver = WeightReceiver(role.weight_group, role.layout.leader)
+        self.objects = role.object_group
         self.index = role.layout.generation.index(dist.job_rank())
         self.work_seconds = 0.0  # loading weights and evaluating since the last slot: not idle time
         self.eval_sends: list[Pending] = []
@@ -122,12 +123,12 @@ class GenerationPool:
             self.work_seconds += seconds
             share = HeldOutShare(version, results, seconds)
             with peer(self.trainers_named):
-                self.eval_sends += [send_object(share, dst) for dst in self.layout.trainers]
+                self.eval_sends += [send_object(share, dst, self.objects) for dst in self.layout.trainers]
         return version, stop
 
     def _serve(self) -> int:
         with peer(f"trainer rank {self.layout.leader} (it starts the generators)"):
-            begin: Start = recv_object(self.layout.leader)
+            begin: Start = recv_object(self.layout.leader, self.objects)
         if begin.position is not None:
             self.restore(begin.position)
         version, stop = self._take()  # the trainer's starting (or resumed) weights
@@ -160,7 +161,7 @@ class GenerationPool:
             beats = self._beat(beats, slot)
             slot, waits, free_since, self.work_seconds = slot + 1, 0, time.perf_counter(), 0.0
         with peer(self.trainers_named):
-            ends = [send_object(None, dst) for dst in self.layout.trainers]
+            ends = [send_object(None, dst, self.objects) for dst in self.layout.trainers]
             for sends in [*pending, self.eval_sends, ends]:
                 for p in sends:
                     p.wait()
@@ -191,7 +192,7 @@ class GenerationPool:
                                generated_tokens=rollout.generated_tokens if i == 0 else 0, rounds=rollout.rounds,
                                gen_interval=interval, seconds=seconds, idle_seconds=idle, waits=waits,
                                in_flight=in_flight, position=position, stop_signal=self.stop_signal.signum or 0)
-            sends.append(send_object(part, dst))
+            sends.append(send_object(part, dst, self.objects))
         return sends
 
 
@@ -216,6 +217,7 @@ class TrainerPool:
                  evaluates: Callable[[int], bool] = lambda version: False):
         """`weights`: the trainer's weights as the engines take them (wire.WeightSender's)."""
         self.layout, self.cfg, self.total_steps = role.layout, cfg, total_steps
+        self.objects = role.object_group
         self.evaluates = evaluates  # which versions the generation ranks evaluate (the loop's eval steps)
         # messages taken from a generator's stream ahead of their turn (rollouts received while
         # waiting for a held-out share), per generation rank
@@ -239,7 +241,8 @@ class TrainerPool:
         self.version, self.positions = step, saved_positions(positions, self.layout.generation)
         if dist.job_rank() == self.layout.leader:
             with peer(self.generators_named):
-                for p in [send_object(Start(step, self.positions.get(g)), g) for g in self.layout.generation]:
+                for p in [send_object(Start(step, self.positions.get(g)), g, self.objects)
+                          for g in self.layout.generation]:
                     p.wait()
         return self._send_weights(step, stop=False, evaluate=step == 0 and self.evaluates(0))
 
@@ -249,7 +252,7 @@ class TrainerPool:
 
     def _recv(self, src: int):
         with peer(f"generation rank {src} (the generation pool)"):
-            return recv_object(src)
+            return recv_object(src, self.objects)
 
     def _next(self, src: int):
         return self.inbox[src].popleft() if self.inbox[src] else self._recv(src)

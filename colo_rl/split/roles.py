@@ -43,6 +43,7 @@ class SplitRole:
     weight_group: Any  # the weight broadcast's process group (leader + generators)
     helps: bool = False  # this rank holds its GPU for a generator's TP engine (EngineHelper)
     tp_group: Any = None  # with rollout.tp_size > 1: this rank's TP group, over gloo (the heartbeats)
+    object_group: Any = None  # every job rank, over gloo: rollouts, held-out shares, start and end messages
 
 
 def enter_split(cfg, generation_ranks: int) -> SplitRole:
@@ -53,6 +54,9 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
     helpers = list(layout.engine_helpers)
     gen_group, train_group, weight_group, *helper_group = dist.new_pool_groups(
         [list(layout.generation), list(layout.trainers), list(layout.weight_ranks)] + ([helpers] if helpers else []))
+    # Pickled objects travel over gloo whatever the job's backend: host bytes, and no NCCL send
+    # kernel waiting on a generator's GPU while its engine generates (wire.send_object).
+    (object_group,) = dist.new_host_groups([list(range(dist.world_size()))], timeout_minutes=dist.timeout_minutes())
     # A helper's wait spans the whole run, its first one the generator's and the trainers' start-up:
     # no timeout of its own (a generator that dies closes the socket; a hung job hits the others').
     tp_groups = dist.new_host_groups([[owner, *layout.helpers_of(owner)] for owner in layout.generation]
@@ -70,7 +74,7 @@ def enter_split(cfg, generation_ranks: int) -> SplitRole:
         dist.set_scope(gen_group if generates else train_group, layout.generation if generates else layout.trainers)
     console.setup_logging(cfg.debug)  # each pool's first rank logs (the trainer's: the step lines)
     tp_group = dict(zip(layout.generation, tp_groups)).get(layout.owner_of(me))  # None: a trainer, or tp_size 1
-    return SplitRole(layout, generates, weight_group, helps, tp_group)
+    return SplitRole(layout, generates, weight_group, helps, tp_group, object_group)
 
 
 class EngineHelper:

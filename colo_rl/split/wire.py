@@ -116,26 +116,28 @@ class Pending:
             w.wait()
 
 
-def send_object(obj: Any, dst: int) -> Pending:
-    """Start sending `obj` (pickled) to job rank `dst`; None sends the end marker."""
+def send_object(obj: Any, dst: int, group) -> Pending:
+    """Start sending `obj` (pickled) to job rank `dst` over `group`, a gloo group (`dist.new_host_groups`:
+    host bytes; an NCCL send would spin a kernel on the generator's GPU until the trainer reads it,
+    through the engine's generation); None sends the end marker."""
     if obj is None:
-        header = on_wire(torch.tensor([0, KIND_END], dtype=torch.int64))
-        return Pending([tdist.isend(header, dst)], [header])
-    payload = on_wire(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8))
-    header = on_wire(torch.tensor([payload.numel(), KIND_OBJECT], dtype=torch.int64))
-    return Pending([tdist.isend(header, dst), tdist.isend(payload, dst)], [header, payload])
+        header = torch.tensor([0, KIND_END], dtype=torch.int64)
+        return Pending([tdist.isend(header, dst, group=group)], [header])
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    header = torch.tensor([payload.numel(), KIND_OBJECT], dtype=torch.int64)
+    return Pending([tdist.isend(header, dst, group=group), tdist.isend(payload, dst, group=group)], [header, payload])
 
 
-def recv_object(src: int) -> Optional[Any]:
-    """The next object from job rank `src` (blocking); None at its end marker."""
-    header = wire_empty(2, torch.int64)
-    tdist.recv(header, src)
-    n, kind = (int(x) for x in header.cpu())
+def recv_object(src: int, group) -> Optional[Any]:
+    """The next object from job rank `src` over the gloo `group` (blocking); None at its end marker."""
+    header = torch.empty(2, dtype=torch.int64)
+    tdist.recv(header, src, group=group)
+    n, kind = (int(x) for x in header)
     if kind == KIND_END:
         return None
-    payload = wire_empty(n, torch.uint8)
-    tdist.recv(payload, src)
-    return pickle.loads(payload.cpu().numpy().tobytes())
+    payload = torch.empty(n, dtype=torch.uint8)
+    tdist.recv(payload, src, group=group)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def send_beat(slot: Optional[int], dst: int, group) -> Pending:

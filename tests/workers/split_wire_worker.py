@@ -53,6 +53,7 @@ class Engine:  # what WeightReceiver feeds: load_weights and finish_weight_updat
 def main(out: Path) -> None:
     dist.init()
     weight_group = tdist.new_group([1, 0])
+    (objects,) = dist.new_host_groups([[0, 1]], timeout_minutes=5)  # rollouts: gloo whatever the backend
     seen = {}
     if dist.rank() == 1:
         actor = Actor(model(0))
@@ -61,9 +62,9 @@ def main(out: Path) -> None:
         sender.send(0, stop=False)
         actor.module.load_state_dict(model(1).state_dict())
         sender.send(1, stop=True)
-        part = recv_object(0)
+        part = recv_object(0, objects)
         seen["part"] = part
-        seen["end"] = recv_object(0) is None
+        seen["end"] = recv_object(0, objects) is None
     else:
         engine = Engine()
         live, peak, allocate = [], [0], wire.wire_empty  # the receive buffers alive as each one is allocated
@@ -85,7 +86,8 @@ def main(out: Path) -> None:
         seen.update(versions=versions, first=first, second=second,
                     dtypes=sorted({str(t.dtype) for t in engine.loaded.values()}), receive_peak_bytes=peak[0],
                     one_copy_bytes=sum(bucket_bytes(b) for b in receiver.buckets) + receiver.header.nbytes)
-        for p in [send_object({"slot": 3, "version": 1, "groups": ["g0", "g1"]}, 1), send_object(None, 1)]:
+        for p in [send_object({"slot": 3, "version": 1, "groups": ["g0", "g1"]}, 1, objects),
+                  send_object(None, 1, objects)]:
             p.wait()
     (out / f"rank{dist.rank()}.json").write_text(json.dumps(seen))
     dist.cleanup()
