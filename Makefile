@@ -7,7 +7,7 @@ STAMP := $(VENV)/.colo_rl-installed
 # The venv's programs first, as in an activated venv, for every target that builds or runs DeepSpeed's
 # JIT ops: its ninja builds them here and in every run (colo_rl/__init__.py does the same), so none
 # rebuilds what another ninja built. Not for the gpu-* targets: their python3 is the GPU image's.
-VENV_PATH_TARGETS := $(STAMP) sglang-cpu test test-fast demo demo-tools sft dpo eval lock bench
+VENV_PATH_TARGETS := $(STAMP) sglang-cpu test test-fast test-e2e test-all demo demo-tools sft dpo eval lock bench
 $(VENV_PATH_TARGETS): export PATH := $(abspath $(VENV))/bin:$(PATH)
 NPROC ?= 2
 # torchrun without its failure report after a rank's one-line error (colo_rl/launch.py)

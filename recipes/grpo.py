@@ -1,4 +1,5 @@
-"""GRPO-family RL, colocated: every rank generates with its engine, then trains with DeepSpeed ZeRO-3.
+"""GRPO-family RL, colocated (default: every rank generates with its engine, then trains with DeepSpeed
+ZeRO-3) or split (`placement.mode=split`: generation and trainer pools at once, colo_rl/split/).
 
     torchrun --standalone --nproc_per_node=2 recipes/grpo.py                 # embedded default (make demo)
     torchrun --nproc_per_node=8 recipes/grpo.py model.path=/models/x rollout=sglang

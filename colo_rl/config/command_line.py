@@ -61,7 +61,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "num_generations": ("TRL", "rollout.group_size", ""),
     "max_completion_length": ("TRL", "rollout.max_new_tokens", ""),
     "max_prompt_length": ("TRL", "data.max_prompt_tokens", ""),
-    "eval_dataset": ("TRL", "data.eval_path", "a JSONL file"),
+    "eval_dataset": ("TRL", "data.eval_path", "a data file: JSONL or Parquet"),
     "learning_rate": ("TRL", "trainer.lr", ""),
     "weight_decay": ("TRL", "trainer.weight_decay", ""),
     "max_grad_norm": ("TRL", "trainer.grad_clip", ""),
