@@ -84,6 +84,31 @@ def test_bf16_chunked_head_equals_the_whole_logits_path_on_confident_tokens(temp
     torch.testing.assert_close(w_chunk.grad.float(), w_whole.grad.float(), rtol=0.02, atol=1e-4)
 
 
+def test_bf16_weight_gradient_holds_no_whole_vocabulary_temporary():
+    """The bf16 weight gradient summed each chunk's whole [V, h] product (1x the weight's bytes) and
+    its float32 copy (2x) into the float32 accumulator (2x): 5x the weight at the backward's peak, on
+    a GPU the update's. Now a band of the vocabulary at a time: the accumulator and the final cast
+    are the only allocations of the weight's size, and the gradient is the same."""
+    from torch.profiler import ProfilerActivity, profile
+
+    V, h, N = 4096, 512, 256
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(N, h, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(V, h, generator=g) * 0.05).bfloat16().requires_grad_()
+    at, targets = torch.arange(N), torch.randint(0, V, (N,), generator=g)
+    logp, _ = head_logprobs(hidden, weight, at, targets, chunk=64)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logp.sum().backward()
+    unit = V * h * 2  # the bf16 weight's bytes
+    big = sorted(e.self_cpu_memory_usage // unit for e in prof.events() if e.self_cpu_memory_usage >= unit // 2)
+    assert big == [1, 2]  # the float32 accumulator and its cast to bf16; no per-chunk products
+    z = (hidden.detach().float() @ weight.detach().float().t())
+    p = torch.softmax(z, -1)
+    grad = -p
+    grad[at, targets] += 1
+    torch.testing.assert_close(weight.grad.float(), grad.t() @ hidden.detach().float(), rtol=0.02, atol=2e-2)
+
+
 def test_head_without_entropy_returns_none_and_the_same_logprobs():
     g = torch.Generator().manual_seed(1)
     hidden, weight = torch.randn(6, 8, generator=g), torch.randn(50, 8, generator=g)

@@ -37,6 +37,9 @@ CPU_CHUNK_POSITIONS = 64
 DEVICE_CHUNK_BYTES = 1 << 30
 
 
+WEIGHT_GRAD_BANDS = 8  # a bf16 weight gradient's chunk products, in this many bands of the vocabulary
+
+
 def chunk_positions(device: torch.device, vocab: int, hidden_size: int) -> int:
     if device.type == "cpu":
         return max(CPU_CHUNK_POSITIONS, hidden_size)
@@ -122,8 +125,12 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
                 continue
             if grad.dtype == torch.float32:
                 g_weight.addmm_(grad.t(), h)  # accumulated inside the product: no [V, h] temporary
-            else:  # bf16 / fp16 products, summed over chunks in float32
-                g_weight += (grad.t() @ h).float()
+            else:  # bf16 / fp16 products, summed over chunks in float32, a band of the vocabulary at a
+                # time: the whole [V, h] product and its float32 copy were 3x the weight's bytes on
+                # top of g_weight (2x) at the head's backward, the step's memory peak
+                band = -(-weight.shape[0] // WEIGHT_GRAD_BANDS)
+                for v in range(0, weight.shape[0], band):
+                    g_weight[v:v + band] += (grad[:, v:v + band].t() @ h).float()
         g_weight = None if g_weight is None else g_weight.to(weight.dtype)
         return g_hidden, g_weight, None, None, None, None, None, None
 
