@@ -44,7 +44,7 @@ from colo_rl.split.roles import EngineHelper, enter_split
 from colo_rl.split.position import generator_position, restore_generator_position
 from colo_rl.train.adapters import EngineWeights
 from colo_rl.train.packing import PackedRollout
-from colo_rl.train.rl_update import pack_groups, rl_update
+from colo_rl.train.rl_update import pack_update_batches, rl_update
 
 log = logging.getLogger("colo_rl")
 
@@ -339,7 +339,7 @@ class GRPORecipe:
 
     # ------------------------------------------------------------------ update phase
     def pack(self, rollout: Rollout) -> PackedRollout:
-        return pack_groups(rollout, self.cfg, self.colo.actor, self.tokenizer.pad_token_id)
+        return pack_update_batches(rollout, self.cfg, self.colo.actor, self.tokenizer.pad_token_id)
 
     def update(self, rollout: Rollout, fresh: bool = True) -> dict[str, float]:
         """The update phase's optimizer steps on one rollout (colo_rl/train/rl_update.py). `fresh`:

@@ -2,7 +2,7 @@
 micro-batches of whole groups, then trainer.ppo_epochs x trainer.mini_batches_per_step optimizer
 steps of `algos.rl_loss`, its statistics summed on the device and read once.
 
-    packed = pack_groups(rollout, cfg, actor, pad_token_id)
+    packed = pack_update_batches(rollout, cfg, actor, pad_token_id)
     metrics = rl_update(packed, rollout, cfg, actor, ref, kl_ctl, timer, agreement)
 
 The loss does not depend on how a step is cut into micro-batches: every micro-batch's loss is
@@ -23,7 +23,7 @@ from colo_rl.train.batch import agreed_mini_batches
 from colo_rl.train.packing import PackedRollout, pack_rollout
 
 
-def pack_groups(rollout: Rollout, cfg, actor, pad_token_id: int) -> PackedRollout:
+def pack_update_batches(rollout: Rollout, cfg, actor, pad_token_id: int) -> PackedRollout:
     """The rollout's micro-batches, built once for the whole update: trainer.mini_batches_per_step
     mini-batches of as many groups each, in a seeded shuffle of the rollout (a sample of the batch,
     not a band of lengths); each cut into micro-batches of whole groups, at most trainer.micro_batch_tokens
