@@ -140,6 +140,47 @@ def test_group_attention_block_mask_allows_what_the_dense_mask_allows():
     assert torch.equal(create_mask(block.mask_mod, B, 1, L, L, device="cpu"), dense)
 
 
+def test_group_block_mask_is_torchs_block_mask_built_a_band_at_a_time(monkeypatch):
+    """The BlockMask is torch's `create_block_mask`'s, field for field (partial and full blocks, both
+    orders), for rows of any length (padded to the 128-block), padding segments and band sizes; but
+    no allocation the size of the [L, L] rule (create_block_mask's eager path evaluates every pair
+    at once: 0.8 GiB for one 8k-token row)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.profiler import ProfilerActivity, profile
+
+    from colo_rl.train import packing
+
+    g = torch.Generator().manual_seed(1)
+    fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+              "full_q_num_blocks", "full_q_indices")
+    for _ in range(12):
+        B, L = int(torch.randint(1, 3, (1,), generator=g)), int(torch.randint(2, 700, (1,), generator=g))
+        prompt_end = int(torch.randint(1, max(2, L // 3), (1,), generator=g))
+        seg = torch.zeros(B, L, dtype=torch.long)
+        for b in range(B):
+            pos, i = prompt_end, 1
+            while pos < L:
+                n = int(torch.randint(1, 200, (1,), generator=g))
+                seg[b, pos:pos + n], pos, i = i, pos + n, i + 1
+            pad = int(torch.randint(0, 50, (1,), generator=g))
+            if pad:
+                seg[b, L - pad:] = -torch.arange(1, pad + 1)
+        monkeypatch.setattr(packing, "BAND_ELEMENTS", int(torch.randint(1, 1 << 20, (1,), generator=g)))
+        got = packing.group_attention(seg, prompt_end, torch.float32, flex=True)
+        want = create_block_mask(got.mask_mod, B, None, L, L, device="cpu")
+        assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+        for name in fields:
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+    monkeypatch.setattr(packing, "BAND_ELEMENTS", 1 << 22)
+    L = 4096
+    seg = torch.zeros(1, L, dtype=torch.long)
+    seg[0, 256:] = torch.arange(L - 256) // 480 + 1
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        packing.group_attention(seg, 256, torch.float32, flex=True)
+    assert max(e.self_cpu_memory_usage for e in prof.events()) < L * L // 2  # the rule's bool pairs: L^2 bytes
+
+
 @pytest.mark.slow  # torch.compile of FlexAttention: ~10 s
 def test_flex_attention_logprobs_equal_the_dense_masks():
     """model.attn_implementation=flex_attention: the packed rows' log-probs equal SDPA's with the dense
