@@ -272,3 +272,23 @@ def test_flex_attention_logprobs_and_gradients_on_gpu():
     sdpa = load_model(ModelConfig(**cfg), torch.float32, seed=3).cuda()
     flex = load_model(ModelConfig(**{**cfg, "attn_implementation": "flex_attention"}), torch.float32, seed=3).cuda()
     _assert_same_logprobs_and_grads(flex, sdpa, packed(*_flex_groups()).to("cuda"), 1e-4, 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_group_block_mask_on_gpu_is_torchs():
+    """The band-by-band classification's CUDA reductions (bool any / all over views) give torch's
+    create_block_mask's BlockMask, field for field, for rows with padding and a partial last block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from colo_rl.train.packing import group_attention
+
+    B, L, prompt_end = 2, 1000, 200
+    seg = torch.zeros(B, L, dtype=torch.long, device="cuda")
+    seg[:, prompt_end:] = torch.arange(L - prompt_end, device="cuda") // 150 + 1
+    seg[1, 950:] = -torch.arange(1, 51, device="cuda")
+    got = group_attention(seg, prompt_end, torch.bfloat16, flex=True)
+    want = create_block_mask(got.mask_mod, B, None, L, L, device="cuda")
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

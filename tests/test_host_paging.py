@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from colo_rl.train.host_paging import ALIGN_BYTES, HostPager, slab_plan
@@ -57,3 +58,18 @@ def test_a_tensor_whose_shape_changes_gets_new_buffers():
     t.data = torch.arange(10.0)
     pager.page_out()
     assert torch.equal(t, torch.arange(10.0)) and torch.equal(other, torch.arange(6.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_slabs_round_trip_on_gpu():
+    """Pinned: the partitions go to views of one pinned slab and come back to the device unchanged."""
+    tensors = [torch.randn(n, device="cuda") for n in (1000, 3, 0, 250_000)]
+    tensors.append(torch.randn(4, 5, device="cuda").bfloat16())
+    want = [t.clone() for t in tensors]
+    pager = HostPager(tensors, pin_memory=True)
+    pager.page_out()
+    assert len(pager.slab_bytes) == 1
+    assert all(t.device.type == "cpu" and t.untyped_storage().is_pinned() for t in tensors if t.numel())
+    pager.page_in("cuda")
+    assert all(t.device.type == "cuda" and torch.equal(t, w) for t, w in zip(tensors, want))

@@ -194,3 +194,33 @@ def test_the_environment_switch_forces_the_chunked_head_on_or_off(monkeypatch):
     monkeypatch.setenv(lm_head.CHUNKED_HEAD_ENV, "yes")
     with pytest.raises(ValueError, match="COLO_RL_CHUNKED_LM_HEAD='yes'"):
         lm_head.chunked_head_wanted("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_weight_gradient_peak_memory_on_gpu():
+    """On a GPU the head's backward held the float32 accumulator (2 units of the bf16 weight's bytes)
+    plus a chunk's whole [V, h] product and its float32 copy (3 units): 5. In vocabulary bands the
+    peak is the accumulator and its final cast, 3 units (and a chunk's working set, small here);
+    the gradient equals the whole-logits path's."""
+    V, h, N = 32768, 4096, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(N, h, device="cuda", generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(V, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    at = torch.arange(N, device="cuda")
+    targets = torch.randint(0, V, (N,), device="cuda", generator=g)
+    logp, _ = head_logprobs(hidden, weight, at, targets, chunk=128)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp.sum().backward()
+    torch.cuda.synchronize()
+    unit = V * h * 2
+    peak = (torch.cuda.max_memory_allocated() - base) / unit
+    assert peak < 3.6, peak
+    chunked = weight.grad.float()
+    weight.grad = None
+    z = (hidden @ weight.t()).float()
+    torch.log_softmax(z, -1)[at, targets].sum().backward()
+    rel = (chunked - weight.grad.float()).norm() / weight.grad.float().norm()
+    assert rel < 0.01, rel
