@@ -178,9 +178,10 @@ def _measured(v):
         return v
 
 
-def json_text(obj) -> str:
-    """`obj` as JSON (indented), a non-finite number as null, as metrics.jsonl writes it: Python's
-    NaN / Infinity are no JSON, and other readers (jq, JavaScript) refuse the file."""
+def json_text(obj, indent: Optional[int] = 2) -> str:
+    """`obj` as JSON (indented; one line with `indent=None`), a non-finite number as null, as
+    metrics.jsonl writes it: Python's NaN / Infinity are no JSON, and other readers (jq, JavaScript)
+    refuse the file."""
     def finite(o):
         if isinstance(o, dict):
             return {k: finite(v) for k, v in o.items()}
@@ -190,7 +191,7 @@ def json_text(obj) -> str:
             return o
         return clean_value(o)
 
-    return json.dumps(finite(obj), indent=2, allow_nan=False, default=float)
+    return json.dumps(finite(obj), indent=indent, allow_nan=False, default=float)
 
 
 def parse_rows(lines: list[str], path) -> list[Optional[dict]]:
@@ -213,6 +214,38 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [row for row in parse_rows(path.read_text().splitlines(), path) if row is not None]
+
+
+class RolloutLog:
+    """<run_dir>/rollouts.jsonl (GRPO, `log_rollout_groups`): the first groups of rank 0's training
+    batch every step, one line per completion: what the policy wrote and what it was paid. Read it,
+    or `jq 'select(.step == 5) | .completion' rollouts.jsonl`; a resume cuts it back to its checkpoint
+    as it does metrics.jsonl. `step` is the metrics.jsonl row of the step that trained on it."""
+
+    def __init__(self, run_dir: Path, groups: int, prompt_text, decode):
+        self.path, self.groups = Path(run_dir) / "rollouts.jsonl", groups
+        self.prompt_text, self.decode = prompt_text, decode  # problem -> its prompt; token ids -> text
+
+    def write(self, step: int, rollout) -> None:
+        if not self.groups or not dist.is_rank0():
+            return
+        lines = []
+        shaping = {name: values.tolist() for name, values in rollout.shaping.items()}
+        for g, group in enumerate(rollout.groups[:self.groups]):
+            prompt, row0 = self.prompt_text(group.problem), g * rollout.group_size
+            for i, c in enumerate(group.completions):
+                row = {"step": step, "group": g, "sample": i, "policy_version": rollout.policy_version,
+                       "prompt": prompt, "completion": group.texts[i] if group.texts else self.decode(c.token_ids),
+                       "answer": getattr(group.problem, "answer", None), "reward": group.rewards[i],
+                       "sources": {name: values[i] for name, values in group.sources.items()},
+                       "shaping": {name: values[row0 + i] for name, values in shaping.items()},
+                       "correct": group.correct[i] if group.correct else None,
+                       "tokens": len(c.token_ids), "finish_reason": c.finish_reason}
+                if c.policy_mask is not None:  # an episode: the whole transcript, tool results included
+                    row["transcript"] = self.decode(c.token_ids)
+                lines.append(json_text(row, indent=None) + "\n")
+        with open(self.path, "a") as fh:
+            fh.write("".join(lines))
 
 
 class Progress:

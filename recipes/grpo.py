@@ -32,7 +32,7 @@ from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import (check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported,
                                 switch_seconds_paid)
-from colo_rl.metrics import SAVE_SWITCH_KEYS, MetricsLogger, Timer, json_text, plot_curves, read_jsonl
+from colo_rl.metrics import SAVE_SWITCH_KEYS, MetricsLogger, RolloutLog, Timer, json_text, plot_curves, read_jsonl
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams
@@ -140,6 +140,9 @@ class GRPORecipe:
                                        n=cfg.rollout.group_size)
         self.kl_ctl = algos.AdaptiveKLController(cfg.algo.kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.timer = Timer()
+        # what the policy writes, for reading: <run_dir>/rollouts.jsonl (the trainer's rank 0)
+        self.rollout_log = RolloutLog(ctx.run_dir, 0 if self.serves else cfg.log_rollout_groups, builder.text,
+                                      self.tokenizer.decode)
 
     # ------------------------------------------------------------------ the loop's calls
     def resume(self, ckpt) -> int:
@@ -183,6 +186,7 @@ class GRPORecipe:
             rollout = self.rollout(policy_version=step)
         with colo.switch.update():  # the engine releases its memory; the trainer's states come back
             self.shape_rewards(rollout)
+            self.rollout_log.write(step + 1, rollout)
             train_metrics = self.update(rollout)
         return {**train_metrics, **self.rollout_metrics(rollout), **self.timer.pop(),
                 **colo.switch.timed_phase_seconds()}
@@ -194,6 +198,7 @@ class GRPORecipe:
         self.timer.seconds.update({k.removeprefix("time/"): v for k, v in flow.items()
                                    if k in ("time/generation", "time/reward")})
         self.shape_rewards(rollout)  # on the trainer ranks, as a colocated run's update phase
+        self.rollout_log.write(step + 1, rollout)
         start = time.time()
         train_metrics = self.update(rollout, fresh=rollout.policy_version == step)
         sync = self.pool.after_update(step, (start, time.time()))

@@ -106,6 +106,8 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     (tmp_path / "checkpoints" / "step-000004.tmp").mkdir()
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
     (tmp_path / "ledger.jsonl").write_text("".join(json.dumps({"step": s, "moves": []}) + "\n" for s in range(5)))
+    (tmp_path / "rollouts.jsonl").write_text("".join(json.dumps({"step": s, "sample": i}) + "\n"
+                                                     for s in range(1, 6) for i in range(2)))
     cfg = make_cfg(tmp_path, keep_last=2)
     cfg.resume = "auto"
     mgr = CheckpointManager(tmp_path, cfg)
@@ -117,6 +119,8 @@ def test_manager_resumes_sampler_and_counters_and_removes_stale_tmp(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
     # and the phase switches of those steps (the ledger counts steps from 0: steps 0-2 are done)
     assert [json.loads(l)["step"] for l in (tmp_path / "ledger.jsonl").read_text().splitlines()] == [0, 1, 2]
+    # and the completions they trained on (rollouts.jsonl names steps as metrics.jsonl does)
+    assert [json.loads(l)["step"] for l in (tmp_path / "rollouts.jsonl").read_text().splitlines()] == [1, 1, 2, 2, 3, 3]
 
 
 def test_a_kill_between_the_checkpoint_and_its_row_loses_no_row(tmp_path):

@@ -79,6 +79,20 @@ def test_first_steps_match_the_golden_values(run_dir):
         assert actual[key] == pytest.approx(values, rel=1e-4, abs=1e-6), (key, actual[key])
 
 
+def test_rollouts_jsonl_shows_what_the_policy_wrote_and_was_paid(run_dir):
+    """log_rollout_groups=1 (default): each step's first group of rank 0's batch, one line per
+    completion; the reward is the letter_share of the very text written (the verifier's input)."""
+    lines = [json.loads(line) for line in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["group"], r["sample"]) for r in lines] == [(s, 0, i) for s in (1, 2) for i in range(4)]
+    for r in lines:
+        text = r["completion"]
+        share = sum(c.isascii() and c.isalpha() for c in text) / max(1, len(text))
+        assert r["sources"]["letter_share"] == pytest.approx(share) and r["reward"] == pytest.approx(share)
+        assert r["policy_version"] == r["step"] - 1 and 1 <= r["tokens"] <= 8
+        assert r["finish_reason"] in ("stop", "length") and r["prompt"] and r["answer"] is not None
+    assert len({r["prompt"] for r in lines if r["step"] == 1}) == 1  # one group: one prompt
+
+
 def test_ledger_covers_every_transition(run_dir):
     records = [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     # step-0 eval, then per step: generation->update and update->generation, then the final eval

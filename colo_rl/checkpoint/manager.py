@@ -250,11 +250,13 @@ class CheckpointManager:
 
     def _truncate_logs(self, step: int, row: Optional[dict] = None) -> None:
         """Drop what an interrupted run logged after its last checkpoint (after `step` steps): those
-        steps are redone. metrics.jsonl's rows name steps done (1-based), ledger.jsonl's records the
-        step they belong to (0-based: the checkpoint's last is step - 1). The checkpoint's own step
-        row (`row`, kept in it) is written back where the run was killed before it logged it."""
+        steps are redone. metrics.jsonl's and rollouts.jsonl's rows name steps done (1-based),
+        ledger.jsonl's records the step they belong to (0-based: the checkpoint's last is step - 1).
+        The checkpoint's own step row (`row`, kept in it) is written back where the run was killed
+        before it logged it."""
         self._truncate_jsonl("metrics.jsonl", lambda r: r.get("step", 0) <= step)
         self._truncate_jsonl("ledger.jsonl", lambda record: record.get("step", 0) < step)
+        self._truncate_jsonl("rollouts.jsonl", lambda r: r.get("step", 0) <= step)
         path = self.run_dir / "metrics.jsonl"
         if row is not None and not any(r.get("step") == step for r in read_jsonl(path)):
             with open(path, "a") as fh:

@@ -48,6 +48,8 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "actor_rollout_ref.actor.entropy_coeff": ("verl", "algo.entropy_coef", ""),
     "algorithm.adv_estimator": ("verl", "algo.adv_estimator", ""),
     "algorithm.use_kl_in_reward": ("verl", "algo.kl_in_reward", "with algo.kl_coef > 0"),
+    "trainer.rollout_data_dir": ("verl", "log_rollout_groups",
+                                 "groups per step written to <run_dir>/rollouts.jsonl (rank 0's)"),
     "actor_rollout_ref.rollout.temperature": ("verl", "rollout.temperature", ""),
     "actor_rollout_ref.rollout.top_p": ("verl", "rollout.top_p", ""),
     "actor_rollout_ref.rollout.tensor_model_parallel_size": ("verl", "rollout.tp_size", ""),
@@ -86,6 +88,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "seed": ("TRL", "trainer.seed", ""),
     "report_to": ("TRL", "logger", ""),
     "reward_funcs": ("TRL", "reward.functions", ""),
+    "log_completions": ("TRL", "log_rollout_groups", "groups per step written to <run_dir>/rollouts.jsonl"),
 }
 
 # TRL's SFTConfig / DPOConfig names where they differ from GRPOConfig's meaning (DPO's beta is its own).

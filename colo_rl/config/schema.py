@@ -453,6 +453,9 @@ class RunConfig:
     # or <run_dir>/mlflow.db). Each gets the resolved config.
     logger: list[str] = opt(scope=ALL, factory=lambda: ["jsonl", "tensorboard"], resume=SILENT)
     plots: bool = opt(True, ALL, resume=SILENT)  # PNG plots of the metrics in the run directory at the end
+    # GRPO: groups of rank 0's training batch written to <run_dir>/rollouts.jsonl every step, one line
+    # per completion (prompt, text, reward by source, verdict, tokens, finish reason); 0 writes none
+    log_rollout_groups: int = opt(1, reads("grpo", others="GRPO only"), check=ge(0, "0 = none"), resume=SILENT)
 
     def __post_init__(self) -> None:
         derive_seeds(self)
