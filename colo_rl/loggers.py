@@ -22,6 +22,7 @@ import json
 import logging
 import netrc
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -141,7 +142,8 @@ class WandbWriter:
     (`<id>-<n>`, the id a later resume continues) that starts with metrics.jsonl's rows before the
     redo, and names the old run in its config: no step keeps the interrupted run's value.
     The id and the last step logged are kept in <run_dir>/wandb/colo_rl_run.json: an offline run
-    cannot ask wandb's server what it holds."""
+    cannot ask wandb's server what it holds. A directory copied or moved elsewhere starts a run of
+    its own (its path, hence its id, differs), as before that file existed."""
 
     STATE = "colo_rl_run.json"
 
@@ -153,6 +155,8 @@ class WandbWriter:
         self.state_file = run_dir / "wandb" / self.STATE
         state = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
         self.base_id = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        if not re.fullmatch(re.escape(self.base_id) + r"(-\d+)?", str(state.get("id", ""))):
+            state = {}  # a copied or moved directory's: its wandb run is the original directory's, not this one's
         self.last_step: Optional[int] = state.get("last_step")  # None: this directory's run holds no row
         self.run_id, self.run = state.get("id", self.base_id), None
         if self.last_step is None:  # a new run starts now (a bad key fails at start-up); a continued one

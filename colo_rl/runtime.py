@@ -176,10 +176,10 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
         if made:
             remove_stub_run_dir(run_dir)
         raise
-    if dist.is_rank0():  # the run is accepted: its config, and a metrics file of its own
+    if dist.is_rank0():  # the run is accepted: its config, and step logs of its own
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True))
         if ckpt.checkpoint is None:
-            set_aside_stale_metrics(run_dir)
+            set_aside_stale_logs(run_dir)
     dist.barrier()
     check_run_dir_shared(run_dir)
     seed_everything(cfg.trainer.seed + dist.rank())
@@ -228,18 +228,25 @@ def check_held_out_generation(cfg: RunConfig, prompts: list[list[int]]) -> None:
         check_generation_fits(cfg, max(len(p) for p in prompts), context, source)
 
 
-def set_aside_stale_metrics(run_dir: Path) -> Optional[Path]:
-    """A fresh start in a directory an earlier run (without a checkpoint) logged into: its rows
-    move to metrics.previous-N.jsonl, so one metrics.jsonl never mixes two runs' steps."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
+STEP_LOGS = ("metrics.jsonl", "rollouts.jsonl", "ledger.jsonl")  # rows by step, appended to as a run goes
+
+
+def set_aside_stale_logs(run_dir: Path) -> Optional[int]:
+    """A fresh start in a directory an earlier run (without a checkpoint) logged into: its step logs
+    (STEP_LOGS) move to <name>.previous-N.jsonl, one N for all of them, so no file mixes two runs'
+    steps. Returns N, None when there was nothing to move."""
+    run_dir = Path(run_dir)
+    stale = [run_dir / name for name in STEP_LOGS if (run_dir / name).exists()]
+    if not stale:
         return None
     n = 1
-    while (target := path.with_name(f"metrics.previous-{n}.jsonl")).exists():
+    while any((run_dir / f"{Path(name).stem}.previous-{n}.jsonl").exists() for name in STEP_LOGS):
         n += 1
-    path.rename(target)
-    log.warning("%s holds an earlier run's rows (no checkpoint to resume from): moved to %s", path, target.name)
-    return target
+    for path in stale:
+        path.rename(run_dir / f"{path.stem}.previous-{n}.jsonl")
+    log.warning("%s holds an earlier run's step logs (no checkpoint to resume from): %s moved to *.previous-%d.jsonl",
+                run_dir, ", ".join(p.name for p in stale), n)
+    return n
 
 
 # Failures with a message that says what to do: one line from rank 0, no traceback (debug=true adds it).

@@ -5,6 +5,7 @@ MLflow SQLite store read back with MLflow's client)."""
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -342,3 +343,13 @@ def test_wandb_never_keeps_the_interrupted_runs_value_for_a_redone_step(tmp_path
     time.sleep(1.1)
     log_steps((4,), 10.0)  # a resume from step 3's checkpoint redoes nothing: the same (new) run goes on
     assert run_ids() == [first, second, second]
+
+    # a copy of the directory is a run of its own: it neither fails on nor continues the original's run
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    metrics = MetricsLogger(copy, ["jsonl", "wandb"], config=CONFIG)
+    metrics.log(2, {"reward/mean": 7.0}, console=False)
+    assert [name for name, _ in metrics.writers] == ["jsonl", "wandb"]  # not dropped for a failure
+    metrics.close()
+    state = json.loads((copy / "wandb" / "colo_rl_run.json").read_text())
+    assert state["id"] not in (first, second) and state["last_step"] == 2

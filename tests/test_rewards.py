@@ -50,6 +50,8 @@ from colo_rl.rewards import (REWARD_FUNCTIONS, RewardError, RewardScorer, extrac
     ("The answer is (18).", "18"),  # parentheses around the literal alone
     ("The answer is (18) + 2", None),
     ("The answer is (18 + 2)", None),
+    ("Answer:\n(1) Janet has 16 eggs\n(2) She eats 3", None),  # a list's label is no answer
+    ("The answer is (3) 42", None),
     ("The answer is $1 000$.", "1000"),  # TeX ignores a space in math mode
     ("The answer is $1 000 apples", "1"),  # outside math a space still separates
 ])

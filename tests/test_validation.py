@@ -238,14 +238,19 @@ print("seed", ctx.cfg.data.seed)
 """
 
 
-def test_fresh_start_in_a_dead_runs_directory_moves_its_metrics_aside(tmp_path):
+def test_fresh_start_in_a_dead_runs_directory_moves_its_step_logs_aside(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    (tmp_path / "rollouts.jsonl").write_text(json.dumps({"step": 1, "completion": "x"}) + "\n")
+    (tmp_path / "ledger.jsonl").write_text(json.dumps({"step": 0, "moves": []}) + "\n")
     proc = subprocess.run([sys.executable, "-c", START, str(ROOT / "conf"), f"run_dir={tmp_path}", "trainer.seed=3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=child_env(PYTHONPATH=child_python_path(), OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()  # the new run starts a file of its own
     assert json.loads((tmp_path / "metrics.previous-1.jsonl").read_text())["step"] == 1
+    assert not (tmp_path / "rollouts.jsonl").exists() and not (tmp_path / "ledger.jsonl").exists()
+    assert json.loads((tmp_path / "rollouts.previous-1.jsonl").read_text())["completion"] == "x"
+    assert json.loads((tmp_path / "ledger.previous-1.jsonl").read_text())["step"] == 0
     written = OmegaConf.load(tmp_path / "config.yaml")
     assert written.trainer.seed == 3 and written.data.seed == 3  # the resolved, accepted config
 

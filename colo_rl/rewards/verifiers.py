@@ -22,15 +22,16 @@ NUMBER = (r"(?<![\d,.])-?(?:\d{1,3}(?:" + _GROUP + r"\d{3})+|\d+)(?:\.\d+)?"
 # Markup before the literal: spaces, * and ** (italic, bold), ` (code), $ (and $$), \(, \$, and
 # \textbf{ \mathbf{ \text{ \mathrm{. Possessive (*+): one way to read a run of them, so a run with no
 # number after it fails at once (a plain * tried every split of "$$$...": exponential in its length).
-# "(" only around a whole literal with nothing to compute after it: "(18)", not "(18) + 2".
+# "(" only around a whole literal with nothing after it on its line but punctuation: "(18)." is an
+# answer; "(18) + 2" is an expression, "(1) Janet has..." a list item and "(3) 42" a label.
 _MARKUP = (r"(?:\s|\*|`|\$|\\\(|\\\$|\\(?:textbf|mathbf|text|mathrm)\{"
-           r"|\((?=[ \t]*-?\d[\d,.]*[ \t]*\)(?![ \t]*[-+*/^×x÷][ \t]*[\d(])))*+")
+           r"|\((?=[ \t]*-?\d[\d,.]*[ \t]*\)(?![ \t]*[-+*/^×÷(\w])))*+")
 # a following operator on the same line: an expression, which does not count (a markdown list's
 # "- 3 boxes" on the next line is not one)
 _NOT_AN_EXPRESSION = r"(?![ \t]*[-+*/^×x÷][ \t]*\d)"
 _NOT_A_HEADING = r"(?![.)][ \t]*[A-Za-z])"  # "#### 2. Verification": a heading, not an answer
-# "Answer:" over a numbered list ("Answer:\n1. Janet has 16 eggs"): the list's first number is no answer
-_NOT_A_LIST = r"(?!(?:[ \t]|\*\*)*+\n\s*+\d+[.)][ \t]*[A-Za-z])"
+# "Answer:" over a numbered list ("Answer:\n1. Janet has 16 eggs", "(1) Janet ..."): its first number is no answer
+_NOT_A_LIST = r"(?!(?:[ \t]|\*\*)*+\n\s*+\(?\d+[.)][ \t]*[A-Za-z])"
 # A stated answer: "answer is 58", "answer is: 58", "**Answer**: 58", "answer = $58$", "#### 58" at a
 # line's start (GSM8K's; "#### 2. Verification", a markdown heading, is not one), "\boxed{58}" (a
 # unit, %, or a final period inside the box allowed).
