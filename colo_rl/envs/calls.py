@@ -203,7 +203,7 @@ class LlamaCallFormat(JsonCallFormat):
 
     @classmethod
     def _without_trailer(cls, text: str) -> str:
-        """`text` without the whitespace and special tokens (EOS) ending it. Peeled from the end: a
+        r"""`text` without the whitespace and special tokens (EOS) ending it. Peeled from the end: a
         pattern anchored at the end (`(\s|<|..|>)*\Z`) retried at every position of a long run of
         spaces, quadratic in its length, on the rollout's thread."""
         while True:
