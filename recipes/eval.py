@@ -6,7 +6,8 @@
 
 The pieces training uses: the rollout engine (rollout.engine=hf|sglang) gets its weights from a frozen
 ZeRO-3 copy of the model through the weight handoff, prompts are built by the data pipeline, answers
-are checked by the verifiers (strict: the stated final answer is right). Every rank takes its share
+are checked by the built-in number verifier (strict: the stated final answer is right; lenient: the
+last number), not by reward.functions. Every rank takes its share
 of the problems. Greedy: one completion per problem (rollout.eval_max_new_tokens). Sampled:
 eval.samples completions per problem at rollout.temperature / rollout.top_p; pass@k per problem
 by the unbiased estimator, averaged. With an environment (env=calculator, env=retry,
@@ -87,7 +88,8 @@ def run_eval(ctx) -> dict:
               "engine": cfg.rollout.engine, "max_new_tokens": cfg.rollout.eval_max_new_tokens,
               "environment": cfg.env.name,
               "samples": cfg.eval.samples, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-              "verifiers": list(cfg.reward.functions), "figures": figures, "seconds": seconds,
+              "accuracy_by": "the built-in number verifier (strict: the stated final answer; lenient: the last "
+                             "number), not reward.functions", "figures": figures, "seconds": seconds,
               "examples": greedy["eval/samples"]}
     if cfg.eval.samples:
         report["per_problem"] = [{"id": p.id, "answer": p.answer, "correct": c, "samples": n}
@@ -99,8 +101,8 @@ def markdown(report: dict) -> str:
     f = report["figures"]
     lines = [f"# Evaluation of {report['model']}", "",
              f"{report['problems']} problems ({report['data']}), {report['ranks']} rank(s), "
-             f"engine {report['engine']}, up to {report['max_new_tokens']} new tokens, verifiers "
-             f"{', '.join(report['verifiers'])}"
+             f"engine {report['engine']}, up to {report['max_new_tokens']} new tokens; accuracy by the built-in "
+             f"number verifier (the stated final answer; lenient: the last number), not reward.functions"
              + (f", environment {report['environment']} (episodes)" if report["environment"] != "none" else "")
              + ".", "", "| metric | value |", "|---|---|",
              f"| greedy accuracy (stated answer right) | {f['eval/accuracy']:.4f} |",

@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
     ("trainer.lrr=1e-5", r"trainer.lrr: colo_rl has no such option; did you mean trainer.lr\? \(trainer.lr=1e-5"),
     ("rollout.temprature=0.7", r"did you mean rollout.temperature\?"),
     ("+learning_rate=1e-5", r"learning_rate is TRL's option; colo_rl's is trainer.lr"),
+    ("rollout.n=4", r"rollout.n is verl's option; colo_rl's is rollout.group_size .*write rollout.group_size=4"),
+    ("trainer.n_gpus_per_node=8", r"colo_rl has none like it: the GPUs are torchrun's: --nproc_per_node=N. Drop it"),
+    ("trainer.project_name=x", r"set WANDB_PROJECT \(wandb\) or MLFLOW_EXPERIMENT_NAME"),
+    # a list option given a bare value failed in Hydra ("str is not a ListConfig"), once per rank
+    ("reward.functions=r.py:fn", r"reward.functions takes a list: write reward.functions=\[r.py:fn\]"),
+    ("logger=wandb", r"logger takes a list: write logger=\[wandb\]"),
 ])
 def test_a_peers_name_or_a_typo_is_refused_with_the_key_to_write(arg, message):
     with pytest.raises(ConfigError, match=message):
@@ -57,6 +63,9 @@ def test_a_peers_name_means_what_it_means_in_that_recipe():
 @pytest.mark.parametrize("arg,write", [
     ("report_to=wandb", "write logger=[jsonl,wandb]"),  # a list, jsonl kept
     ("report_to=none", "write logger=[jsonl]"),
+    ("trainer.logger=[console,wandb]", "write logger=[jsonl,wandb]"),  # verl's list: the console is always on
+    ("actor_rollout_ref.rollout.name=vllm", "set rollout.engine."),  # no vLLM: hf or sglang
+    ("actor_rollout_ref.rollout.name=sglang", "write rollout.engine=sglang"),
     ("loss_type=dr_grpo", "write algo.loss_agg=seq-mean-token-sum-norm"),
     ("scale_rewards=group", "write algo.scale_by_std=true"),
     ("scale_rewards=batch", "set algo.scale_by_std."),  # no such choice: no ready value

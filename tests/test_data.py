@@ -334,3 +334,12 @@ def test_grpo_with_every_prompt_over_length_says_what_to_change(tmp_path):
     assert proc.returncode == 2, out[-3000:]
     assert "error: no training prompt is left: all 8 are longer than data.max_prompt_tokens=5" in out, out[-3000:]
     assert "data.overlong_policy=truncate" in out and "Traceback" not in out
+
+
+def test_a_file_no_larger_than_the_held_out_split_is_refused_with_a_size_to_write(tmp_path):
+    """The default data.eval_size=200 refused a 20-record file with only "lower data.eval_size"."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("\n".join(json.dumps({"question": f"{i} + 1", "answer": str(i + 1)}) for i in range(20)))
+    with pytest.raises(DataError, match=r"has 20 records, not more than data.eval_size=200; lower data.eval_size "
+                                         r"\(e.g. data.eval_size=4, a fifth held out\), or data.eval_size=0"):
+        load_problems(DataConfig(path=str(path), eval_size=200))

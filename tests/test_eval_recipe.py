@@ -80,6 +80,11 @@ def test_model_path_may_name_a_run_directory(tmp_path):
     (stopped / "checkpoints" / "step-000004" / "COMPLETE").write_text("")
     with pytest.raises(CheckpointError, match=r"without checkpoint-final/.*step-000004.*python -m colo_rl.checkpoint"):
         hf_model_dir(str(stopped))
+    # a checkpoint itself: exported beside the run's checkpoints, not into the checkpoint's own directory
+    step = stopped / "checkpoints" / "step-000004"
+    with pytest.raises(CheckpointError, match=rf"is a training checkpoint .*python -m colo_rl.checkpoint {step} "
+                                              rf"{stopped / 'export-step-000004'}`"):
+        hf_model_dir(str(step))
 
 
 @pytest.mark.slow  # the embedded 135M model under DeepSpeed on 2 ranks, 8 problems x (1 + 4) completions: ~1 min

@@ -169,6 +169,21 @@ def test_weights_scale_each_source(user_file):
     assert res.rewards == pytest.approx([2.0 * 1 + 0.5 * 16 + 0.1, 0.5 * 4])
 
 
+def test_the_format_bonus_on_top_of_your_own_rewards_is_announced(user_file, caplog):
+    """reward.format_weight (0.1 by default) adds the built-in bonus for "The answer is N" to your own
+    functions' scores: a user who brings a reward function was not told (a new user's trial)."""
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        RewardScorer(RewardConfig(functions=[f"{user_file}:length"], format_weight=0.1))
+    (record,) = [r for r in caplog.records if "format_weight" in r.getMessage()]
+    assert "reward.format_weight=0.1 adds a bonus" in record.getMessage()
+    assert f"to what {user_file}:length scores; reward.format_weight=0 leaves" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        RewardScorer(RewardConfig(functions=[f"{user_file}:length"], format_weight=0.0))
+        RewardScorer(RewardConfig(functions=["math_verify"], format_weight=0.1))  # the built-in task's own bonus
+    assert not [r for r in caplog.records if "format_weight" in r.getMessage()]
+
+
 def test_record_fields_reach_the_function(user_file, tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": str(i), "difficulty": i}) for i in range(4)))

@@ -212,6 +212,12 @@ def hf_model_dir(path: str) -> str:
         checkpoint = checkpoint_to_export(p)
     except CheckpointError:
         return path
+    if checkpoint == p:  # a training checkpoint (DeepSpeed's state), not an HF model directory
+        run_dir = p.parent.parent if p.parent.name == CHECKPOINTS else p.parent
+        target = run_dir / f"export-{p.name}"
+        raise CheckpointError(f"model.path={path!r} is a training checkpoint (DeepSpeed's state), not an HF model "
+                              f"directory: export it first with `python -m colo_rl.checkpoint {p} {target}`, then "
+                              f"evaluate model.path={target}")
     raise CheckpointError(f"model.path={path!r} is a run directory without {FINAL_EXPORT}/ (the run stopped before "
                           f"its end): export its newest checkpoint ({checkpoint.name}) first with "
                           f"`python -m colo_rl.checkpoint {p} {p / FINAL_EXPORT}`, then evaluate")

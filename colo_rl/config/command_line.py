@@ -57,6 +57,12 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "trainer.save_freq": ("verl", "trainer.save_every", ""),
     "trainer.test_freq": ("verl", "trainer.eval_every", ""),
     "trainer.logger": ("verl", "logger", ""),
+    "trainer.experiment_name": ("verl", "run_name", ""),
+    "rollout.n": ("verl", "rollout.group_size", "verl's actor_rollout_ref.rollout.n"),
+    "actor_rollout_ref.rollout.name": ("verl", "rollout.engine", "hf or sglang"),
+    "algorithm.kl_ctrl.kl_coef": ("verl", "algo.kl_coef", "the KL in the reward with algo.kl_in_reward=true"),
+    "algorithm.kl_ctrl.target_kl": ("verl", "algo.kl_target", ""),
+    "algorithm.kl_ctrl.horizon": ("verl", "algo.kl_horizon", ""),
     "custom_reward_function.path": ("verl", "reward.functions", "as reward.functions=[path.py:name]"),
     "custom_reward_function.name": ("verl", "reward.functions", "as reward.functions=[path.py:name]"),
     # TRL (GRPOConfig's fields)
@@ -120,10 +126,12 @@ RECIPE_PEER_KEYS: dict[str, dict[str, tuple[str, str, str]]] = {
 
 
 def _loggers(value: str) -> str | None:
-    """TRL's report_to (one name, or none / all) as colo_rl's logger list, which always keeps jsonl."""
-    if value == "none":
-        return "[jsonl]"
-    return f"[jsonl,{value}]" if value in ("tensorboard", "wandb") else None
+    """TRL's report_to (one name, or none) or verl's trainer.logger list ([console,wandb]) as colo_rl's
+    logger list, which always keeps jsonl (the console is always on)."""
+    names = [v.strip(" '\"") for v in value.strip("[]").split(",") if v.strip(" '\"")]
+    if not names or any(n not in ("none", "console", "jsonl", "tensorboard", "wandb", "mlflow") for n in names):
+        return None
+    return "[" + ",".join(["jsonl"] + [n for n in names if n in ("tensorboard", "wandb", "mlflow")]) + "]"
 
 
 # How a peer's value reads as colo_rl's, where it does not carry over as it is; None: no ready value
@@ -132,13 +140,25 @@ _TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": 
                    "dr_grpo": "seq-mean-token-sum-norm"}
 PEER_VALUES = {
     "report_to": _loggers,
+    "trainer.logger": _loggers,
+    "actor_rollout_ref.rollout.name": lambda v: v if v in ("hf", "sglang") else None,
     "loss_type": lambda v: _TRL_LOSS_TYPES.get(v.strip("'\"")),
     "scale_rewards": lambda v: {"group": "true", "true": "true", "none": "false", "false": "false"}.get(v.lower()),
     "custom_reward_function.path": lambda v: f"[{v}:compute_score]",  # verl's default function name
     **{key: lambda v: None for key in (
-        "trainer.logger", "custom_reward_function.name", "reward_funcs", "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "custom_reward_function.name", "reward_funcs", "actor_rollout_ref.actor.ppo_mini_batch_size",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "data.micro_batch_size_per_gpu",
         "per_device_train_batch_size", "gradient_accumulation_steps")},
+}
+# verl's names for what colo_rl has no option for: what to do instead.
+NO_EQUIVALENT: dict[str, tuple[str, str]] = {
+    "trainer.n_gpus_per_node": ("verl", "the GPUs are torchrun's: --nproc_per_node=N"),
+    "trainer.nnodes": ("verl", "colo_rl runs on one node"),
+    "trainer.project_name": ("verl", "set WANDB_PROJECT (wandb) or MLFLOW_EXPERIMENT_NAME (mlflow) in the "
+                                     "environment"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": (
+        "verl", "the engine's memory is planned for each phase (colocate.paging, colocate.memory_margin_gib: "
+                "docs/paging.md)"),
 }
 # Every recipe's own peer names in one table (a name another recipe knows is never a typo here).
 ANY_RECIPES_PEER_KEYS = {k: v for keys in RECIPE_PEER_KEYS.values() for k, v in keys.items()}
@@ -160,6 +180,16 @@ def _known(key: str) -> bool:
     return any(".".join(parts[:n]) in OPTIONS or ".".join(parts[:n]) in FREE_KEYS for n in range(1, len(parts)))
 
 
+LIST_OPTIONS = ("reward.functions", "reward.weights", "logger", "eval.pass_k")  # a bare value is no list
+
+
+def _check_list_value(arg: str, key: str) -> None:
+    """`reward.functions=f.py:fn` (no brackets) failed in Hydra with "str is not a ListConfig", once per rank."""
+    value = arg.split("=", 1)[1].strip() if "=" in arg else None
+    if key in LIST_OPTIONS and value and not value.startswith("[") and value != "null":
+        raise ConfigError(f"{key} takes a list: write {key}=[{value}] (quoted in the shell: '{key}=[{value}]')")
+
+
 def override_key(arg: str) -> str | None:
     """The dotted key an override sets (`+x.y=1`, `~x.y`, `++x.y=1` -> `x.y`), or None for what is not
     a key override: Hydra's flags (`--multirun`, `-cn sft`), their values, `hydra.*`, `key@package`."""
@@ -179,8 +209,14 @@ def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     every_peer = {**PEER_KEYS, **ANY_RECIPES_PEER_KEYS}
     for arg in overrides:
         key = override_key(arg)
-        if key is None or _known(key):
+        if key is None:
             continue
+        if _known(key):
+            _check_list_value(arg, key)
+            continue
+        if key in NO_EQUIVALENT:
+            whose, instead = NO_EQUIVALENT[key]
+            raise ConfigError(f"{key} is {whose}'s option; colo_rl has none like it: {instead}. Drop it")
         value = arg.split("=", 1)[1] if "=" in arg else "..."
         if key in peers:
             whose, ours, note = peers[key]

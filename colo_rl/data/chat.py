@@ -278,7 +278,9 @@ def split_records(records: list[Record], data_cfg) -> tuple[list[Record], list[R
     data.train_size of it (the same records GRPO's `load_problems` picks), in the file's order."""
     if data_cfg.eval_size and len(records) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(records)} records, not more than "
-                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
+                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size (e.g. "
+                        f"data.eval_size={max(1, len(records) // 5)}, a fifth held out), or data.eval_size=0 for no "
+                        f"held-out evaluation")
     order = list(range(len(records)))
     random.Random(data_cfg.split_seed).shuffle(order)
     held = [records[i] for i in order[:data_cfg.eval_size]]

@@ -178,7 +178,9 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
         return train, held
     if len(problems) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
-                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size")
+                        f"data.eval_size={data_cfg.eval_size}; lower data.eval_size (e.g. "
+                        f"data.eval_size={max(1, len(problems) // 5)}, a fifth held out), or data.eval_size=0 for no "
+                        f"held-out evaluation")
     order = list(range(len(problems)))
     random.Random(data_cfg.split_seed).shuffle(order)
     held = [problems[i] for i in order[:data_cfg.eval_size]]
