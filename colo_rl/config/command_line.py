@@ -13,6 +13,7 @@ from typing import Iterable
 
 from colo_rl.config.validation import FREE_KEYS, OPTIONS
 from colo_rl.errors import ConfigError
+from colo_rl.rollout import ENGINES
 
 # A peer's option -> (whose, colo_rl's option, what else to know). The table a user reads is
 # docs/data.md's "Option names" (tests/test_command_line.py keeps the two in step).
@@ -141,7 +142,7 @@ _TRL_LOSS_TYPES = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": 
 PEER_VALUES = {
     "report_to": _loggers,
     "trainer.logger": _loggers,
-    "actor_rollout_ref.rollout.name": lambda v: v if v in ("hf", "sglang") else None,
+    "actor_rollout_ref.rollout.name": lambda v: v if v in ENGINES.names() else None,  # vllm: none here
     "loss_type": lambda v: _TRL_LOSS_TYPES.get(v.strip("'\"")),
     "scale_rewards": lambda v: {"group": "true", "true": "true", "none": "false", "false": "false"}.get(v.lower()),
     "custom_reward_function.path": lambda v: f"[{v}:compute_score]",  # verl's default function name
