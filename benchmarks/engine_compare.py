@@ -74,7 +74,7 @@ def sglang_overrides() -> list[str]:
 
 def run_summary(run_dir: Path) -> dict:
     """algorithms.summarise, plus each step's mismatch metrics and their means."""
-    from colo_rl.metrics import read_jsonl
+    from colo_rl.loggers import read_jsonl
 
     out = summarise(run_dir)
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("reward/mean") is not None]

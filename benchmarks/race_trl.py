@@ -102,7 +102,7 @@ def run_colo(args, work: Path) -> dict:
     load0 = len(common.LOAD.samples)
     _run(cmd, work / "colo_rl.log")
     wall = time.perf_counter() - t0
-    from colo_rl.metrics import read_jsonl
+    from colo_rl.loggers import read_jsonl
 
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("time/step") is not None]
     phases = {k: [r.get(f"time/{k}", 0.0) for r in rows]

@@ -72,7 +72,7 @@ def idle_shares(rows: list[dict], skip: int = 1) -> dict[str, float]:
 def run_summary(run_dir: Path) -> dict:
     """algorithms.summarise, the pools' idle shares, the staleness trained on and the drops, the
     weight sync's seconds, and (colocated) the bottleneck report's 1 + 1 split."""
-    from colo_rl.metrics import read_jsonl
+    from colo_rl.loggers import read_jsonl
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in rows if r.get("reward/mean") is not None]

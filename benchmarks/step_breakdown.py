@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     wall = run_recipe(overrides, mem)
     mem.stop()
 
-    from colo_rl.metrics import read_jsonl
+    from colo_rl.loggers import read_jsonl
     from omegaconf import OmegaConf
 
     from benchmarks.phase_switch import summarise

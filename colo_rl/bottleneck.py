@@ -28,7 +28,8 @@ import logging
 from typing import Callable, Iterable, Optional
 
 from colo_rl.errors import ConfigError
-from colo_rl.metrics import EVAL_SWITCH_KEYS, SAVE_SWITCH_KEYS, read_jsonl
+from colo_rl.loggers import read_jsonl
+from colo_rl.metrics import EVAL_SWITCH_KEYS, SAVE_SWITCH_KEYS
 from colo_rl.split.placement import split_layout as layout_of
 
 log = logging.getLogger("colo_rl")

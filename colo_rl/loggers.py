@@ -126,11 +126,31 @@ def wandb_mode(environ: Optional[dict] = None, netrc_path: Optional[Path] = None
         return "offline"
 
 
+def parse_rows(lines: list[str], path) -> list[Optional[dict]]:
+    """Each line of a metrics.jsonl as its row; None for a blank line and for a torn one (a write cut
+    by a full disk or a kill), which is logged, not raised: the rows around it stay readable."""
+    rows: list[Optional[dict]] = []
+    for n, line in enumerate(lines, 1):
+        row = None
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                log.warning("%s:%d: not a JSON row (a write cut short?), skipped: %.80s", path, n, line)
+        rows.append(row)
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [row for row in parse_rows(path.read_text().splitlines(), path) if row is not None]
+
+
 def rows_before(run_dir: Path, step: int) -> list[dict[str, Any]]:
     """metrics.jsonl's rows before `step`: what a writer that continues in a new run starts with."""
-    earlier = Path(run_dir) / "metrics.jsonl"
-    rows = [json.loads(line) for line in earlier.read_text().splitlines() if line.strip()] if earlier.exists() else []
-    return [r for r in rows if r.get("step", 0) < step]
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("step", 0) < step]
 
 
 class WandbWriter:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 from colo_rl import runtime
-from colo_rl.metrics import MetricsLogger, Progress, Timer, read_jsonl
+from colo_rl.loggers import read_jsonl
+from colo_rl.metrics import MetricsLogger, Progress, Timer
 from colo_rl.stop_signal import StopSignal
 
 log = logging.getLogger("colo_rl")

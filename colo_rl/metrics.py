@@ -194,28 +194,6 @@ def json_text(obj, indent: Optional[int] = 2) -> str:
     return json.dumps(finite(obj), indent=indent, allow_nan=False, default=float)
 
 
-def parse_rows(lines: list[str], path) -> list[Optional[dict]]:
-    """Each line of a metrics.jsonl as its row; None for a blank line and for a torn one (a write cut
-    by a full disk or a kill), which is logged, not raised: the rows around it stay readable."""
-    rows: list[Optional[dict]] = []
-    for n, line in enumerate(lines, 1):
-        row = None
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                log.warning("%s:%d: not a JSON row (a write cut short?), skipped: %.80s", path, n, line)
-        rows.append(row)
-    return rows
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [row for row in parse_rows(path.read_text().splitlines(), path) if row is not None]
-
-
 class RolloutLog:
     """<run_dir>/rollouts.jsonl (GRPO, `log_rollout_groups`): the first groups of rank 0's training
     batch every step, one line per completion: what the policy wrote and what it was paid. Read it,

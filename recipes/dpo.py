@@ -37,7 +37,8 @@ from colo_rl.config import register_configs
 from colo_rl.data.preference import load_preference_data
 from colo_rl.data.sampler import EpochSampler
 from colo_rl.evaluation import check_held_out_size, generates_for_accuracy, held_out_accuracy
-from colo_rl.metrics import StepSums, Timer, json_text, plot_curves, read_jsonl
+from colo_rl.loggers import read_jsonl
+from colo_rl.metrics import StepSums, Timer, json_text, plot_curves
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer
 from colo_rl.train.offline import empty_batch, equalise, pair_logps, pair_micro_batches, plan_steps, split_pair_logps

@@ -32,7 +32,8 @@ from colo_rl.data.sampler import EpochSampler
 from colo_rl.envs import build_environment
 from colo_rl.evaluation import (check_held_out_size, eval_metrics, evaluate_shard, held_out_accuracy, reported,
                                 switch_seconds_paid)
-from colo_rl.metrics import SAVE_SWITCH_KEYS, MetricsLogger, RolloutLog, Timer, json_text, plot_curves, read_jsonl
+from colo_rl.loggers import read_jsonl
+from colo_rl.metrics import SAVE_SWITCH_KEYS, MetricsLogger, RolloutLog, Timer, json_text, plot_curves
 from colo_rl.models import load_tokenizer
 from colo_rl.rewards import RewardScorer, add_source, model_weight
 from colo_rl.rollout.base import SamplingParams

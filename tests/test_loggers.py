@@ -14,8 +14,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from colo_rl.config import ConfigError, RunConfig, validate
-from colo_rl.loggers import LOGGERS, wandb_mode
-from colo_rl.metrics import MetricsLogger, read_jsonl
+from colo_rl.loggers import LOGGERS, read_jsonl, wandb_mode
+from colo_rl.metrics import MetricsLogger
 
 CONFIG = {"trainer": {"lr": 0.001, "seed": 7}, "logger": ["jsonl", "tensorboard", "wandb"]}
 ROWS = [(0, {"eval/accuracy": 0.25, "note": "text is kept in jsonl only"}),

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from colo_rl import loop
-from colo_rl.metrics import MetricsLogger, read_jsonl
+from colo_rl.loggers import read_jsonl
+from colo_rl.metrics import MetricsLogger
 
 
 class Script:

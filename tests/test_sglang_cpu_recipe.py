@@ -12,7 +12,7 @@ import pytest
 import sglang_cpu
 from conftest import ROOT, WORKERS, hydra_dict, run_torchrun
 
-from colo_rl.metrics import read_jsonl
+from colo_rl.loggers import read_jsonl
 
 # the longest end-to-end files: not in `make test`, in `make test-e2e` (CI runs both)
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]

@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from colo_rl import dist
 from colo_rl.checkpoint.compat import capture_rng, compare_configs, config_container, restore_rng
 from colo_rl.errors import CheckpointError
-from colo_rl.metrics import clean_value, parse_rows, read_jsonl
+from colo_rl.loggers import parse_rows, read_jsonl
+from colo_rl.metrics import clean_value
 
 log = logging.getLogger("colo_rl")
 
