@@ -33,6 +33,11 @@ LATE_KINDS = ("lp_params",)  # paged after the handoff when the plan's handoff_f
 UNCOPIED_KINDS = ("contiguous_grad_buffer",)
 
 
+def copied_bytes(actor, kinds) -> int:
+    """The bytes a page-out or reload of `kinds` copies (UNCOPIED_KINDS left out)."""
+    return actor.paged_bytes(tuple(k for k in kinds if k not in UNCOPIED_KINDS))
+
+
 def freeze_collector() -> dict:
     """Collect, then move every object alive now into the collector's permanent generation
     (`gc.freeze`), so later full collections skip them. Returns {"frozen_objects", "seconds"}.
@@ -144,7 +149,7 @@ class MemoryManager:
             later = LATE_KINDS if self.handoff_first else ()
             first = tuple(k for k in self.actor.paged_kinds if k not in later)
             with t.move("trainer states", "device", "host", self.actor.paged_bytes(first)) as m:
-                m["copied_bytes"] = self.actor.paged_bytes(tuple(k for k in first if k not in UNCOPIED_KINDS))
+                m["copied_bytes"] = copied_bytes(self.actor, first)
                 m["moved"] = bool(self.actor.offload_states(first))
                 m["kinds"] = list(first)
                 # the update's activations stay reserved in the trainer's caching allocator unless
@@ -193,8 +198,7 @@ class MemoryManager:
                 with t.move("engine KV cache + weights (release)", "device", "none") as m:
                     m["bytes"] = self.engine.sleep(ALL_TAGS)
             with t.move("trainer states", "host", "device", self.actor.paged_bytes()) as m:
-                m["copied_bytes"] = self.actor.paged_bytes(tuple(k for k in self.actor.paged_kinds
-                                                                 if k not in UNCOPIED_KINDS))
+                m["copied_bytes"] = copied_bytes(self.actor, self.actor.paged_kinds)
                 m["moved"] = self.actor.reload_states()
             for model in self.frozen:
                 with t.move(model.name, "host", "device", model.state_bytes()) as m:

@@ -51,13 +51,12 @@ class RewardScorer:
         self.weights: Optional[list[float]] = ([float(w) for w in reward_cfg.weights[:len(self.sources)]]
                                                if reward_cfg.weights else None)
         self.format_weight = reward_cfg.format_weight
-        if self.format_weight and any(src.file is not None for src in self.sources):
+        yours = [src.label for src in self.sources if src.file is not None]
+        if self.format_weight and yours:
             # the built-in bonus for a stated answer goes on top of your own scores: say so once
             log.warning("reward: reward.format_weight=%g adds a bonus for an answer stated as 'The answer is N' "
                         "(or '#### N', \\boxed{N}) to what %s score%s; reward.format_weight=0 leaves your "
-                        "functions' scores alone", self.format_weight,
-                        ", ".join(src.label for src in self.sources if src.file is not None),
-                        "" if sum(src.file is not None for src in self.sources) > 1 else "s")
+                        "functions' scores alone", self.format_weight, ", ".join(yours), "" if len(yours) > 1 else "s")
         self.max_failure_rate = reward_cfg.max_failure_rate
         self.workers = reward_cfg.workers
         # The user's file functions go to the pool; registered functions are colo_rl's (or the
