@@ -64,29 +64,24 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32).contiguous())
 
 
-def group_block_mask(segments: torch.Tensor, prompt_end: int, rule):
-    """The BlockMask of `group_attention`'s rule (`rule`, its mask_mod), built as `create_block_mask`
-    builds it (blocks past L padded as masked, full blocks apart from partial ones) but a band of
-    query blocks at a time: O(band x L) working memory, not O(L^2)."""
+def banded_block_mask(rule, B: int, L: int, device):
+    """The BlockMask of the mask_mod `rule` over [B, L] rows, built as `create_block_mask` builds it
+    (blocks past L padded as masked, full blocks apart from partial ones) but a band of query blocks
+    at a time: O(band x L) working memory, not O(L^2). `rule` is evaluated on broadcast index
+    tensors (positions past L clamped to L - 1, then masked)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    B, L = segments.shape
     n_blocks = -(-L // FLEX_BLOCK)
     Lp = n_blocks * FLEX_BLOCK
-    seg = torch.full((B, Lp), -(Lp + 1), dtype=segments.dtype, device=segments.device)
-    seg[:, :L] = segments
-    k = torch.arange(Lp, device=segments.device)
-    k_valid = k < L
-    partial = torch.empty((B, 1, n_blocks, n_blocks), dtype=torch.bool, device=segments.device)
+    b = torch.arange(B, device=device)[:, None, None]
+    k = torch.arange(Lp, device=device)[None, None, :]
+    partial = torch.empty((B, 1, n_blocks, n_blocks), dtype=torch.bool, device=device)
     full = torch.empty_like(partial)
     band = max(1, BAND_ELEMENTS // (FLEX_BLOCK * Lp * B))  # query blocks per pass
     for qb in range(0, n_blocks, band):
-        q = torch.arange(qb * FLEX_BLOCK, min(n_blocks, qb + band) * FLEX_BLOCK, device=segments.device)
-        seg_q, seg_k = seg[:, q, None], seg[:, None, :]
-        allowed = ((k[None, None, :] <= q[None, :, None]) & (seg_q == seg_k)) \
-            | ((q[None, :, None] >= prompt_end) & (seg_k == 0))
-        allowed &= (q[:, None] < L) & k_valid[None, :]
-        tiles = allowed.view(B, -1, FLEX_BLOCK, n_blocks, FLEX_BLOCK)
+        q = torch.arange(qb * FLEX_BLOCK, min(n_blocks, qb + band) * FLEX_BLOCK, device=device)[None, :, None]
+        allowed = rule(b, 0, q.clamp(max=L - 1), k.clamp(max=L - 1)) & (q < L) & (k < L)
+        tiles = allowed.expand(B, -1, -1).reshape(B, -1, FLEX_BLOCK, n_blocks, FLEX_BLOCK)
         some, every = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
         partial[:, 0, qb:qb + band] = some & ~every
         full[:, 0, qb:qb + band] = every
@@ -111,13 +106,13 @@ def group_attention(segments: torch.Tensor, prompt_end: int, dtype: torch.dtype,
     flash kernel. flex=True: a FlexAttention BlockMask (model.attn_implementation=flex_attention):
     per 128 x 128 block whether it is empty, full or partial, O((L/128)^2); the kernel skips empty
     blocks and evaluates the rule above inside partial ones. The blocks are classified a band of
-    query rows at a time (`group_block_mask`): torch's eager `create_block_mask` evaluates the rule
+    query rows at a time (`banded_block_mask`): torch's eager `create_block_mask` evaluates the rule
     at all L^2 pairs at once (0.8 GiB for one 8k-token row on the CPU)."""
     if flex:
         def rule(b, h, q, k):
             return ((k <= q) & (segments[b, q] == segments[b, k])) | ((q >= prompt_end) & (segments[b, k] == 0))
 
-        return group_block_mask(segments, prompt_end, rule)
+        return banded_block_mask(rule, *segments.shape, segments.device)
     mask = block_causal_mask(segments, dtype)
     mask[:, :, prompt_end:, :prompt_end] = torch.where(segments[:, None, :prompt_end] == 0, 0.0,
                                                        torch.finfo(dtype).min)[:, :, None, :]
