@@ -17,39 +17,72 @@ log = logging.getLogger("colo_rl")
 def evaluate(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
              max_new_tokens: int, multiturn=None, problems: Optional[list] = None) -> dict[str, float]:
     """Strict accuracy (the stated final answer is right), lenient accuracy (the last number is
-    right), the share of answers stated in the required format, and mean response length.
-    `multiturn` (a MultiTurnRollout): episodes with the environment, scored on the policy's text;
-    `problems` (one per prompt) are what its sessions start from."""
+    right), the share of answers stated in the required format, and mean response length; with
+    reward functions of the user's own, each one's mean score. `multiturn` (a MultiTurnRollout):
+    episodes with the environment, scored on the policy's text; `problems` (one per prompt) are what
+    its sessions start from, and their record fields the user's reward functions read."""
     sums, samples = evaluate_shard(engine, tokenizer, prompt_ids, answers, scorer, max_new_tokens, multiturn, problems)
     return eval_metrics(dist.all_reduce_sum(sums), samples)
 
 
 def evaluate_shard(engine, tokenizer, prompt_ids: list[list[int]], answers: list[str], scorer,
                    max_new_tokens: int, multiturn=None, problems: Optional[list] = None
-                   ) -> tuple[list[float], list[dict]]:
+                   ) -> tuple[dict[str, float], list[dict]]:
     """This rank's share (dist.shard) greedily decoded and scored, not reduced over ranks: the sums
-    [problems, correct, lenient, formatted, response tokens] and up to 3 samples. A split run's
-    generation ranks send these to the trainer, which adds them up (colo_rl/split/pools.py)."""
+    (problems, correct, lenient, formatted, response tokens; with the user's reward functions each
+    one's score and the failed calls) and up to 3 samples. Every rank has the same keys, an empty
+    share too. A split run's generation ranks send these to the trainer, which adds them up
+    (colo_rl/split/pools.py)."""
     local_ids, local_answers = dist.shard(prompt_ids), dist.shard(answers)
     params = SamplingParams(max_new_tokens=max_new_tokens, greedy=True)
     completions = generate_completions(engine, local_ids, params, multiturn, dist.shard(problems) if problems else None)
     # An empty share (fewer held-out problems than ranks) scores nothing: no decoded empty string.
     completions = completions[:len(local_ids)]
     texts = policy_texts(tokenizer, completions) if completions else []
-    res = scorer.verify(texts, local_answers)  # correctness only: no reward function is called
-    sums = [float(len(texts)), float(sum(res.correct)), float(sum(res.correct_lenient)), float(sum(res.formatted)),
-            float(sum(len(c.token_ids) for c in completions))]
+    res = scorer.verify(texts, local_answers)  # correctness: the built-in verifier
+    sums = {"count": float(len(texts)), "correct": float(sum(res.correct)),
+            "lenient": float(sum(res.correct_lenient)), "formatted": float(sum(res.formatted)),
+            "response_tokens": float(sum(len(c.token_ids) for c in completions))}
+    sums.update(own_reward_sums(scorer, texts, local_answers, dist.shard(problems) if problems else None))
     return sums, [{"completion": t, "answer": a} for t, a in zip(texts[:3], local_answers[:3])]
 
 
-def eval_metrics(sums: list[float], samples: list[dict]) -> dict[str, float]:
-    """The held-out metrics from the sums over every rank's share (evaluate_shard's order)."""
-    n, correct, lenient, formatted, length = sums
+def own_reward_sums(scorer, texts: list[str], answers: list[str], problems: Optional[list]) -> dict[str, float]:
+    """The user's reward functions (reward.functions entries that are files) on the held-out
+    completions: each one's summed unweighted score and the failed calls. A call that raises,
+    returns NaN or times out scores 0 and is counted (eval/reward_failures), not fatal: an
+    evaluation at the end of a long run is not lost to one bad answer. Nothing without such functions."""
+    names = scorer.own_source_metrics()
+    if not names:
+        return {}
+    sums = {f"reward_source/{name}": 0.0 for name in names}
+    sums["reward_failures"] = 0.0
+    if texts:
+        fields = [p.fields for p in problems] if problems else None
+        scored = scorer.score(texts, answers, fields, failure_limit=1.0)
+        for name in names:
+            sums[f"reward_source/{name}"] = float(sum(scored.per_source[name]))
+        sums["reward_failures"] = float(scored.failures)
+        if scored.failures:
+            log.warning("held-out evaluation: %d reward call(s) failed and scored 0; first: %s", scored.failures,
+                        scored.failure_messages[0])
+    return sums
+
+
+def eval_metrics(sums: dict[str, float], samples: list[dict]) -> dict[str, float]:
+    """The held-out metrics from the sums over every rank's share (evaluate_shard's keys)."""
+    n = sums["count"]
     if n == 0:  # no held-out problems at all: nothing to report (callers skip evaluation then)
         return {"eval/count": 0.0, "eval/samples": []}
-    return {"eval/accuracy": correct / n, "eval/accuracy_lenient": lenient / n,
-            "eval/format_rate": formatted / n, "eval/response_len": length / n, "eval/count": n,
-            "eval/samples": samples}
+    out = {"eval/accuracy": sums["correct"] / n, "eval/accuracy_lenient": sums["lenient"] / n,
+           "eval/format_rate": sums["formatted"] / n, "eval/response_len": sums["response_tokens"] / n,
+           "eval/count": n}
+    out.update({f"eval/reward_source/{k.removeprefix('reward_source/')}": v / n for k, v in sums.items()
+                if k.startswith("reward_source/")})
+    if "reward_failures" in sums:
+        out["eval/reward_failures"] = sums["reward_failures"]
+    out["eval/samples"] = samples
+    return out
 
 
 def check_held_out_size(n: int, world: int) -> bool:
@@ -111,9 +144,11 @@ def reported(res: dict, step: int, prefix: str = "eval/") -> dict[str, float]:
     """`evaluate`'s result logged (one line) and named `prefix` + name, its samples left out."""
     samples = res.pop("eval/samples")
     example = f"; e.g. {samples[0]['completion'][:120]!r} for answer {samples[0]['answer']}" if samples else ""
-    log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f) on %d held-out problems%s",
+    own = "".join(f", {k.removeprefix('eval/reward_source/')} {v:.3f}" for k, v in res.items()
+                  if k.startswith("eval/reward_source/"))  # the user's reward functions' means
+    log.info("%s @ step %d: accuracy %.3f (lenient %.3f, format %.3f%s) on %d held-out problems%s",
              prefix.rstrip("/"), step, res["eval/accuracy"], res["eval/accuracy_lenient"], res["eval/format_rate"],
-             int(res["eval/count"]), example)
+             own, int(res["eval/count"]), example)
     return {prefix + k.removeprefix("eval/"): v for k, v in res.items()}
 
 

@@ -7,8 +7,8 @@
 The pieces training uses: the rollout engine (rollout.engine=hf|sglang) gets its weights from a frozen
 ZeRO-3 copy of the model through the weight handoff, prompts are built by the data pipeline, answers
 are checked by the built-in number verifier (strict: the stated final answer is right; lenient: the
-last number), not by reward.functions. Every rank takes its share
-of the problems. Greedy: one completion per problem (rollout.eval_max_new_tokens). Sampled:
+last number); the functions of your own in reward.functions (files) are reported beside it, each
+one's mean score on the greedy answers. Every rank takes its share of the problems. Greedy: one completion per problem (rollout.eval_max_new_tokens). Sampled:
 eval.samples completions per problem at rollout.temperature / rollout.top_p; pass@k per problem
 by the unbiased estimator, averaged. With an environment (env=calculator, env=retry,
 env.name=path/to/file.py:Name) every completion is an episode, as in training, and the greedy
@@ -71,7 +71,7 @@ def run_eval(ctx) -> dict:
             plain = PromptBuilder(tokenizer, cfg.data)
             alone = plain.encode_all(kept_problems)
             once = evaluate(colo.engine, tokenizer, [ids for _, ids in alone], [p.answer for p, _ in alone], scorer,
-                            cfg.rollout.eval_max_new_tokens)
+                            cfg.rollout.eval_max_new_tokens, problems=[p for p, _ in alone])
             figures.update({"eval_no_tools/" + k.removeprefix("eval/"): v for k, v in once.items()
                             if k != "eval/samples"})
         if cfg.eval.samples:
@@ -89,7 +89,8 @@ def run_eval(ctx) -> dict:
               "environment": cfg.env.name,
               "samples": cfg.eval.samples, "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
               "accuracy_by": "the built-in number verifier (strict: the stated final answer; lenient: the last "
-                             "number), not reward.functions", "figures": figures, "seconds": seconds,
+                             "number), not reward.functions",
+              "reward_functions": scorer.own_source_metrics(), "figures": figures, "seconds": seconds,
               "examples": greedy["eval/samples"]}
     if cfg.eval.samples:
         report["per_problem"] = [{"id": p.id, "answer": p.answer, "correct": c, "samples": n}
@@ -109,6 +110,10 @@ def markdown(report: dict) -> str:
              f"| greedy accuracy, lenient (last number right) | {f['eval/accuracy_lenient']:.4f} |",
              f"| greedy answers in the required format | {f['eval/format_rate']:.4f} |",
              f"| greedy mean response length (tokens) | {f['eval/response_len']:.1f} |"]
+    lines += [f"| greedy mean score of your reward function {k.removeprefix('eval/reward_source/')} (unweighted) "
+              f"| {v:.4f} |" for k, v in f.items() if k.startswith("eval/reward_source/")]
+    if f.get("eval/reward_failures"):
+        lines += [f"| reward calls that failed (scored 0) | {int(f['eval/reward_failures'])} |"]
     if "eval_no_tools/accuracy" in f:
         lines += [f"| greedy accuracy without the environment (one answer) | {f['eval_no_tools/accuracy']:.4f} |"]
     if report["samples"]:

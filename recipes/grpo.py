@@ -173,7 +173,8 @@ class GRPORecipe:
         if self.eval_no_tools:
             out.update(held_out_accuracy(self.colo, self.tokenizer, [ids for _, ids in self.eval_no_tools],
                                          [p.answer for p, _ in self.eval_no_tools], self.scorer,
-                                         self.cfg.rollout.eval_max_new_tokens, step, prefix="eval_no_tools/"))
+                                         self.cfg.rollout.eval_max_new_tokens, step, prefix="eval_no_tools/",
+                                         problems=[p for p, _ in self.eval_no_tools]))
         return out
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -212,7 +213,7 @@ class GRPORecipe:
         rollout = self.rollout(policy_version=version)
         return rollout, self.timer.pop()
 
-    def evaluate_shard(self, version: int) -> dict[str, tuple[list[float], list[dict]]]:
+    def evaluate_shard(self, version: int) -> dict[str, tuple[dict[str, float], list[dict]]]:
         """A generation rank's share of the held-out evaluations of the weights of `version` (split
         placement), per metric prefix as `evaluate` names them: the trainer adds up every
         generator's share, as a colocated run's ranks do."""

@@ -115,14 +115,25 @@ def test_evaluating_a_run_directory_of_the_embedded_model(tmp_path):
 def test_evaluating_with_an_environment_gives_episodes_and_the_single_answer_figures(tmp_path):
     """env=retry: greedy episodes (a wrong answer is told so and tried again), beside the same problems
     answered once. Greedy first turns are the same in both, and the verifier reads the last stated
-    answer, so a retry can only add right answers."""
+    answer, so a retry can only add right answers. A reward function of the user's own, which needs
+    a record field, is reported beside the verifier's accuracy in both."""
     out = tmp_path / "eval"
+    (tmp_path / "mine.py").write_text("def score(completion, truth, question):\n"  # the truth anywhere in the text
+                                      "    return 1.0 if question and truth in completion else 0.0\n")
     run_torchrun(ROOT / "recipes" / "eval.py",
                  ["model.dtype=fp32", "env=retry", "data.eval_size=8", "rollout.eval_max_new_tokens=40",
-                  "eval.samples=2", "eval.pass_k=[1,2]", "logger=[jsonl]", f"run_dir={out}"], timeout=900)
+                  "eval.samples=2", "eval.pass_k=[1,2]", "logger=[jsonl]", f"run_dir={out}",
+                  f"reward.functions=[{tmp_path}/mine.py:score]"], timeout=900)
     report = json.loads((out / "eval.json").read_text())
     f = report["figures"]
     assert report["environment"] == "retry" and report["problems"] == 8
+    assert report["reward_functions"] == ["mine:score"]
+    for prefix in ("eval/", "eval_no_tools/"):  # the field reached the function: no call failed
+        assert f[prefix + "reward_failures"] == 0
+        assert f[prefix + "accuracy"] <= f[prefix + "reward_source/mine:score"] <= 1  # a right stated answer holds it
+    assert "| greedy mean score of your reward function mine:score" in (out / "eval.md").read_text()
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert not undocumented([row]), f"add these to docs/metrics.md: {undocumented([row])}"
     assert f["eval/accuracy"] >= f["eval_no_tools/accuracy"]
     assert f["eval_no_tools/response_len"] <= 40 < f["eval/response_len"]  # one turn is capped at 40: episodes went on
     assert f["eval/sampled_response_len"] > 40 and f["eval/pass@1"] <= f["eval/pass@2"]  # samples are episodes too

@@ -93,8 +93,8 @@ def run_pools(monkeypatch, k, policy, steps=6, gen_s=0.01, update_s=0.03, sync_e
     def evaluate_shard(version):
         assert engine.version == version  # evaluated with the weights it names
         time.sleep(gen_s)
-        return {"eval/": ([10.0, float(version)], [{"completion": f"v{version}", "answer": "1"}]),
-                "eval_no_tools/": ([4.0, 2.0 * version], [])}
+        return {"eval/": ({"count": 10.0, "correct": float(version)}, [{"completion": f"v{version}", "answer": "1"}]),
+                "eval_no_tools/": ({"count": 4.0, "correct": 2.0 * version}, [])}
 
     def evaluates(version):
         return bool(eval_every) and (version == 0 or loop.eval_due(version, steps, eval_every))
@@ -162,8 +162,8 @@ def test_generators_evaluate_exactly_the_versions_the_loop_asks_for(monkeypatch,
     assert sorted(evals) == [0, 2, 4, 6]
     for version, shares in evals.items():
         (sums, samples), (no_tools, _) = shares["eval/"], shares["eval_no_tools/"]
-        assert sums == [10.0, float(version)] and samples[0]["completion"] == f"v{version}"
-        assert no_tools == [4.0, 2.0 * version]  # each prefix summed on its own
+        assert sums == {"count": 10.0, "correct": float(version)} and samples[0]["completion"] == f"v{version}"
+        assert no_tools == {"count": 4.0, "correct": 2.0 * version}  # each prefix summed on its own
     assert slots == 6 and unused == 0 and len(made) == 6
     assert [r["split/policy_version"] <= i for i, r in enumerate(rows)] == [True] * 6
     assert all(r["split/staleness_max"] <= k for r in rows)

@@ -277,7 +277,7 @@ def test_evaluate_counts_only_real_held_out_problems(monkeypatch, rank, problems
 
     monkeypatch.setattr(dist, "rank", lambda: rank)
     monkeypatch.setattr(dist, "world_size", lambda: 2)
-    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])  # this rank's share only
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda sums: dict(sums))  # this rank's share only
     res = evaluate(_Engine(), _Tokenizer(), [[1, 2]] * problems, ["3"] * problems, RewardScorer(RewardConfig()), 8)
     assert res["eval/count"] == count
     assert ("eval/accuracy" in res) == bool(count)
@@ -293,7 +293,7 @@ def test_held_out_log_line_shows_an_example_beside_its_answer(monkeypatch, caplo
     from colo_rl.evaluation import held_out_accuracy
     from colo_rl.rewards import RewardScorer
 
-    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda sums: dict(sums))
     colo = SimpleNamespace(engine=_Engine(), switch=SimpleNamespace(generation=contextlib.nullcontext,
                                                                   timed_phase_seconds=dict))
     with caplog.at_level(logging.INFO, logger="colo_rl"):
@@ -301,6 +301,44 @@ def test_held_out_log_line_shows_an_example_beside_its_answer(monkeypatch, caplo
     assert res["eval/accuracy"] == 0.0 and res["eval/count"] == 1.0
     assert caplog.records[-1].getMessage() == ("eval @ step 5: accuracy 0.000 (lenient 0.000, format 1.000) on 1 "
                                                "held-out problems; e.g. 'The answer is 3.' for answer 4")
+
+
+def test_held_out_evaluation_reports_the_users_own_reward_functions(monkeypatch, tmp_path, caplog):
+    """A run trained on reward functions of its own sees them on the held-out answers too
+    (eval/reward_source/<name>, unweighted means, with the record fields): accuracy stays the
+    built-in verifier's. A call that fails scores 0 and is counted, and the evaluation goes on; an
+    empty share reports the same keys (the ranks' collectives line up)."""
+    import logging
+
+    from colo_rl import dist
+    from colo_rl.config import RewardConfig
+    from colo_rl.data.prompts import Problem
+    from colo_rl.evaluation import evaluate, evaluate_shard
+    from colo_rl.rewards import RewardScorer
+
+    (tmp_path / "mine.py").write_text(
+        "def score(completion, truth, bonus=0.0):\n"
+        "    if bonus < 0:\n"
+        "        raise ValueError('negative bonus')\n"
+        "    return 0.5 + bonus if completion.endswith('3.') else 0.0\n")
+    scorer = RewardScorer(RewardConfig(functions=[f"{tmp_path}/mine.py:score", "math_verify"], weights=[2.0, 1.0]))
+    problems = [Problem("a", "q", "3", fields={"bonus": 0.25}), Problem("b", "q", "3", fields={"bonus": -1.0}),
+                Problem("c", "q", "4", fields={"bonus": 0.0})]
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda sums: dict(sums))
+    with caplog.at_level(logging.WARNING, logger="colo_rl"):
+        res = evaluate(_Engine(), _Tokenizer(), [[1, 2]] * 3, ["3", "3", "4"], scorer, 8, problems=problems)
+    assert res["eval/reward_source/mine:score"] == pytest.approx((0.75 + 0.0 + 0.5) / 3)
+    assert res["eval/reward_failures"] == 1.0
+    assert res["eval/accuracy"] == pytest.approx(2 / 3)  # the verifier, not the functions
+    assert "eval/reward_source/math_verify" not in res  # the built-in ones are accuracy already
+    assert "negative bonus" in caplog.text
+    monkeypatch.setattr(dist, "rank", lambda: 0)  # 1 problem on 2 ranks: rank 0's share is empty
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    empty, _ = evaluate_shard(_Engine(), _Tokenizer(), [[1, 2]], ["3"], scorer, 8, problems=problems[:1])
+    assert empty == {"count": 0.0, "correct": 0.0, "lenient": 0.0, "formatted": 0.0, "response_tokens": 0.0,
+                     "reward_source/mine:score": 0.0, "reward_failures": 0.0}
+    plain, _ = evaluate_shard(_Engine(), _Tokenizer(), [[1, 2]], ["3"], RewardScorer(RewardConfig()), 8)
+    assert set(plain) == {"count", "correct", "lenient", "formatted", "response_tokens"}
 
 
 def test_an_evaluation_reports_the_switch_into_generation_it_paid(monkeypatch):
@@ -323,7 +361,7 @@ def test_an_evaluation_reports_the_switch_into_generation_it_paid(monkeypatch):
         def to_train(self, step):
             return {"seconds": 0.5, "moves": []}
 
-    monkeypatch.setattr(dist, "all_reduce_sum", lambda xs: [float(x) for x in xs])
+    monkeypatch.setattr(dist, "all_reduce_sum", lambda sums: dict(sums))
     switch = PhaseSwitcher(Manager(), PhaseGuard())
     switch.begin_step(3)
     with switch.generation():

@@ -14,7 +14,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from colo_rl.errors import RewardError
+from colo_rl import dist
+from colo_rl.errors import USER_CODE_FAILURES, RewardError, failure_text
 from colo_rl.rewards.pool import Call, RewardPool
 from colo_rl.rewards.sources import RewardSource, resolve_sources, source_metric, split_spec
 from colo_rl.rewards.verifiers import answers_match, extract_final_answer, extract_last_number, is_number_literal
@@ -52,7 +53,7 @@ class RewardScorer:
                                                if reward_cfg.weights else None)
         self.format_weight = reward_cfg.format_weight
         yours = [src.label for src in self.sources if src.file is not None]
-        if self.format_weight and yours:
+        if self.format_weight and yours and dist.is_rank0():
             # the built-in bonus for a stated answer goes on top of your own scores: say so once
             log.warning("reward: reward.format_weight=%g adds a bonus for an answer stated as 'The answer is N' "
                         "(or '#### N', \\boxed{N}) to what %s score%s; reward.format_weight=0 leaves your "
@@ -80,13 +81,10 @@ class RewardScorer:
         if not any(s.file is not None for s in self.sources) or not truths:
             return  # the registered functions are colo_rl's own
         where = f"the reward check on {len(truths)} record(s) of the data ({', '.join(origins)})"
-        limit, self.max_failure_rate = self.max_failure_rate, 1.0
         try:
-            res = self.score([f"The answer is {t}." for t in truths], truths, fields)
+            res = self.score([f"The answer is {t}." for t in truths], truths, fields, failure_limit=1.0)
         except RewardError as e:
             raise RewardError(f"{where}: {e}") from None
-        finally:
-            self.max_failure_rate = limit
         for src in self.sources:
             failed = [m for m in res.failure_messages if m.startswith(f"{src.where}: ")]
             if len(failed) == len(truths):
@@ -106,6 +104,11 @@ class RewardScorer:
                         f" and {builtin} score them 0" if builtin else "")
         return len(bad)
 
+    def own_source_metrics(self) -> list[str]:
+        """The metric names (reward_source/<name>) of the user's own functions: reward.functions
+        entries that are files, in order."""
+        return [source_metric(s) for s in self.sources if s.file is not None]
+
     def verify(self, completions: list[str], truths: list[str]) -> RewardResult:
         """Correctness and format only (held-out evaluation): no reward source is called."""
         return RewardResult(
@@ -115,10 +118,11 @@ class RewardScorer:
             formatted=[extract_final_answer(t) is not None for t in completions],
         )
 
-    def score(self, completions: list[str], truths: list[str],
-              fields: Optional[list[dict[str, Any]]] = None) -> RewardResult:
+    def score(self, completions: list[str], truths: list[str], fields: Optional[list[dict[str, Any]]] = None,
+              failure_limit: Optional[float] = None) -> RewardResult:
         """Rewards of the completions; `fields`: each completion's record fields (the user's functions'
-        keyword arguments)."""
+        keyword arguments). Failed calls beyond `failure_limit` (default reward.max_failure_rate) of
+        the batch's raise RewardError; a wrong return type always does."""
         n = len(completions)
         fields = fields if fields is not None else [{} for _ in range(n)]
         values = [[0.0] * n for _ in self.sources]
@@ -143,10 +147,11 @@ class RewardScorer:
         if self.format_weight:
             rewards = [r + self.format_weight * f for r, f in zip(rewards, res.formatted)]
         n_calls = max(1, n * len(self.sources))
-        if len(failed) / n_calls > self.max_failure_rate:
+        limit = self.max_failure_rate if failure_limit is None else failure_limit
+        if len(failed) / n_calls > limit:
             raise RewardError(
                 f"{len(failed)}/{n_calls} reward calls failed in this batch (> reward.max_failure_rate="
-                f"{self.max_failure_rate}); first: {failed[0]}"
+                f"{limit}); first: {failed[0]}"
             )
         res.rewards, res.failures, res.failure_messages = rewards, len(failed), failed
         res.per_source = {source_metric(s): values[k] for k, s in enumerate(self.sources)}
@@ -159,16 +164,16 @@ class RewardScorer:
                 out[:] = src.call(completions, truths, fields)
             except RewardError:
                 raise
-            except Exception as e:  # noqa: BLE001 - isolated: the batch's scores from this source are 0
-                failed.extend([f"{src.where}: {type(e).__name__}: {e}"] * len(completions))
+            except USER_CODE_FAILURES as e:  # isolated: the batch's scores from this source are 0
+                failed.extend([f"{src.where}: {failure_text(e)}"] * len(completions))
             return
         for i, (c, t, f) in enumerate(zip(completions, truths, fields)):
             try:
                 out[i] = src.call([c], [t], [f])[0]
             except RewardError:
                 raise
-            except Exception as e:  # noqa: BLE001 - isolated: this sample scores 0
-                failed.append(f"{src.where}: {type(e).__name__}: {e}")
+            except USER_CODE_FAILURES as e:  # isolated: this sample scores 0
+                failed.append(f"{src.where}: {failure_text(e)}")
 
     def _score_in_pool(self, completions, truths, fields, values, failed: list[str]) -> None:
         """The pooled sources' calls: one per sample (per-sample functions) or one per worker's share

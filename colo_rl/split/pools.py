@@ -70,11 +70,11 @@ class HeldOutShare:
     prefix ("eval/", and "eval_no_tools/" where an environment's tools are also left out),
     colo_rl.evaluation.evaluate_shard's sums and samples."""
     version: int
-    results: dict[str, tuple[list[float], list[dict]]]
+    results: dict[str, tuple[dict[str, float], list[dict]]]
     seconds: float = 0.0
 
 
-EvaluateShard = Callable[[int], dict[str, tuple[list[float], list[dict]]]]
+EvaluateShard = Callable[[int], dict[str, tuple[dict[str, float], list[dict]]]]
 
 
 class GenerationPool:
@@ -257,7 +257,7 @@ class TrainerPool:
     def _next(self, src: int):
         return self.inbox[src].popleft() if self.inbox[src] else self._recv(src)
 
-    def evaluation(self, version: int) -> dict[str, tuple[list[float], list[dict]]]:
+    def evaluation(self, version: int) -> dict[str, tuple[dict[str, float], list[dict]]]:
         """The held-out evaluations of the weights of `version`, per metric prefix: every generator's
         share, summed (evaluate_shard's sums), and the first generator's samples. Rollouts that
         arrive first wait in the inbox for `receive`."""
@@ -271,8 +271,8 @@ class TrainerPool:
                 raise RuntimeError(f"generation rank {src} evaluated version {msg.version}, the trainer expected "
                                    f"{version}")
             shares.append(msg)
-        return {prefix: ([sum(col) for col in zip(*(s.results[prefix][0] for s in shares))], samples)
-                for prefix, (_, samples) in shares[0].results.items()}
+        return {prefix: ({k: sum(s.results[prefix][0][k] for s in shares) for k in sums}, samples)
+                for prefix, (sums, samples) in shares[0].results.items()}
 
     def receive(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The rollout this trainer trains at `step`: the next slot within the bound (older ones dropped)."""
