@@ -3,6 +3,18 @@ the recipes print them as one line (`runtime.clean_errors`)."""
 
 from __future__ import annotations
 
+# What a call into the user's code (a reward function, an environment, their file's import) raises
+# that is reported as that code's failure: SystemExit too, for sys.exit there would otherwise end
+# the trainer (silently, and with status 0 for sys.exit(0)). KeyboardInterrupt stays Ctrl-C's.
+USER_CODE_FAILURES = (Exception, SystemExit)
+
+
+def failure_text(e: BaseException) -> str:
+    """A USER_CODE_FAILURES exception as its report says it."""
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r}); return a value or raise an exception instead"
+    return f"{type(e).__name__}: {e}"
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and what to do."""

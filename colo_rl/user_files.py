@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from colo_rl.errors import ConfigError
+from colo_rl.errors import USER_CODE_FAILURES, ConfigError, failure_text
 
 
 def split_spec(spec: str) -> Optional[tuple[str, str]]:
@@ -51,9 +51,9 @@ def load_module(path: Path, key: str):
         sys.path.append(str(path.parent))
     try:
         spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file: re-raised with its name
+    except USER_CODE_FAILURES as e:  # the user's file: re-raised with its name
         sys.modules.pop(mod_name, None)
-        raise ConfigError(f"{key}: importing {path} failed: {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{key}: importing {path} failed: {failure_text(e)}") from e
     _LOADED[path] = module
     return module
 

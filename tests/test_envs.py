@@ -181,6 +181,36 @@ def test_a_tool_that_raises_or_hangs_becomes_an_observation():
     assert "timed out" in step.observation and step.error and time.perf_counter() - t0 < 3
 
 
+def test_sys_exit_in_an_environment_is_its_failure_not_a_timeout():
+    from colo_rl.envs.environment import call_with_timeout
+
+    t0 = time.perf_counter()
+    value, error = call_with_timeout(lambda: exit(0), 5.0, "Guess.step")
+    assert value is None and time.perf_counter() - t0 < 2
+    assert error == "Guess.step failed (it called sys.exit(0); return a value or raise an exception instead)"
+
+
+def test_calls_that_hang_past_their_timeout_stop_the_run_before_they_pile_up(monkeypatch):
+    """A thread cannot be stopped: each abandoned call that still runs keeps slowing the trainer. The
+    run stops at MAX_HUNG_CALLS of them, naming the code; calls that ended since do not count."""
+    from colo_rl.envs import environment
+    from colo_rl.errors import EnvError
+
+    monkeypatch.setattr(environment, "_hung", [])
+    monkeypatch.setattr(environment, "MAX_HUNG_CALLS", 3)
+    release, brief = threading.Event(), threading.Event()
+    try:
+        assert environment.call_with_timeout(brief.wait, 0.05, "Late.step")[1] == "timed out after 0.05 s"
+        brief.set()  # this one ends after all: no longer counted
+        for _ in range(2):
+            assert environment.call_with_timeout(release.wait, 0.05, "Guess.step")[1] == "timed out after 0.05 s"
+        time.sleep(0.1)
+        with pytest.raises(EnvError, match=r"3 calls into Guess.step are still running after their timeout"):
+            environment.call_with_timeout(release.wait, 0.05, "Guess.step")
+    finally:
+        release.set()
+
+
 def test_environment_adds_the_tool_instructions_to_the_prompt():
     env = ENVIRONMENTS.get("calculator")(CFG, None)
     msgs = env.first_messages([{"role": "system", "content": "S"}, {"role": "user", "content": "What is 2+2?"}])

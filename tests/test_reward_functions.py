@@ -76,6 +76,15 @@ def exits_later(completion, truth):  # a library thread that ends the process af
 def odd_names(a, b):
     return 0.0
 
+def exits(completion, truth):
+    import sys
+    if completion == "quit":
+        sys.exit(0)  # would end the trainer with status 0 and no word
+    return 1.0
+
+def exits_batched(completions, truths):
+    raise SystemExit("bye")
+
 not_a_function = 3
 '''
 
@@ -236,6 +245,24 @@ def test_exceptions_and_nan_are_counted_failures(user_file, workers):
     strict = scorer(f"{user_file}:flaky", max_failure_rate=0.25, workers=workers)
     with pytest.raises(RewardError, match=r"2/4 reward calls failed in this batch \(> reward.max_failure_rate=0.25\)"):
         strict.score(["boom", "nan", "ok", "ok"], ["1"] * 4)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_sys_exit_in_a_reward_function_is_a_counted_failure_not_the_end_of_the_trainer(user_file, workers):
+    s = scorer(f"{user_file}:exits", f"{user_file}:exits_batched", max_failure_rate=1.0, workers=workers)
+    res = s.score(["ok", "quit", "ok"], ["1"] * 3)
+    assert res.per_source["my_rewards:exits"] == [1.0, 0.0, 1.0]
+    assert res.failures == 1 + 3  # one sample of exits, the whole batch of exits_batched
+    assert any(m.endswith("my_rewards.py:exits: it called sys.exit(0); return a value or raise an exception instead")
+               for m in res.failure_messages), res.failure_messages
+    assert any("exits_batched: it called sys.exit('bye')" in m for m in res.failure_messages)
+
+
+def test_sys_exit_while_a_reward_file_imports_names_the_file(tmp_path):
+    bad = tmp_path / "leaves.py"
+    bad.write_text("import sys\nsys.exit(0)\n")
+    with pytest.raises(ConfigError, match=r"importing .*leaves.py failed: it called sys.exit\(0\)"):
+        validate(RunConfig(reward=RewardConfig(functions=[f"{bad}:score"])))
 
 
 def test_a_call_past_the_timeout_is_a_failure_and_the_pool_goes_on(user_file):

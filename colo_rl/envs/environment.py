@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol
 from colo_rl.envs.calls import ParsedTurn, choose_format, template_declares_tools
 from colo_rl.envs.tools import ERROR_PREFIX, TOOLS, Tool, ToolError, truncate
 from colo_rl.envs.turns import UserTurns
+from colo_rl.errors import USER_CODE_FAILURES, EnvError, failure_text
 from colo_rl.registry import Registry
 
 log = logging.getLogger("colo_rl")
@@ -80,10 +81,18 @@ class Environment(Protocol):
         """A session for one episode of `problem` (colo_rl.data.Problem; None where unknown)."""
 
 
+# Calls abandoned at their timeout that are still running: threads cannot be stopped, so each one
+# keeps its share of the interpreter (a spinning `step` slowed the trainer's own loop 4x after 8
+# episodes). Past this many at once the run stops, naming the caller.
+MAX_HUNG_CALLS = 8
+_hung: list[tuple[threading.Thread, str]] = []
+
+
 def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: str) -> tuple[Any, Optional[str]]:
-    """(fn's result, None) or (None, why it failed): its exception, or a timeout. `fn` runs in a
-    daemon thread that a timeout abandons, so a hung call can neither stall the step nor keep the
-    process from exiting. ToolError's text is the reason as is; `what` names the caller in others."""
+    """(fn's result, None) or (None, why it failed): its exception (sys.exit too), or a timeout. `fn`
+    runs in a daemon thread that a timeout abandons, so a hung call can neither stall the step nor
+    keep the process from exiting; MAX_HUNG_CALLS of them still running stop the run (EnvError).
+    ToolError's text is the reason as is; `what` names the caller in others."""
     box: list[tuple[Any, Optional[str]]] = []
 
     def call() -> None:
@@ -91,15 +100,30 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: s
             box.append((fn(), None))
         except ToolError as e:
             box.append((None, str(e)))
-        except Exception as e:  # noqa: BLE001 - a faulty tool is an observation, never a crashed step
-            box.append((None, f"{what} failed ({type(e).__name__}: {e})"))
+        except USER_CODE_FAILURES as e:  # a faulty tool is an observation, never a crashed step
+            box.append((None, f"{what} failed ({failure_text(e)})"))
 
     worker = threading.Thread(target=call, name="colo_rl-env-call", daemon=True)
     worker.start()
     worker.join(timeout_s)
+    if not worker.is_alive() and not box:  # it ended without an answer: not a timeout
+        return None, f"{what} failed (its thread ended without returning)"
     if not box:
+        note_hung(worker, what)
         return None, f"timed out after {timeout_s:g} s"
     return box[0]
+
+
+def note_hung(worker: threading.Thread, what: str) -> None:
+    """Keep `worker` (abandoned, still running) on the hung list; EnvError when MAX_HUNG_CALLS on it
+    still run."""
+    _hung[:] = [(t, w) for t, w in _hung if t.is_alive()] + [(worker, what)]
+    if len(_hung) >= MAX_HUNG_CALLS:
+        names = sorted({w for _, w in _hung})
+        raise EnvError(f"{len(_hung)} calls into {', '.join(names)} are still running after their timeout "
+                       f"(env.tool_timeout_s): they cannot be stopped and slow the whole run down, so it stops here. "
+                       f"Fix the code that hangs (an endless loop, a wait that is never answered), or give "
+                       f"the work its own process with a limit of its own")
 
 
 def special_token_strings(tokenizer) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from colo_rl.errors import RewardError
+from colo_rl.errors import USER_CODE_FAILURES, RewardError, failure_text
 from colo_rl.rewards.pool import receive, send
 from colo_rl.rewards.sources import load_source
 
@@ -22,8 +22,8 @@ def serve() -> None:
     specs = receive(fd)
     try:
         sources = [load_source(s) for s in specs]
-    except Exception as e:  # noqa: BLE001 - reported to the trainer, which names it
-        send(out, ("fatal", f"{type(e).__name__}: {e}"))
+    except USER_CODE_FAILURES as e:  # reported to the trainer, which names it
+        send(out, ("fatal", failure_text(e)))
         return
     send(out, "ready")
     while (call := receive(fd)) is not None:
@@ -33,8 +33,8 @@ def serve() -> None:
             send(out, ("ok", source.call(completions, truths, fields)))
         except RewardError as e:  # a wrong return: the trainer stops with this message
             send(out, ("return", None, str(e)))
-        except Exception as e:  # noqa: BLE001 - isolated: the trainer counts a failure
-            send(out, ("error", None, f"{type(e).__name__}: {e}"))
+        except USER_CODE_FAILURES as e:  # isolated: the trainer counts a failure
+            send(out, ("error", None, failure_text(e)))
 
 
 if __name__ == "__main__":
