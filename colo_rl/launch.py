@@ -10,7 +10,8 @@ The same launcher as `torchrun` (same options, same rendezvous), with three diff
 - Ctrl-C (SIGINT / SIGTERM) is passed to every rank, which stops after its current step with a
   checkpoint (colo_rl.stop_signal.StopSignal); the launcher then exits 0 after the ranks' "continue with
   resume=auto" line. A second one is passed on too and stops the ranks now (SIGKILL after
-  SECOND_SIGNAL_GRACE_S): exit 128 + the signal's number.
+  SECOND_SIGNAL_GRACE_S): exit 128 + the signal's number. A rank signalled on its own stops every
+  rank the same way, and the launcher exits 0 too.
 - rank 0's clean refusal (exit 2) is not repeated.
 
 `make demo`, `make sft` and `make dpo` use it; plain `torchrun` works the same, only louder.
@@ -65,6 +66,15 @@ def describe_failure(rank: int, failure) -> Optional[str]:
     where = f"its output: {log}" if log is not None and log.exists() else \
         "its output is above (torchrun --log-dir DIR --redirects 3 keeps each rank's in DIR)"
     return (f"error: rank {rank} (pid {failure.pid}) {how}; the other ranks' errors follow from it. {where}")
+
+
+def stopped_cleanly(failures: dict) -> bool:
+    """Every rank ended as the loop ends a stop (exit 128 + N after its checkpoint, or the agent's
+    SIGTERM once another had): a rank was signalled on its own (`kill -INT <rank pid>`, a scheduler
+    that signals the trainer's processes), not a failure."""
+    codes = [f.exitcode for f in failures.values()]
+    stops = {128 + s for s in STOP_SIGNALS}
+    return any(c in stops for c in codes) and all(c in stops or c == -signal.SIGTERM for c in codes)
 
 
 def child_pids() -> list[int]:
@@ -147,6 +157,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ChildFailedError as e:
         if stop.received:
             sys.exit(stop.exit_code(e.failures))
+        if stopped_cleanly(e.failures):  # the ranks said "stopped by ...; continue with resume=auto"
+            sys.exit(0)
         rank, failure = root_cause(e.failures)
         line = describe_failure(rank, failure)
         if line:

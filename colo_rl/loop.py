@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
-from colo_rl import runtime
+from colo_rl import dist, runtime
 from colo_rl.loggers import read_jsonl
 from colo_rl.metrics import MetricsLogger, Progress, Timer
 from colo_rl.stop_signal import StopSignal
@@ -114,9 +114,10 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
                 step_metrics.update({**(saved or {}), **timer.pop()})
             progress.advance()
             metrics.log(step + 1, step_metrics, progress=progress.status())  # i/N and ETA where no bar is drawn
-            if stopped_by:
-                log.warning("stopped by %s after step %d; continue with resume=auto run_dir=%s", stopped_by,
-                            step + 1, ckpt.run_dir)
+            if stopped_by:  # every rank stops here; one says so
+                (log.warning if dist.is_rank0() else log.info)(
+                    "stopped by %s after step %d; continue with resume=auto run_dir=%s", stopped_by, step + 1,
+                    ckpt.run_dir)
                 break
         progress.close()
     finally:

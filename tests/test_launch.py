@@ -3,10 +3,12 @@ stop that exits 0, a second one stops now."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -37,6 +39,18 @@ def test_the_dead_ranks_line_says_which_rank_of_what_and_where_its_output_is(tmp
     line = describe_failure(0, _failure(1, error_file=str(tmp_path / "error.json")))
     assert "rank 0 (pid 7) exited with code 1" in line and f"its output: {tmp_path / 'stderr.log'}" in line
     assert describe_failure(0, _failure(2)) is None  # runtime.clean_errors said it already
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
 
 
 def _launch(*args):
@@ -79,6 +93,23 @@ def test_ctrl_c_is_a_clean_stop_that_exits_0_and_a_second_one_stops_now(signals)
         assert proc.returncode == 130, out + err
         assert "stopped by" not in out and "second SIGINT: stopping the ranks now" in err
         assert time.monotonic() - t0 < 12  # before the step would have ended
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_alone_stops_every_rank_and_the_launcher_exits_0():
+    """`kill -INT <rank 0's pid>` (not the launcher): every rank stops after the step with the
+    loop's own line, once, and the launcher calls it what it is, a clean stop, not a failed rank."""
+    proc = _launch("stop", "20", "4")
+    try:
+        wait_for_line(proc, "ready")
+        ranks = _children(proc.pid)  # the agent runs in the launcher: the ranks are its children
+        (rank0,) = [p for p in ranks if "RANK=0" in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0")]
+        os.kill(rank0, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    assert out.count("stopped by SIGINT after step") == 1 and "error:" not in err, out + err
 
 
 def test_a_clean_stop_is_exit_0_even_when_a_slower_rank_had_the_agents_sigterm():
