@@ -166,3 +166,31 @@ def test_truths_no_stated_answer_can_match_are_counted_and_named(caplog):
     (line,) = [r.getMessage() for r in caplog.records]
     assert "d.jsonl: 2 of 3 answers are not number literals (first: '\\\\frac{1}{2}', d.jsonl:2)" in line
     assert "['math_verify'] score them 0" in line and "reward.functions=[path/to/file.py:fn]" in line
+
+
+def test_the_plain_number_shortcut_gives_math_verifys_own_verdict():
+    """answers_match skips math-verify (~4 ms a pair) for plain decimal literals only where its
+    verdict is certain: equal values, or two different integers. Checked against math-verify itself
+    on integers near each other, zero-padded, huge, and decimals that its rounding may equate."""
+    import random
+
+    from math_verify import parse, verify
+
+    from colo_rl.rewards.verifiers import plain_numbers_match
+
+    rng = random.Random(0)
+    pairs = [("007", "7"), ("-0", "0"), ("1000", "1000.000"), ("2.50", "2.5"), ("5", "5.0000001"),
+             ("62.3257", "62.325700001"), ("123456789012345678", "123456789012345679")]
+    for _ in range(150):
+        a = rng.choice([rng.randint(-10 ** 6, 10 ** 6), rng.randint(0, 100), rng.randint(10 ** 9, 10 ** 20)])
+        pairs += [(str(a), str(a + rng.choice([-1, 1, 10]))), (str(a), str(a)), (str(a), str(-a)), (f"{a}.0", str(a))]
+        x = round(rng.uniform(-100, 100), rng.randint(1, 9))
+        pairs.append((repr(x), repr(round(x + rng.choice([1e-9, 1e-7, 1e-5, 1e-3]), 10))))
+    decided = 0
+    for p, t in pairs:
+        shortcut = plain_numbers_match(p, t)
+        if shortcut is not None:
+            decided += 1
+            assert shortcut == bool(verify(parse(f"${t}$"), parse(f"${p}$"))), (p, t)
+    assert decided >= len(pairs) * 0.75  # the shortcut takes the common case (integers)
+    assert plain_numbers_match("62.3257", "62.325700001") is None and plain_numbers_match("1,000", "1000") is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from decimal import Decimal
 from typing import Callable, Optional
 
 # Thousands separators: a comma, LaTeX's thin space "\," and math comma "{,}", a typographer's thin
@@ -93,6 +94,22 @@ def extract_last_number(text: str) -> Optional[str]:
     return _plain(nums[-1]) if nums else None
 
 
+_DECIMAL = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def plain_numbers_match(predicted: str, truth: str) -> Optional[bool]:
+    """math-verify's verdict on two plain decimal literals where it is sure without asking it (it
+    takes ~4 ms a pair, most of a step's reward time): equal values match; two integers that differ
+    do not. None otherwise: decimals that differ may still match under math-verify's rounding
+    (62.3257 and 62.325700001), and other truths ("1,000", "\\frac12") need its parser."""
+    p, t = predicted.strip(), str(truth).strip()
+    if not (_DECIMAL.fullmatch(p) and _DECIMAL.fullmatch(t)):
+        return None
+    if Decimal(p) == Decimal(t):
+        return True
+    return False if "." not in p and "." not in t else None
+
+
 _QUIET_NO_TIMEOUT: list[bool] = []
 
 
@@ -100,6 +117,9 @@ def answers_match(predicted: Optional[str], truth: str) -> bool:
     """math-verify equivalence of two number literals (1000 == 1,000 == 1000.0)."""
     if predicted is None:
         return False
+    exact = plain_numbers_match(predicted, truth)
+    if exact is not None:
+        return exact
     from math_verify import parse, verify
 
     # math-verify's time limits are SIGALRM, which only the main thread can set: elsewhere (an
