@@ -76,6 +76,14 @@ def exits_later(completion, truth):  # a library thread that ends the process af
 def odd_names(a, b):
     return 0.0
 
+def numpy_verdict(completion, truth):
+    import numpy as np
+    return np.int64(len(completion)) == np.int64(len(truth))  # np.bool_, not a Python bool
+
+def numpy_batch(completions, truths):
+    import numpy as np
+    return [np.float32(0.5), np.bool_(True)] + [np.int64(2)] * (len(completions) - 2)
+
 def exits(completion, truth):
     import sys
     if completion == "quit":
@@ -256,6 +264,14 @@ def test_sys_exit_in_a_reward_function_is_a_counted_failure_not_the_end_of_the_t
     assert any(m.endswith("my_rewards.py:exits: it called sys.exit(0); return a value or raise an exception instead")
                for m in res.failure_messages), res.failure_messages
     assert any("exits_batched: it called sys.exit('bye')" in m for m in res.failure_messages)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_numpy_scalars_are_numbers(user_file, workers):
+    res = scorer(f"{user_file}:numpy_verdict", f"{user_file}:numpy_batch", workers=workers).score(["ab", "a", "x"],
+                                                                                                 ["cd", "cd", "y"])
+    assert res.per_source["my_rewards:numpy_verdict"] == [1.0, 0.0, 1.0]
+    assert res.per_source["my_rewards:numpy_batch"] == [0.5, 1.0, 2.0] and res.failures == 0
 
 
 def test_sys_exit_while_a_reward_file_imports_names_the_file(tmp_path):

@@ -86,6 +86,7 @@ class RewardSource:
         if self.style == "trl" and isinstance(value, (list, tuple)):
             value = [0.0 if v is None else v for v in value]  # TRL: None = this function does not apply
         if not self.batched:
+            value = _numpy_scalar(value)
             if isinstance(value, numbers.Real):
                 return [float(value)]
             raise RewardError(f"reward function {self.where} returned {type(value).__name__} {_short(value)}; a "
@@ -98,6 +99,7 @@ class RewardSource:
         if len(value) != n:
             raise RewardError(f"reward function {self.where} returned {len(value)} values for {n} completions; a "
                               f"batched reward function returns one float per completion")
+        value = [_numpy_scalar(v) for v in value]
         bad = [v for v in value if not isinstance(v, numbers.Real)]
         if bad:
             raise RewardError(f"reward function {self.where} returned a list holding {type(bad[0]).__name__} "
@@ -134,6 +136,14 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Per-record fields as one list per key (None where a record lacks the key)."""
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def _numpy_scalar(value: Any) -> Any:
+    """A numpy scalar as its Python number (np.bool_ is no numbers.Real, `pred == truth` on numpy
+    values gives one); anything else as it is."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        return value.item()
+    return value
 
 
 def _short(value: Any) -> str:
