@@ -82,12 +82,28 @@ def test_a_gsm8k_solution_under_any_key_gives_its_last_final_number(tmp_path):
                  {"role": "assistant", "content": "Seen."}, {"role": "user", "content": "Count?"}], "answer": "4"},
      r"prompt\[0\]\.content must be a string or a list of"),
     ({"prompt": {"text": "What is 2+2?"}, "answer": 4}, r"d\.jsonl:1: key 'prompt' is a dict; a prompt is a string"),
+    # an answer that is not text or a number was checked against as its Python repr ("['2', '3']")
+    ({"question": "What is 1+1?", "answer": ["2", "3"]},
+     r"d\.jsonl:1: key 'answer' is a list; an answer is a string or a number"),
+    ({"question": "What is 1+1?", "answer": {"value": 2}}, r"d\.jsonl:1: key 'answer' is a dict; an answer is a"),
+    ({"question": "What is 1+1?", "answer": True}, r"d\.jsonl:1: key 'answer' is a bool; an answer is a"),
+    ({"question": "What is 1+1?", "answer": []}, r"d\.jsonl:1: key 'answer' is a list; an answer is a"),
+    ({"prompt": "What is 1+1?", "solution": [2]}, r"d\.jsonl:1: key 'solution' is a list; an answer is a"),
+    # GSM8K's layout: the question was its repr, with no warning
+    ({"question": ["a", "b"], "answer": "blah #### 2"}, r"d\.jsonl:1: key 'question' is a list; a prompt is a string"),
 ])
 def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp_path, row, message):
     p = tmp_path / "d.jsonl"
     p.write_text(json.dumps(row) + "\n")
     with pytest.raises(DataError, match=message):
         load_problems(DataConfig(path=str(p), eval_size=0))
+
+
+def test_a_number_answer_is_its_text(tmp_path):
+    p = tmp_path / "n.jsonl"
+    p.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate([2, 0.5, -3])))
+    train, _ = load_problems(DataConfig(path=str(p), eval_size=0, shuffle=False))
+    assert sorted(pr.answer for pr in train) == ["-3", "0.5", "2"]
 
 
 def test_openai_style_text_parts_are_joined_and_tool_calls_kept():

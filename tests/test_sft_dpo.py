@@ -226,6 +226,20 @@ def test_malformed_jsonl_line_names_file_line_and_key(tmp_path, tokenizer):
         load_sft_data(tokenizer, DataConfig(path=str(m), eval_size=0))
 
 
+@pytest.mark.parametrize("answer,kind", [([0], "list"), ({"v": 1}, "dict"), (False, "bool")])
+def test_an_answer_that_is_not_text_or_a_number_is_refused(tmp_path, tokenizer, answer, kind):
+    """`answer: [0]` became the truth "[0]" for the greedy held-out accuracy."""
+    f = _write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "p", "completion": "c", "answer": "1"},
+                                               {"prompt": "p", "completion": "c", "answer": answer}])
+    with pytest.raises(DataError, match=rf"sft.jsonl:2: key 'answer' is a {kind}; an answer is a string or a number"):
+        load_sft_data(tokenizer, DataConfig(path=str(f), eval_size=0))
+    g = _write_jsonl(tmp_path / "dpo.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b", "answer": answer}])
+    with pytest.raises(DataError, match=rf"dpo.jsonl:1: key 'answer' is a {kind}; an answer is a string or a number"):
+        load_preference_data(tokenizer, DataConfig(path=str(g), eval_size=0))
+    n = _write_jsonl(tmp_path / "num.jsonl", [{"prompt": "p", "completion": "c", "answer": 7}])
+    assert load_sft_data(tokenizer, DataConfig(path=str(n), eval_size=0))[0][0].answer == "7"
+
+
 def test_a_response_with_nothing_before_it_is_refused_by_record(tmp_path, tokenizer):
     """An empty prompt left a response's first token scored from padding, or (one row alone) from a
     position that already sees it; two such rows crashed."""

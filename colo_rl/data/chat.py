@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
-from colo_rl.data.files import DataError, Record, read_records
+from colo_rl.data.files import DataError, Record, answer_text, read_records, wrong_type
 
 log = logging.getLogger("colo_rl")
 
@@ -309,11 +309,11 @@ def encode_splits(tokenizer, data_cfg, embedded: Callable[[Any], tuple[list[Reco
     def encode(recs: list[Record]) -> list[T]:
         out = []
         for i, rec in enumerate(recs):
+            answer = rec.data.get("answer")  # a list or object would be checked as its repr: refused
+            answer = None if answer is None else answer_text(answer, rec.origin, "answer")
             enc = apply_length_policy(encode_record(rec, encoder), data_cfg, stats, rec.origin, encoder.head)
-            if enc is None:
-                continue
-            answer = rec.data.get("answer")
-            out.append(make(str(rec.data.get("id", i)), enc, None if answer is None else str(answer), rec.origin))
+            if enc is not None:
+                out.append(make(str(rec.data.get("id", i)), enc, answer, rec.origin))
         return out
 
     return encode(train_recs), encode(held_recs), stats

@@ -52,6 +52,22 @@ class Record:
         )
 
 
+def wrong_type(origin: str, key: str, value: Any, expected: str) -> DataError:
+    """The refusal of a value of a type the loaders cannot use (its Python text would become the
+    prompt or the truth): names the record, the key and the type found, then `expected`."""
+    return DataError(f"{origin}: key {key!r} is a {type(value).__name__}; {expected}")
+
+
+def answer_text(value: Any, origin: str, key: str, hint: str = "") -> str:
+    """A ground truth as text: a string, or a number's text (JSON 7 -> "7"); a list, object or bool
+    is refused by `wrong_type`, `hint` (what else to do) after the expected types."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise wrong_type(origin, key, value, f"an answer is a string or a number{hint}")
+
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 

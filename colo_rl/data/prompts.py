@@ -11,7 +11,7 @@ from typing import Any, Optional
 from colo_rl.data.arithmetic import ArithmeticTask, make_arithmetic_splits
 from colo_rl.data.chat import (check_messages, keep_end, leading_specials, render_chat, require_chat_template,
                                user_turn)
-from colo_rl.data.files import DataError, Record, read_records
+from colo_rl.data.files import DataError, Record, answer_text, read_records, wrong_type
 
 log = logging.getLogger("colo_rl")
 
@@ -121,6 +121,7 @@ def gsm8k_final_answer(text: str, origin: str) -> str:
 PROMPT_KEYS = ("prompt", "question", "messages")
 # verl's layout keeps the truth under reward_model (its data_source / extra_info reach reward functions as fields)
 ANSWER_KEYS = ("answer", "ground_truth", "solution", "reward_model.ground_truth")
+PROMPT_IS = "a prompt is a string or a list of {role, content} messages"
 
 
 def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = None,
@@ -131,12 +132,16 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
     if not (prompt_key or answer_key) and "question" in d and isinstance(d.get("answer"), str) \
             and "####" in d["answer"]:
         (question,) = rec.require("question")
-        return Problem(id=str(d.get("id", index)), question=str(question),
+        if not isinstance(question, str):  # its repr would be the prompt
+            raise wrong_type(rec.origin, "question", question, PROMPT_IS)
+        return Problem(id=str(d.get("id", index)), question=question,
                        answer=gsm8k_final_answer(d["answer"], rec.origin), origin=rec.origin, fields=dict(d))
     prompt_at, prompt = rec.first_of(*([prompt_key] if prompt_key else PROMPT_KEYS), option="data.prompt_key")
     answer_at, answer = rec.first_of(*([answer_key] if answer_key else ANSWER_KEYS), option="data.answer_key")
+    # a number is its text; a list, object or bool is refused: its repr would be the truth
+    answer = answer_text(answer, rec.origin, answer_at, " (data.answer_key names a nested one: a.b)")
     # a GSM8K-style solution under any key: its final number is the truth (reward functions see it too)
-    answer = gsm8k_final_answer(answer, rec.origin) if isinstance(answer, str) and "####" in answer else str(answer)
+    answer = gsm8k_final_answer(answer, rec.origin) if "####" in answer else answer
     if not answer.strip():
         raise DataError(f"{rec.origin}: key {answer_at!r} is empty: the verifier has no truth to check against; "
                         f"fill it in or remove the record")
@@ -144,8 +149,7 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
         return Problem(id=str(d.get("id", index)), question="", answer=answer,
                        messages=check_messages(prompt, rec.origin, prompt_at), origin=rec.origin, fields=dict(d))
     if not isinstance(prompt, str):  # its repr would be the prompt
-        raise DataError(f"{rec.origin}: key {prompt_at!r} is a {type(prompt).__name__}; a prompt is a string or a "
-                        f"list of {{role, content}} messages (data.prompt_key names a nested one: a.b)")
+        raise wrong_type(rec.origin, prompt_at, prompt, f"{PROMPT_IS} (data.prompt_key names a nested one: a.b)")
     if not prompt.strip():
         raise DataError(f"{rec.origin}: empty prompt; remove the record or fill it in")
     return Problem(id=str(d.get("id", index)), question=str(prompt), answer=answer, origin=rec.origin,
