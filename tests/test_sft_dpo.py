@@ -240,6 +240,27 @@ def test_an_answer_that_is_not_text_or_a_number_is_refused(tmp_path, tokenizer, 
     assert load_sft_data(tokenizer, DataConfig(path=str(n), eval_size=0))[0][0].answer == "7"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_number_prompt_or_response_is_named_with_its_type(tmp_path, tokenizer, chat):
+    """Without a chat template a number `chosen` was refused as "message lists need a chat template"."""
+    ok = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    g = _write_jsonl(tmp_path / "pairs.jsonl", [ok] * 5 + [{"prompt": "q", "chosen": 1, "rejected": 2}])
+    cfg = dict(eval_size=0, use_chat_template=chat, shuffle=False)
+    with pytest.raises(DataError, match=r"pairs.jsonl:6: key 'chosen' is a int; it must be a string"
+                                        if not chat else r"pairs.jsonl:6: key 'chosen' is a int; it must be a non-empty "
+                                                         r"list of \{role, content\} messages or a string"):
+        load_preference_data(tokenizer, DataConfig(path=str(g), **cfg))
+    for row, key in (({"prompt": 3, "completion": "c"}, "prompt"), ({"prompt": "p", "completion": 4.5}, "completion")):
+        f = _write_jsonl(tmp_path / "sft.jsonl", [row])
+        with pytest.raises(DataError, match=rf"sft.jsonl:1: key '{key}' is a (int|float); it must be"):
+            load_sft_data(tokenizer, DataConfig(path=str(f), **cfg))
+    if not chat:  # a real message list still says what to set
+        m = _write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "q"}], "completion": "c"}])
+        with pytest.raises(DataError, match=r"m.jsonl:1: key 'prompt' is a message list; message lists need a chat "
+                                            r"template: set data.use_chat_template=true"):
+            load_sft_data(tokenizer, DataConfig(path=str(m), **cfg))
+
+
 def test_a_response_with_nothing_before_it_is_refused_by_record(tmp_path, tokenizer):
     """An empty prompt left a response's first token scored from padding, or (one row alone) from a
     position that already sees it; two such rows crashed."""

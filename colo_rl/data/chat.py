@@ -50,8 +50,11 @@ class LengthStats:
 def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, Any]]:
     """A list of {role, content, ...} dicts with text content, or a DataError naming the record, key
     and message."""
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{origin}: key {key!r} must be a non-empty list of {{role, content}} messages or a string")
+    expected = "it must be a non-empty list of {role, content} messages" + ("" if key == "messages" else " or a string")
+    if not isinstance(messages, list):
+        raise wrong_type(origin, key, messages, expected)
+    if not messages:
+        raise DataError(f"{origin}: key {key!r} is an empty list; {expected}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise DataError(f"{origin}: {key}[{i}] must be an object with 'role' and 'content'")
@@ -204,8 +207,13 @@ class ChatEncoder:
         `(key, value)`: SFT prompt/completion, DPO prompt/chosen/rejected. Every response shares
         the prompt's tokens."""
         if not self.cfg.use_chat_template:
-            if not isinstance(prompt, str) or not all(isinstance(r, str) for _, r in responses):
-                raise DataError(f"{origin}: message lists need a chat template (data.use_chat_template=true)")
+            for key, value in [("prompt", prompt), *responses]:
+                if isinstance(value, list):
+                    raise DataError(f"{origin}: key {key!r} is a message list; message lists need a chat template: "
+                                    f"set data.use_chat_template=true, or write it as a string")
+                if not isinstance(value, str):  # a number's text would be trained on as the prompt or response
+                    raise wrong_type(origin, key, value, "it must be a string (or, with data.use_chat_template=true, "
+                                                         "a list of {role, content} messages)")
             if not prompt.strip():
                 raise DataError(f"{origin}: the prompt is empty: nothing precedes the response's first token to "
                                 f"predict it from; fill it in or remove the record")
