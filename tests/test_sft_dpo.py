@@ -261,6 +261,23 @@ def test_a_number_prompt_or_response_is_named_with_its_type(tmp_path, tokenizer,
             load_sft_data(tokenizer, DataConfig(path=str(m), **cfg))
 
 
+def test_pairs_whose_chosen_is_the_rejected_are_counted_and_reported(tmp_path, tokenizer, caplog):
+    """Such a pair adds a constant to the DPO loss and no gradient; it was accepted without a word."""
+    same = [{"role": "assistant", "content": "a"}]
+    g = _write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
+                                                 {"prompt": "q", "chosen": "a", "rejected": "a"},
+                                                 {"prompt": "r", "chosen": "b", "rejected": "c"},
+                                                 {"prompt": "r", "chosen": "a", "rejected": same}])
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        train, _, _ = load_preference_data(tokenizer, DataConfig(path=str(g), eval_size=0, shuffle=False))
+    assert len(train) == 4  # kept, as TRL keeps them
+    assert f"2 of 4 preference pairs have chosen identical to rejected once tokenised (first: {g}:2)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        load_preference_data(tokenizer, DataConfig(path=str(g), eval_size=1))
+    assert "2 of 4 preference pairs" in caplog.text  # held-out pairs count too
+
+
 def test_a_response_with_nothing_before_it_is_refused_by_record(tmp_path, tokenizer):
     """An empty prompt left a response's first token scored from padding, or (one row alone) from a
     position that already sees it; two such rows crashed."""
