@@ -36,6 +36,32 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
         read_records(p)
 
 
+def test_a_json_file_holding_one_object_or_a_broken_array_says_what_a_json_file_is(tmp_path):
+    """{"data": [...]} pretty-printed was "g_obj.json:1: invalid JSON ...; each line must be one JSON
+    object"; a broken array had no column and no advice."""
+    rows = [{"prompt": "What is 2+2?", "answer": "4"}] * 2
+    p = tmp_path / "g_obj.json"
+    p.write_text(json.dumps({"version": 1, "data": rows}, indent=2))
+    with pytest.raises(DataError, match=r"g_obj\.json: holds one JSON object \(keys \['data', 'version'\]\), not "
+                                        r"records; a \.json file is one array of records .* or JSON Lines .* Its key "
+                                        r"'data' holds a list of 2: save that list as the file"):
+        read_records(p)
+    p.write_text(json.dumps({"train": rows, "test": rows}, indent=2))
+    with pytest.raises(DataError, match=r"Its keys \['train', 'test'\] hold lists"):
+        read_records(p)
+    broken = tmp_path / "broken.json"
+    broken.write_text("[\n" + json.dumps(rows[0]) + ",\n" + json.dumps(rows[0])[:-1] + ' "x" 1}\n]\n')
+    with pytest.raises(DataError, match=r"broken\.json:3: invalid JSON \(Expecting ',' delimiter at column \d+\); a "
+                                        r"\.json file is one array of records"):
+        read_records(broken)
+    one_line = tmp_path / "one.json"  # JSON Lines under .json, and one record on one line, still read
+    one_line.write_text(json.dumps(rows[0]) + "\n")
+    assert [r.data for r in read_records(one_line)] == rows[:1]
+    lines = tmp_path / "lines.json"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(read_records(lines)) == 2
+
+
 def test_missing_field_names_file_line_and_key(tmp_path):
     p = tmp_path / "data.jsonl"
     rows = [{"prompt": "What is 2+2?", "answer": "4"}] * 3 + [{"prompt": "What is 3+3?"}]

@@ -110,9 +110,13 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
             try:
                 rows = json.loads(text)
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{e.lineno}: invalid JSON ({e.msg})") from None
+                raise DataError(f"{p}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); {JSON_FILE_IS}") from None
             return [_as_record(row, f"{p}[{i}]") for i, row in enumerate(rows)]
-        return list(_read_jsonl(p))
+        try:
+            return list(_read_jsonl(p))
+        except DataError:
+            _refuse_one_object(p, text)  # a pretty-printed {"data": [...]}: say so, not "line 1: invalid JSON"
+            raise
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -126,6 +130,30 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
         return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows)]
     raise DataError(f"data.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
                     ".parquet or a directory saved with datasets.save_to_disk")
+
+
+JSON_FILE_IS = "a .json file is one array of records ([{...}, {...}]) or JSON Lines (one record a line)"
+
+
+def _refuse_one_object(p: Path, text: str) -> None:
+    """A DataError when the .json file `p` (`text`) is one JSON object over several lines rather
+    than records, naming its list-valued key (the records, most likely); None otherwise."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return
+    if not isinstance(obj, dict):
+        return
+    lists = [k for k, v in obj.items() if isinstance(v, list)]
+    if len(lists) == 1:
+        key = lists[0]
+        what = (f" Its key {key!r} holds a list of {len(obj[key])}: save that list as the file (python -c \"import "
+                f"json, sys; json.dump(json.load(open(sys.argv[1]))[{key!r}], sys.stdout)\" {p.name} > records.json)")
+    elif lists:
+        what = f" Its keys {lists} hold lists: save the one with your records as the file"
+    else:
+        what = " For a single record, put it in [ ]"
+    raise DataError(f"{p}: holds one JSON object (keys {sorted(obj)[:10]}), not records; {JSON_FILE_IS}.{what}")
 
 
 def _utf8(raw: bytes, p: Path, lineno: int = 0) -> str:
