@@ -125,6 +125,23 @@ def test_a_record_the_verifier_or_the_template_cannot_use_is_refused_by_line(tmp
         load_problems(DataConfig(path=str(p), eval_size=0))
 
 
+@pytest.mark.parametrize("row,answer_key,message", [
+    ({"prompt": "q", "answer": None, "solution": "7"}, None,
+     r"n\.jsonl:2: key 'answer' is null; fill it in or remove the record, or set data\.answer_key=solution"),
+    ({"prompt": "q", "answer": None}, None, r"n\.jsonl:2: key 'answer' is null; fill it in or remove the record$"),
+    ({"prompt": "q", "target": {"value": None}, "answer": "7"}, "target.value", r"n\.jsonl:2: key 'target\.value' is null"),
+    ({"prompt": None, "question": "q", "answer": "7"}, None,
+     r"n\.jsonl:2: key 'prompt' is null; .* or set data\.prompt_key=question"),
+    ({"question": None, "answer": "x #### 7"}, None, r"n\.jsonl:2: key 'question' is null; fix or remove"),
+])
+def test_a_null_key_is_an_error_not_a_fall_back_to_the_next(tmp_path, row, answer_key, message):
+    """{"answer": null, "solution": "7"} took `solution` as the truth without a notice."""
+    p = tmp_path / "n.jsonl"
+    p.write_text(json.dumps({"prompt": "ok", "answer": "1", "target": {"value": "1"}}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(DataError, match=message):
+        load_problems(DataConfig(path=str(p), eval_size=0, answer_key=answer_key))
+
+
 def test_a_number_answer_is_its_text(tmp_path):
     p = tmp_path / "n.jsonl"
     p.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n" for i, a in enumerate([2, 0.5, -3])))

@@ -23,11 +23,11 @@ class Record:
         """The values of `keys`; a DataError naming the missing key and the record's origin."""
         out = []
         for key in keys:
-            if key not in self.data or self.data[key] is None:
-                raise DataError(
-                    f"{self.origin}: missing key {key!r} (record has {sorted(self.data)}); "
-                    f"fix or remove this record"
-                )
+            if key not in self.data:
+                raise DataError(f"{self.origin}: missing key {key!r} (record has {sorted(self.data)}); "
+                                f"fix or remove this record")
+            if self.data[key] is None:
+                raise DataError(f"{self.origin}: key {key!r} is null; fix or remove this record")
             out.append(self.data[key])
         return out
 
@@ -40,12 +40,28 @@ class Record:
             value = value[part]
         return value
 
+    def has(self, key: str) -> bool:
+        """Whether the record holds `key` (dotted: nested), null included."""
+        value: Any = self.data
+        for part in key.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return False
+            if (value := value[part]) is None:
+                return True
+        return True
+
     def first_of(self, *keys: str, option: str = "") -> tuple[str, Any]:
         """The first of `keys` the record has (dotted: nested); a DataError naming them, and `option`
-        (the setting that names another key), otherwise."""
-        for key in keys:
+        (the setting that names another key), otherwise. The first key it has but holds null is an
+        error too: falling back to a later key (`answer: null` to `solution`) would swap the
+        truth without a word."""
+        for i, key in enumerate(keys):
             if (value := self.get(key)) is not None:
                 return key, value
+            if self.has(key):
+                later = [k for k in keys[i + 1:] if self.get(k) is not None]
+                read = f", or set {option}={later[0]} to read its {later[0]!r}" if option and later else ""
+                raise DataError(f"{self.origin}: key {key!r} is null; fill it in or remove the record{read}")
         hint = f"; or set {option}=<its key> (a.b for a nested one)" if option else ""
         raise DataError(
             f"{self.origin}: needs one of the keys {list(keys)} (record has {sorted(self.data)}){hint}"
