@@ -62,6 +62,24 @@ def test_a_json_file_holding_one_object_or_a_broken_array_says_what_a_json_file_
     assert len(read_records(lines)) == 2
 
 
+def test_duplicate_ids_are_counted_and_reported_not_refused(tmp_path, caplog):
+    """recipes/eval.py's per_problem report names problems by id: repeats were accepted silently."""
+    p = tmp_path / "ids.jsonl"
+    ids = ["a", "b", "a", 7, "7", "c", "b"]
+    p.write_text("".join(json.dumps({"id": i, "prompt": "q", "answer": "1"}) + "\n" for i in ids))
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        problems, _ = load_problems(DataConfig(path=str(p), eval_size=0))
+    assert len(problems) == 7  # kept
+    warnings = [r.getMessage() for r in caplog.records if "repeat an earlier record's id" in r.getMessage()]
+    assert len(warnings) == 1, "warned once"
+    assert f"3 records repeat an earlier record's id (first: {p}:3, id 'a' as at {p}:1)" in warnings[0]
+    caplog.clear()
+    p.write_text("".join(json.dumps({"id": i, "prompt": "q", "answer": "1"}) + "\n" for i in "abc"))
+    with caplog.at_level("WARNING", logger="colo_rl"):
+        read_records(p)
+    assert "repeat" not in caplog.text
+
+
 def test_missing_field_names_file_line_and_key(tmp_path):
     p = tmp_path / "data.jsonl"
     rows = [{"prompt": "What is 2+2?", "answer": "4"}] * 3 + [{"prompt": "What is 3+3?"}]

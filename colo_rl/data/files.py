@@ -7,11 +7,14 @@ it is and what is missing.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 from colo_rl.errors import DataError
+
+log = logging.getLogger("colo_rl")
 
 
 @dataclass
@@ -111,7 +114,28 @@ def read_records(path: str | Path) -> list[Record]:
     records = _read_records(p, path)
     if not records:
         raise DataError(f"data.path={str(path)!r}: {p} holds no records (the file is empty)")
+    warn_duplicate_ids(records, p)
     return records
+
+
+def warn_duplicate_ids(records: list[Record], source: str | Path) -> int:
+    """The number of records whose `id` repeats an earlier record's (compared as the text an
+    example's id is), with a warning giving it and the first repeat's origin; not refused."""
+    first_seen: dict[str, str] = {}
+    repeats: list[tuple[Record, str]] = []
+    for rec in records:
+        if "id" in rec.data:
+            rid = str(rec.data["id"])
+            if rid in first_seen:
+                repeats.append((rec, first_seen[rid]))
+            else:
+                first_seen[rid] = rec.origin
+    if repeats:
+        rec, first = repeats[0]
+        log.warning("%s: %d records repeat an earlier record's id (first: %s, id %r as at %s); a per-problem "
+                    "report (recipes/eval.py) names problems by id, so these cannot be told apart: give each "
+                    "record an id of its own", source, len(repeats), rec.origin, str(rec.data["id"]), first)
+    return len(repeats)
 
 
 def _read_records(p: Path, path: str | Path) -> list[Record]:
