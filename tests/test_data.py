@@ -80,6 +80,28 @@ def test_duplicate_ids_are_counted_and_reported_not_refused(tmp_path, caplog):
     assert "repeat" not in caplog.text
 
 
+def test_blank_lines_are_counted_and_reported_with_the_records_line(tmp_path, caplog):
+    """They were skipped without a count."""
+    from colo_rl.data import file_problems
+
+    row = json.dumps({"prompt": "q", "answer": "1"})
+    p = tmp_path / "gaps.jsonl"
+    p.write_text(f"{row}\n\n{row}\n   \n{row}\n{row}\n")
+    assert read_records(p).blank_lines == 2
+    with caplog.at_level("INFO", logger="colo_rl"):
+        load_problems(DataConfig(path=str(p), eval_size=1))
+    assert f"data.path={p}: 4 records, 2 blank lines skipped: 1 held out" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="colo_rl"):
+        load_problems(DataConfig(path=str(p), eval_path=str(p), eval_size=0))
+    assert "4 records, 2 blank lines skipped, 4 trained on" in caplog.text
+    assert "4 held out, 2 blank lines skipped" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="colo_rl"):
+        assert len(file_problems(p)) == 4  # recipes/eval.py's data.path read whole
+    assert f"data.path={p}: 4 records, 2 blank lines skipped" in caplog.text
+
+
 def test_missing_field_names_file_line_and_key(tmp_path):
     p = tmp_path / "data.jsonl"
     rows = [{"prompt": "What is 2+2?", "answer": "4"}] * 3 + [{"prompt": "What is 3+3?"}]

@@ -278,6 +278,16 @@ def test_pairs_whose_chosen_is_the_rejected_are_counted_and_reported(tmp_path, t
     assert "2 of 4 preference pairs" in caplog.text  # held-out pairs count too
 
 
+def test_blank_lines_are_counted_in_the_summary_the_recipes_log(tmp_path, tokenizer):
+    f = tmp_path / "gaps.jsonl"
+    f.write_text("\n" + json.dumps({"prompt": "p", "completion": "c"}) + "\n\n")
+    _, _, stats = load_sft_data(tokenizer, DataConfig(path=str(f), eval_size=0))
+    assert stats.summary() == "1 kept, 0 truncated, 0 dropped as over-length; 2 blank lines skipped in data.path"
+    g = _write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}, ""])
+    assert load_preference_data(tokenizer, DataConfig(path=str(g), eval_size=0))[2].summary().endswith(
+        "; 1 blank line skipped in data.path")
+
+
 def test_a_response_with_nothing_before_it_is_refused_by_record(tmp_path, tokenizer):
     """An empty prompt left a response's first token scored from padding, or (one row alone) from a
     position that already sees it; two such rows crashed."""

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
-from colo_rl.data.files import DataError, Record, answer_text, read_records, wrong_type
+from colo_rl.data.files import DataError, Record, answer_text, blank_lines_skipped, read_records, wrong_type
 
 log = logging.getLogger("colo_rl")
 
@@ -33,18 +33,20 @@ class Encoded:
 
 @dataclass
 class LengthStats:
-    """What the over-length policy did; reported by the recipes."""
+    """What the over-length policy did, and the blank lines reading data.path skipped; reported by
+    the recipes with the number of examples."""
 
     kept: int = 0
     truncated: int = 0
     dropped: int = 0
     dropped_origins: list[str] = field(default_factory=list)
+    blank_lines: int = 0  # of data.path, skipped by read_records
 
     def summary(self) -> str:
         text = f"{self.kept} kept, {self.truncated} truncated, {self.dropped} dropped as over-length"
         if self.dropped_origins:
             text += f" (first: {', '.join(self.dropped_origins[:3])})"
-        return text
+        return text + (f"; {blank_lines_skipped(self.blank_lines)} in data.path" if self.blank_lines else "")
 
 
 def check_messages(messages: Any, origin: str, key: str) -> list[dict[str, Any]]:
@@ -307,12 +309,14 @@ def encode_splits(tokenizer, data_cfg, embedded: Callable[[Any], tuple[list[Reco
     task (`embedded(data_cfg)`) when data.path is null: each record encoded, put through the
     over-length policy and turned into an example by make(id, encoded, answer or None, origin).
     Also returns what the policy did."""
+    stats = LengthStats()
     if data_cfg.path is None:
         train_recs, held_recs = embedded(data_cfg)
     else:
-        train_recs, held_recs = split_records(read_records(data_cfg.path), data_cfg)
+        records = read_records(data_cfg.path)
+        stats.blank_lines = records.blank_lines
+        train_recs, held_recs = split_records(records, data_cfg)
     encoder = ChatEncoder(tokenizer, data_cfg)
-    stats = LengthStats()
 
     def encode(recs: list[Record]) -> list[T]:
         out = []

@@ -87,6 +87,24 @@ def answer_text(value: Any, origin: str, key: str, hint: str = "") -> str:
     raise wrong_type(origin, key, value, f"an answer is a string or a number{hint}")
 
 
+class Records(list):
+    """`read_records`' records, and the blank lines of a JSON Lines file it skipped: counted, and
+    reported with the loader's line saying how many records it read."""
+
+    def __init__(self, records: Iterable[Record] = (), blank_lines: int = 0):
+        super().__init__(records)
+        self.blank_lines = blank_lines
+
+    def skipped(self) -> str:
+        """"" or ", <n> blank line(s) skipped", to append to a loader's records line."""
+        return f", {blank_lines_skipped(self.blank_lines)}" if self.blank_lines else ""
+
+
+def blank_lines_skipped(n: int) -> str:
+    """The words for `n` blank lines skipped, as the loaders report them."""
+    return f"{n} blank line{'s' if n != 1 else ''} skipped"
+
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -109,7 +127,8 @@ def resolve_data_path(path: str | Path, key: str = "data.path") -> Path:
     raise DataError(f"{key}={str(path)!r} does not exist (looked for {where}).{hint}")
 
 
-def read_records(path: str | Path) -> list[Record]:
+def read_records(path: str | Path) -> Records:
+    """Every record of a data file, with its origin, and the number of blank lines skipped."""
     p = resolve_data_path(path)
     records = _read_records(p, path)
     if not records:
@@ -138,12 +157,12 @@ def warn_duplicate_ids(records: list[Record], source: str | Path) -> int:
     return len(repeats)
 
 
-def _read_records(p: Path, path: str | Path) -> list[Record]:
+def _read_records(p: Path, path: str | Path) -> Records:
     if p.is_dir():
-        return _read_hf_dir(p)
+        return Records(_read_hf_dir(p))
     suffix = p.suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        return list(_read_jsonl(p))
+        return _read_jsonl(p)
     if suffix == ".json":
         text = _utf8(p.read_bytes(), p)
         if text.lstrip().startswith("["):
@@ -151,9 +170,9 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
                 rows = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno}); {JSON_FILE_IS}") from None
-            return [_as_record(row, f"{p}[{i}]") for i, row in enumerate(rows)]
+            return Records(_as_record(row, f"{p}[{i}]") for i, row in enumerate(rows))
         try:
-            return list(_read_jsonl(p))
+            return _read_jsonl(p)
         except DataError:
             _refuse_one_object(p, text)  # a pretty-printed {"data": [...]}: say so, not "line 1: invalid JSON"
             raise
@@ -167,7 +186,7 @@ def _read_records(p: Path, path: str | Path) -> list[Record]:
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{p}: not a readable Parquet file ({e}); check the file, or give it the suffix of "
                             f"what it holds (.jsonl)") from None
-        return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows)]
+        return Records(_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows))
     raise DataError(f"data.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
                     ".parquet or a directory saved with datasets.save_to_disk")
 
@@ -208,18 +227,21 @@ def _utf8(raw: bytes, p: Path, lineno: int = 0) -> str:
                         f"as UTF-8") from None
 
 
-def _read_jsonl(p: Path) -> Iterable[Record]:
+def _read_jsonl(p: Path) -> Records:
+    out = Records()
     with open(p, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             line = _utf8(raw, p, lineno)
-            if not line.strip():
+            if not line.strip():  # counted: the loaders report it with the records they read
+                out.blank_lines += 1
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{p}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); "
                                 "each line must be one JSON object") from None
-            yield _as_record(row, f"{p}:{lineno}")
+            out.append(_as_record(row, f"{p}:{lineno}"))
+    return out
 
 
 def _as_record(row: Any, origin: str) -> Record:

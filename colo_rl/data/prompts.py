@@ -157,8 +157,18 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
 
 
 def file_problems(path, prompt_key: Optional[str] = None, answer_key: Optional[str] = None) -> list[Problem]:
-    """Every record of a user file as a problem (file:line errors for a bad record)."""
-    return [_problem_from_record(r, i, prompt_key, answer_key) for i, r in enumerate(read_records(path))]
+    """Every record of a user file as a problem (file:line errors for a bad record); blank lines
+    skipped are logged with the count of records."""
+    problems, skipped = _file_problems(path, prompt_key, answer_key)
+    if skipped:
+        log.info("data.path=%s: %d records%s", path, len(problems), skipped)
+    return problems
+
+
+def _file_problems(path, prompt_key: Optional[str], answer_key: Optional[str]) -> tuple[list[Problem], str]:
+    """The problems, and what reading skipped (`Records.skipped`, for the loader's records line)."""
+    records = read_records(path)
+    return [_problem_from_record(r, i, prompt_key, answer_key) for i, r in enumerate(records)], records.skipped()
 
 
 def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
@@ -172,13 +182,14 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
                                                 fields={"question": f"What is {e}?", "answer": str(v)})
         return ([as_problem(i, e, v, "train") for i, (e, v) in enumerate(train)],
                 [as_problem(i, e, v, "eval") for i, (e, v) in enumerate(held)])
-    problems = file_problems(data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key)
+    problems, skipped = _file_problems(data_cfg.path, data_cfg.prompt_key, data_cfg.answer_key)
     if data_cfg.eval_path is not None:  # a validation file of its own: every record of data.path is trained on
-        held = file_problems(data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key)[: data_cfg.eval_size or None]
+        held, held_skipped = _file_problems(data_cfg.eval_path, data_cfg.prompt_key, data_cfg.answer_key)
+        held = held[: data_cfg.eval_size or None]
         train = problems[: data_cfg.train_size or None]
-        log.info("data.path=%s: %d records, %d trained on (%s); data.eval_path=%s: %d held out", data_cfg.path,
-                 len(problems), len(train), "every record" if len(train) == len(problems) else
-                 f"data.train_size={data_cfg.train_size}", data_cfg.eval_path, len(held))
+        log.info("data.path=%s: %d records%s, %d trained on (%s); data.eval_path=%s: %d held out%s", data_cfg.path,
+                 len(problems), skipped, len(train), "every record" if len(train) == len(problems) else
+                 f"data.train_size={data_cfg.train_size}", data_cfg.eval_path, len(held), held_skipped)
         return train, held
     if len(problems) <= data_cfg.eval_size:
         raise DataError(f"data.path={data_cfg.path!r} has {len(problems)} records, not more than "
@@ -191,7 +202,7 @@ def load_problems(data_cfg) -> tuple[list[Problem], list[Problem]]:
     rest = [problems[i] for i in order[data_cfg.eval_size:]]
     train = rest[: data_cfg.train_size or None]
     why = "every other record" if len(train) == len(rest) else f"data.train_size={data_cfg.train_size} of {len(rest)}"
-    log.info("data.path=%s: %d records: %d held out (data.eval_size), %d trained on (%s)", data_cfg.path,
-             len(problems), len(held), len(train), why)
+    log.info("data.path=%s: %d records%s: %d held out (data.eval_size), %d trained on (%s)", data_cfg.path,
+             len(problems), skipped, len(held), len(train), why)
     return train, held
 
