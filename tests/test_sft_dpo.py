@@ -246,9 +246,9 @@ def test_a_number_prompt_or_response_is_named_with_its_type(tmp_path, tokenizer,
     ok = {"prompt": "q", "chosen": "a", "rejected": "b"}
     g = _write_jsonl(tmp_path / "pairs.jsonl", [ok] * 5 + [{"prompt": "q", "chosen": 1, "rejected": 2}])
     cfg = dict(eval_size=0, use_chat_template=chat, shuffle=False)
-    with pytest.raises(DataError, match=r"pairs.jsonl:6: key 'chosen' is a int; it must be a string"
-                                        if not chat else r"pairs.jsonl:6: key 'chosen' is a int; it must be a non-empty "
-                                                         r"list of \{role, content\} messages or a string"):
+    expected = (r"it must be a non-empty list of \{role, content\} messages or a string" if chat
+                else r"it must be a string \(or, with data.use_chat_template=true")
+    with pytest.raises(DataError, match=rf"pairs.jsonl:6: key 'chosen' is a int; {expected}"):
         load_preference_data(tokenizer, DataConfig(path=str(g), **cfg))
     for row, key in (({"prompt": 3, "completion": "c"}, "prompt"), ({"prompt": "p", "completion": 4.5}, "completion")):
         f = _write_jsonl(tmp_path / "sft.jsonl", [row])
