@@ -110,6 +110,19 @@ def test_missing_field_names_file_line_and_key(tmp_path):
         load_problems(DataConfig(path=str(p), eval_size=1))
 
 
+def test_openrlhf_and_slime_default_keys_are_read_as_they_are(tmp_path):
+    """OpenRLHF's and slime's prompt files keep the prompt under `input` and the truth under `label`."""
+    from colo_rl.data import file_problems
+
+    p = tmp_path / "openrlhf.jsonl"
+    rows = [{"input": f"What is {i}+1?", "label": str(i + 1)} for i in range(3)]
+    rows.append({"input": [{"role": "user", "content": "What is 9+1?"}], "label": 10})
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    problems = file_problems(p)
+    assert [(x.question, x.answer) for x in problems[:3]] == [(f"What is {i}+1?", str(i + 1)) for i in range(3)]
+    assert problems[3].messages == [{"role": "user", "content": "What is 9+1?"}] and problems[3].answer == "10"
+
+
 def test_gsm8k_format_is_parsed(tmp_path):
     p = tmp_path / "gsm.jsonl"
     rows = [{"question": f"Q{i}?", "answer": f"work\n#### {1000 + i:,}"} for i in range(5)]

@@ -110,7 +110,8 @@ class DataConfig:
                                                "of data.path)", eval="recipes/eval.py evaluates data.path"),
                                    resume=DATA_ORDER)
     # Where a record's prompt / answer are (dotted for nested, e.g. reward_model.ground_truth); None =
-    # the first of prompt / question / messages, and of answer / ground_truth / solution / reward_model.ground_truth.
+    # the first of prompt / question / messages / input, and of answer / ground_truth / solution /
+    # reward_model.ground_truth / label.
     prompt_key: Optional[str] = opt(None, reads("grpo", "eval", others="GRPO and recipes/eval.py only (SFT / DPO "
                                                 "read prompt / messages)"), resume=DATA_ORDER)
     answer_key: Optional[str] = opt(None, reads("grpo", "eval", others="GRPO and recipes/eval.py only"),

@@ -118,9 +118,10 @@ def gsm8k_final_answer(text: str, origin: str) -> str:
     return answer
 
 
-PROMPT_KEYS = ("prompt", "question", "messages")
+# OpenRLHF's and slime's default keys last (input / label): their prompt files read as they are
+PROMPT_KEYS = ("prompt", "question", "messages", "input")
 # verl's layout keeps the truth under reward_model (its data_source / extra_info reach reward functions as fields)
-ANSWER_KEYS = ("answer", "ground_truth", "solution", "reward_model.ground_truth")
+ANSWER_KEYS = ("answer", "ground_truth", "solution", "reward_model.ground_truth", "label")
 PROMPT_IS = "a prompt is a string or a list of {role, content} messages"
 
 
