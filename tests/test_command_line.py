@@ -1,6 +1,6 @@
-"""The command line's override keys, checked before Hydra (colo_rl/config/command_line.py): a verl or
-TRL option's name gets colo_rl's, a misspelt key the closest option; the mapping and docs/data.md's
-table say the same."""
+"""The command line's override keys, checked before Hydra (colo_rl/config/command_line.py): a verl,
+TRL, OpenRLHF or slime option's name gets colo_rl's, a misspelt key the closest option; the mapping
+and docs/data.md's tables say the same."""
 
 import re
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from colo_rl.config import OPTIONS, ConfigError
-from colo_rl.config.command_line import PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys, override_key
+from colo_rl.config.command_line import NO_EQUIVALENT, PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys, override_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,25 +90,105 @@ def test_what_the_check_leaves_alone(arg):
     check_override_keys([arg])
 
 
+@pytest.mark.parametrize("arg,write", [
+    # OpenRLHF's rollout_batch_size is prompts per rollout (difflib said rollout.eval_batch_size)
+    ("rollout_batch_size=8", "rollout_batch_size is OpenRLHF's option; colo_rl's is rollout.prompts_per_step "
+                             "(prompts per step, all ranks): write rollout.prompts_per_step=8"),
+    ("rollout-batch-size=8", "slime's option; colo_rl's is rollout.prompts_per_step"),
+    ("rollout.batch_size=8", "OpenRLHF's option; colo_rl's is rollout.prompts_per_step"),  # its newer dotted flags
+    ("n_samples_per_prompt=4", "write rollout.group_size=4"),
+    ("n-samples-per-prompt=4", "slime's option; colo_rl's is rollout.group_size: write rollout.group_size=4"),
+    ("actor_learning_rate=1e-6", "write trainer.lr=1e-6"),
+    ("lr=1e-6", "lr is slime's option; colo_rl's is trainer.lr: write trainer.lr=1e-6"),
+    ("micro_train_batch_size=2", "set trainer.micro_batch_tokens."),  # sequences, not tokens: no ready value
+    ("train_batch_size=128", "set trainer.mini_batches_per_step."),
+    ("global-batch-size=64", "set trainer.mini_batches_per_step."),
+    ("max-tokens-per-gpu=4096", "write trainer.micro_batch_tokens=4096"),
+    ("init_kl_coef=0.01", "write algo.kl_coef=0.01"),
+    ("use_kl_loss=true", "write algo.kl_in_reward=false"),  # the opposite flag
+    ("kl_estimator=k3", "write algo.kl_estimator=k3"),
+    ("input_key=question", "write data.prompt_key=question"),
+    ("label_key=answer", "write data.answer_key=answer"),
+    ("label-key=answer", "slime's option; colo_rl's is data.answer_key"),
+    ("prompt_max_len=512", "write data.max_prompt_tokens=512"),
+    ("generate_max_len=1024", "write rollout.max_new_tokens=1024"),
+    ("rollout-max-response-len=1024", "write rollout.max_new_tokens=1024"),
+    ("max_epochs=2", "write trainer.ppo_epochs=2"),
+    ("temperature=0.7", "temperature is TRL and OpenRLHF's option; colo_rl's is rollout.temperature"),
+    ("rollout-temperature=0.7", "write rollout.temperature=0.7"),
+    ("top_p=0.9", "write rollout.top_p=0.9"),
+    ("eps_clip=0.2", "write algo.clip_low=0.2"),
+    ("eps-clip-high=0.28", "write algo.clip_high=0.28"),
+    ("advantage_estimator=group_norm", "write algo.adv_estimator=grpo"),
+    ("advantage_estimator=reinforce_baseline", "write algo.adv_estimator=reinforce_pp_baseline"),
+    ("advantage_estimator=gae", "set algo.adv_estimator."),  # no critic here
+    ("advantage-estimator=reinforce_plus_plus", "write algo.adv_estimator=reinforce_pp"),
+    ("save_path=/ckpt/run1", "write run_dir=/ckpt/run1"),
+    ("ckpt_path=/ckpt/run1", "write run_dir=/ckpt/run1"),
+    ("load_checkpoint=true", "write resume=auto"),
+    ("num-rollout=100", "write trainer.total_steps=100"),
+])
+def test_openrlhf_and_slime_names_get_colo_rls(arg, write):
+    with pytest.raises(ConfigError) as e:
+        check_override_keys([arg], "grpo")
+    assert write in str(e.value), str(e.value)
+    assert "docs/data.md" in str(e.value)
+
+
+@pytest.mark.parametrize("arg,instead", [
+    ("num_episodes=1", "set trainer.total_steps"),
+    ("num-epoch=1", "set trainer.total_steps"),
+    ("actor_num_gpus_per_node=8", "--nproc_per_node=N"),
+    ("trainer.nnodes=2", "--nnodes=N"),
+    ("use-dynamic-batch-size=true", "always sized in tokens"),
+])
+def test_openrlhf_and_slime_names_with_no_equivalent_say_what_to_do(arg, instead):
+    with pytest.raises(ConfigError, match=r"colo_rl has none like it: .*Drop it") as e:
+        check_override_keys([arg], "grpo")
+    assert instead in str(e.value)
+
+
+def test_openrlhf_sft_names_mean_what_they_mean_there():
+    with pytest.raises(ConfigError, match=r"colo_rl's is trainer.epochs: write trainer.epochs=3"):
+        check_override_keys(["max_epochs=3"], "sft")
+    with pytest.raises(ConfigError, match=r"colo_rl's is data.max_seq_len .*: write data.max_seq_len=512"):
+        check_override_keys(["max_len=512"], "dpo")
+
+
 def test_override_key():
     assert [override_key(a) for a in ("+x.y=1", "++x.y=1", "~x.y", "x@pkg=a", "--cfg", "hydra.job.name=a")] == \
         ["x.y", "x.y", "x.y", None, None, None]
 
 
-def test_every_peer_name_maps_to_an_option_and_the_docs_table_says_the_same():
-    assert not [target for _, target, _ in PEER_KEYS.values() if target not in OPTIONS]
+def docs_table(section: str) -> dict[str, str]:
+    """docs/data.md's table of peer names in `section` (its first table): each peer name (code or
+    italics, outside parentheses) -> the colo_rl cell of its row."""
     text = (ROOT / "docs" / "data.md").read_text()
-    table = text[text.index("## Option names"):].split("\n\n")[2]
+    table = next(p for p in text[text.index(section):].split("\n\n") if p.startswith("| "))
     in_docs = {}
     for row in table.splitlines()[2:]:
         cells = [c.strip() for c in row.strip().strip("|").split("|")]
-        peers = re.sub(r"\([^)]*\)", "", cells[0] + " " + cells[1])  # parenthesised: not a key
-        for name in re.findall(r"[`*]([a-z_][a-z_.]*)[`*]", peers):
+        peers = re.sub(r"\([^)]*\)", "", " ".join(cells[:-1]))  # parenthesised: not a key
+        for name in re.findall(r"[`*]([a-z_][a-z0-9_.-]*)[`*]", peers):
             if name not in OPTIONS:  # verl's data.prompt_key is colo_rl's too
-                in_docs[name] = cells[2]
-    assert set(in_docs) == set(PEER_KEYS), (set(in_docs) ^ set(PEER_KEYS))
-    wrong = {k: (target, in_docs[k]) for k, (_, target, _) in PEER_KEYS.items() if f"`{target}" not in in_docs[k]}
+                in_docs[name] = cells[-1]
+    return in_docs
+
+
+@pytest.mark.parametrize("section,whose", [("## Option names", ("verl", "TRL")),
+                                           ("## From OpenRLHF / slime", ("OpenRLHF", "slime"))])
+def test_every_peer_name_maps_to_an_option_and_the_docs_table_says_the_same(section, whose):
+    assert not [target for _, target, _ in PEER_KEYS.values() if target not in OPTIONS]
+    in_docs = docs_table(section)
+    theirs = {k: v for k, v in PEER_KEYS.items() if any(w in v[0] for w in whose)}
+    assert set(in_docs) == set(theirs), (set(in_docs) ^ set(theirs))
+    wrong = {k: (target, in_docs[k]) for k, (_, target, _) in theirs.items() if f"`{target}" not in in_docs[k]}
     assert not wrong
+
+
+def test_the_docs_name_each_no_equivalent_name():
+    text = (ROOT / "docs" / "data.md").read_text()
+    assert not [k for k in NO_EQUIVALENT if f"`{k}`" not in text and f"*{k}*" not in text]
 
 
 def test_the_recipe_refuses_before_anything_starts(tmp_path):
@@ -119,3 +199,4 @@ def test_the_recipe_refuses_before_anything_starts(tmp_path):
     assert run.stderr.strip().splitlines()[-1].startswith(
         "error: learning_rate is TRL's option; colo_rl's is trainer.lr: write trainer.lr=1e-5")
     assert not (tmp_path / "run").exists()
+
