@@ -1,6 +1,6 @@
 """The command line's override keys, checked before Hydra (colo_rl/config/command_line.py): a verl,
-TRL, OpenRLHF or slime option's name gets colo_rl's, a misspelt key the closest option; the mapping
-and docs/data.md's tables say the same."""
+TRL, OpenRLHF or slime option's name gets colo_rl's, a misspelt key the closest option, any other
+unknown key where the options are listed; the mapping and docs/data.md's tables say the same."""
 
 import re
 import subprocess
@@ -83,7 +83,7 @@ def test_a_peers_value_is_written_as_colo_rls_or_not_at_all(arg, write):
 @pytest.mark.parametrize("arg", [
     "model=tiny", "env=calculator", "trainer.lr=1e-5", "+trainer.lr=1e-5", "rollout.sglang_kwargs.mem_fraction_static=0.5",
     "reward.weights.math_verify=2", "hydra.run.dir=/tmp/x", "--multirun", "-cn", "sft", "debug=true",
-    "trainer.a_key_nothing_resembles=1",  # no likely meaning: Hydra's own error names it
+    "hydra/job_logging=disabled",
     "+trainer.lrr=1",  # composed, then refused by validation.check_schema_keys (tests/test_validation.py)
 ])
 def test_what_the_check_leaves_alone(arg):
@@ -155,6 +155,16 @@ def test_openrlhf_sft_names_mean_what_they_mean_there():
         check_override_keys(["max_len=512"], "dpo")
 
 
+@pytest.mark.parametrize("arg", ["foo_bar=1", "trainer.a_key_nothing_resembles=1", "~foo_bar"])
+def test_an_unknown_key_gets_colo_rls_error_not_hydras(arg):
+    # Hydra's own ("Could not override ... To append to your config use +foo_bar=1") recommends the
+    # `+` form colo_rl refuses, and under the launcher ended as "rank 1 ... exited with code 1"
+    with pytest.raises(ConfigError) as e:
+        check_override_keys(["model=tiny", arg])
+    key = arg.lstrip("~").split("=")[0]
+    assert str(e.value) == f"{key}: colo_rl has no such option; the options are listed in docs/config.md"
+
+
 def test_override_key():
     assert [override_key(a) for a in ("+x.y=1", "++x.y=1", "~x.y", "x@pkg=a", "--cfg", "hydra.job.name=a")] == \
         ["x.y", "x.y", "x.y", None, None, None]
@@ -200,3 +210,15 @@ def test_the_recipe_refuses_before_anything_starts(tmp_path):
         "error: learning_rate is TRL's option; colo_rl's is trainer.lr: write trainer.lr=1e-5")
     assert not (tmp_path / "run").exists()
 
+
+@pytest.mark.parametrize("args,said", [
+    (["foo_bar=1"], "error: foo_bar: colo_rl has no such option; the options are listed in docs/config.md"),
+])
+def test_the_recipe_refuses_an_unknown_key_itself(tmp_path, args, said):
+    # before: Hydra's "Could not override 'foo_bar'" (exit 1)
+    run = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), *args, f"run_dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [run.stderr.strip().splitlines()[-1]]  # one line, no usage block
+    assert run.stderr.strip().startswith(said), run.stderr

@@ -1,10 +1,11 @@
 """The command line's override keys, checked before Hydra composes them.
 
-Hydra's own refusal of an unknown key names the key and the schema class only. A user coming from
-verl, TRL, OpenRLHF or slime types that framework's names (`actor_rollout_ref.actor.optim.lr=1e-6`,
-`beta=0.04`, `rollout_batch_size=8`); a typo is one edit from a real key. `check_override_keys`
-answers both with the key to write, and leaves every other case (group choices, `hydra.*`, a key with
-no likely meaning) to Hydra."""
+Hydra's own refusal of an unknown key names the key and the schema class only, and recommends a
+`+key=...` that colo_rl refuses in turn. A user coming from verl, TRL, OpenRLHF or slime types that
+framework's names (`actor_rollout_ref.actor.optim.lr=1e-6`, `beta=0.04`, `rollout_batch_size=8`); a
+typo is one edit from a real key. `check_override_keys` answers each with the key to write, an
+unknown key with where the options are listed, and leaves group choices, `hydra.*` and Hydra's own
+flags to Hydra."""
 
 from __future__ import annotations
 
@@ -416,7 +417,7 @@ def override_key(arg: str) -> str | None:
     if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
         return None
     key = arg.lstrip("+~").split("=", 1)[0].strip()
-    if not key or "@" in key or key == "hydra" or key.startswith("hydra."):
+    if not key or "@" in key or key == "hydra" or key.startswith(("hydra.", "hydra/")):
         return None
     return key
 
@@ -455,12 +456,16 @@ def _check_key(arg: str, key: str, recipe: str) -> None:
     if close:
         raise ConfigError(f"{key}: colo_rl has no such option; did you mean {close[0]}? ({close[0]}={value}; "
                           f"every option: docs/config.md)")
+    # Hydra's own refusal would recommend `+key=...`, which validation refuses in turn (and under the
+    # launcher each rank would fail on its own, exit code 1)
+    raise ConfigError(f"{key}: colo_rl has no such option; the options are listed in docs/config.md")
 
 
 def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
-    """Refuse an override whose key colo_rl lacks when we can say what to write instead: a verl / TRL /
-    OpenRLHF / slime option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib,
-    cutoff 0.8; a `+key` typo is left to validation.check_schema_keys, whose message says what a `+` does)."""
+    """Refuse an override whose key colo_rl lacks, saying what to write instead: a verl / TRL / OpenRLHF /
+    slime option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib, cutoff 0.8),
+    else where the options are listed (a `+key` is left to validation.check_schema_keys, whose message
+    says what a `+` does)."""
     for arg in overrides:
         key = override_key(arg)
         if key is not None:
