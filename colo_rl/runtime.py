@@ -261,9 +261,9 @@ RANK0_SPEAKS_FIRST_S = 5.0
 
 def check_command_line(recipe: str, argv: Optional[list[str]] = None) -> None:
     """Before Hydra composes the config: an override key colo_rl lacks (a verl / TRL / OpenRLHF / slime
-    name, a typo, any other unknown key: config/command_line.py) ends the run as `clean_errors` does:
-    `error: <message>` from rank 0 (every rank meets the same), exit status 2, never Hydra's own error
-    on each rank."""
+    name, a typo, any other unknown key) or an argparse-style `--name value` (config/command_line.py)
+    ends the run as `clean_errors` does: `error: <message>` from rank 0 (every rank meets the same),
+    exit status 2, never Hydra's usage block or its own error on each rank."""
     try:
         check_override_keys(sys.argv[1:] if argv is None else argv, recipe)
     except ConfigError as e:

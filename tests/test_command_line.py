@@ -1,6 +1,7 @@
 """The command line's override keys, checked before Hydra (colo_rl/config/command_line.py): a verl,
 TRL, OpenRLHF or slime option's name gets colo_rl's, a misspelt key the closest option, any other
-unknown key where the options are listed; the mapping and docs/data.md's tables say the same."""
+unknown key where the options are listed, an argparse-style `--name value` the key=value to write;
+the mapping and docs/data.md's tables say the same."""
 
 import re
 import subprocess
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from colo_rl.config import OPTIONS, ConfigError
-from colo_rl.config.command_line import NO_EQUIVALENT, PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys, override_key
+from colo_rl.config.command_line import (HYDRA_FLAGS, NO_EQUIVALENT, PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys,
+                                         override_key)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +85,7 @@ def test_a_peers_value_is_written_as_colo_rls_or_not_at_all(arg, write):
 @pytest.mark.parametrize("arg", [
     "model=tiny", "env=calculator", "trainer.lr=1e-5", "+trainer.lr=1e-5", "rollout.sglang_kwargs.mem_fraction_static=0.5",
     "reward.weights.math_verify=2", "hydra.run.dir=/tmp/x", "--multirun", "-cn", "sft", "debug=true",
-    "hydra/job_logging=disabled",
+    "--cfg", "job", "--config-name=sft", "-m", "--help", "hydra/job_logging=disabled",
     "+trainer.lrr=1",  # composed, then refused by validation.check_schema_keys (tests/test_validation.py)
 ])
 def test_what_the_check_leaves_alone(arg):
@@ -165,6 +167,39 @@ def test_an_unknown_key_gets_colo_rls_error_not_hydras(arg):
     assert str(e.value) == f"{key}: colo_rl has no such option; the options are listed in docs/config.md"
 
 
+@pytest.mark.parametrize("args,said", [
+    (["--n_samples_per_prompt", "4"], "--n_samples_per_prompt 4: colo_rl takes key=value overrides (Hydra's), not "
+                                      "--options; n_samples_per_prompt is OpenRLHF's option; colo_rl's is "
+                                      "rollout.group_size: write rollout.group_size=4"),
+    (["--micro_train_batch_size", "2"], "--micro_train_batch_size 2: colo_rl takes key=value overrides (Hydra's), "
+                                        "not --options; micro_train_batch_size is OpenRLHF's option; colo_rl's is "
+                                        "trainer.micro_batch_tokens"),
+    (["--lr", "1e-6", "model=tiny"], "--lr 1e-6: colo_rl takes key=value overrides (Hydra's), not --options; lr is "
+                                     "slime's option; colo_rl's is trainer.lr: write trainer.lr=1e-6"),
+    (["--rollout-batch-size=16"], "--rollout-batch-size=16: colo_rl takes key=value overrides (Hydra's), not "
+                                  "--options; rollout-batch-size is slime's option; colo_rl's is rollout.prompts_per_step (prompts per step, all ranks): write "
+                                  "rollout.prompts_per_step=16"),
+    (["--use_kl_loss", "model=tiny"], "--use_kl_loss: colo_rl takes key=value overrides (Hydra's), not --options; "
+                                      "use_kl_loss is OpenRLHF's option; colo_rl's is algo.kl_in_reward"),
+    (["--save_steps", "-1"], "--save_steps -1: colo_rl takes key=value overrides (Hydra's), not --options; "
+                             "save_steps is TRL and OpenRLHF's option"),
+    (["--trainer.lr", "1e-5"], "--trainer.lr 1e-5: colo_rl takes key=value overrides (Hydra's), not --options: "
+                               "write trainer.lr=1e-5"),
+    (["--foo_bar", "1"], "--foo_bar 1: colo_rl takes key=value overrides (Hydra's), not --options; foo_bar: colo_rl "
+                         "has no such option; the options are listed in docs/config.md"),
+])
+def test_a_dashed_argument_gets_the_key_value_to_write(args, said):
+    with pytest.raises(ConfigError) as e:
+        check_override_keys(args, "grpo")
+    assert str(e.value).startswith(said), str(e.value)
+
+
+def test_hydras_own_flags_are_the_ones_hydra_parses():
+    from hydra._internal.utils import get_args_parser
+
+    assert HYDRA_FLAGS == {s for action in get_args_parser()._actions for s in action.option_strings}
+
+
 def test_override_key():
     assert [override_key(a) for a in ("+x.y=1", "++x.y=1", "~x.y", "x@pkg=a", "--cfg", "hydra.job.name=a")] == \
         ["x.y", "x.y", "x.y", None, None, None]
@@ -213,9 +248,10 @@ def test_the_recipe_refuses_before_anything_starts(tmp_path):
 
 @pytest.mark.parametrize("args,said", [
     (["foo_bar=1"], "error: foo_bar: colo_rl has no such option; the options are listed in docs/config.md"),
+    (["--n_samples_per_prompt", "4"], "error: --n_samples_per_prompt 4: colo_rl takes key=value overrides"),
 ])
-def test_the_recipe_refuses_an_unknown_key_itself(tmp_path, args, said):
-    # before: Hydra's "Could not override 'foo_bar'" (exit 1)
+def test_the_recipe_refuses_an_unknown_key_or_a_dashed_argument_itself(tmp_path, args, said):
+    # before: Hydra's "Could not override 'foo_bar'" (exit 1), argparse's "unrecognized arguments"
     run = subprocess.run([sys.executable, str(ROOT / "recipes" / "grpo.py"), *args, f"run_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, cwd=tmp_path)

@@ -2,10 +2,10 @@
 
 Hydra's own refusal of an unknown key names the key and the schema class only, and recommends a
 `+key=...` that colo_rl refuses in turn. A user coming from verl, TRL, OpenRLHF or slime types that
-framework's names (`actor_rollout_ref.actor.optim.lr=1e-6`, `beta=0.04`, `rollout_batch_size=8`); a
-typo is one edit from a real key. `check_override_keys` answers each with the key to write, an
-unknown key with where the options are listed, and leaves group choices, `hydra.*` and Hydra's own
-flags to Hydra."""
+framework's names (`actor_rollout_ref.actor.optim.lr=1e-6`, `beta=0.04`, `rollout_batch_size=8`), or
+its argparse habit (`--n_samples_per_prompt 4`); a typo is one edit from a real key.
+`check_override_keys` answers each with the key to write, an unknown key with where the options are
+listed, and leaves group choices, `hydra.*` and Hydra's own flags to Hydra."""
 
 from __future__ import annotations
 
@@ -422,6 +422,14 @@ def override_key(arg: str) -> str | None:
     return key
 
 
+# Hydra's own flags (hydra/_internal/utils.py, get_args_parser; tests/test_command_line.py keeps the two in
+# step). Any other `--name` is an argparse habit (OpenRLHF, slime, TRL's scripts): Hydra would end in
+# argparse's "unrecognized arguments" after its usage block.
+HYDRA_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p",
+                         "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp",
+                         "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"})
+
+
 def _names_side_by_side(whose: str) -> str:
     """Where docs/data.md lists a peer's names beside colo_rl's."""
     if "verl" in whose or "TRL" in whose:
@@ -461,12 +469,34 @@ def _check_key(arg: str, key: str, recipe: str) -> None:
     raise ConfigError(f"{key}: colo_rl has no such option; the options are listed in docs/config.md")
 
 
+def _check_dashed(args: list[str], i: int, recipe: str) -> None:
+    """`--name value` / `--name=value` / a bare `--flag` (true): refused with the key=value to write,
+    translated as a `name=value` override would be."""
+    name, eq, value = args[i][2:].partition("=")
+    shown = args[i]
+    if not eq:
+        following = args[i + 1] if i + 1 < len(args) else None
+        if following is not None and not following.startswith("--") and "=" not in following:
+            value, shown = following, f"{shown} {following}"
+        else:
+            value = "true"  # a bare flag (store_true)
+    said = f"{shown}: colo_rl takes key=value overrides (Hydra's), not --options"
+    try:
+        _check_key(f"{name}={value}", name, recipe)
+    except ConfigError as e:
+        raise ConfigError(f"{said}; {e}") from None
+    raise ConfigError(f"{said}: write {name}={value}")
+
+
 def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     """Refuse an override whose key colo_rl lacks, saying what to write instead: a verl / TRL / OpenRLHF /
     slime option's colo_rl name (`peer_keys(recipe)`), else the closest option (difflib, cutoff 0.8),
     else where the options are listed (a `+key` is left to validation.check_schema_keys, whose message
-    says what a `+` does)."""
-    for arg in overrides:
+    says what a `+` does). An argparse-style `--name value` is refused with the key=value to write."""
+    args = list(overrides)
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and arg[2:3] not in ("", "=", "-") and arg.split("=", 1)[0] not in HYDRA_FLAGS:
+            _check_dashed(args, i, recipe)
         key = override_key(arg)
         if key is not None:
             _check_key(arg, key, recipe)
