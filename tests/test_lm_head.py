@@ -79,7 +79,8 @@ def test_bf16_chunked_head_equals_the_whole_logits_path_on_confident_tokens(temp
     (coef * whole).sum().backward()
     assert whole.exp().min() > 0.99  # confident tokens, as most of an RL rollout's
     assert logp.max() <= 0
-    torch.testing.assert_close(logp, whole.detach(), rtol=0, atol=1e-6)
+    # 3e-6: the paths round differently (torch 2.13's CPU bf16 matmul differs by 1.1e-6); the bug was 0.06
+    torch.testing.assert_close(logp, whole.detach(), rtol=0, atol=3e-6)
     torch.testing.assert_close(h_chunk.grad.float(), h_whole.grad.float(), rtol=0.02, atol=1e-4)
     torch.testing.assert_close(w_chunk.grad.float(), w_whole.grad.float(), rtol=0.02, atol=1e-4)
 

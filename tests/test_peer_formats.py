@@ -109,11 +109,11 @@ def test_a_trl_function_needing_a_column_the_data_lacks_is_named(rewards):
 
 def test_other_layouts_name_their_keys_and_a_missing_key_says_which_setting(tmp_path):
     path = tmp_path / "custom.jsonl"
-    path.write_text("".join(json.dumps({"input": {"text": f"q{i}"}, "target": {"value": i}}) + "\n" for i in range(5)))
-    with pytest.raises(DataError, match=r"custom.jsonl:1: needs one of the keys \['prompt', 'question', 'messages'\] "
+    path.write_text("".join(json.dumps({"query": {"text": f"q{i}"}, "target": {"value": i}}) + "\n" for i in range(5)))
+    with pytest.raises(DataError, match=r"custom.jsonl:1: needs one of the keys \['prompt', 'question', 'messages', 'input'\] "
                                         r".*; or set data.prompt_key=<its key>"):
         load_problems(DataConfig(path=str(path), eval_size=1))
-    train, held = load_problems(DataConfig(path=str(path), eval_size=1, prompt_key="input.text",
+    train, held = load_problems(DataConfig(path=str(path), eval_size=1, prompt_key="query.text",
                                            answer_key="target.value"))
     assert sorted(p.question for p in train + held) == [f"q{i}" for i in range(5)]
     assert {p.answer for p in train + held} == {str(i) for i in range(5)}
