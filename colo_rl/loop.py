@@ -51,6 +51,9 @@ class Recipe(Protocol):
         """A resumable checkpoint after `step` steps (every rank calls it); what it cost besides its
         time (GRPO: the switch out of the generation phase an evaluation left), or None."""
 
+    def plot(self) -> object:
+        """The run's curves from its metrics.jsonl (after a stop too: the steps so far)."""
+
     def finish(self, result: "LoopResult") -> None:
         """After the last step of an uninterrupted run: final export, plots, summary."""
 
@@ -123,7 +126,9 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
     finally:
         stop.restore()
     result = LoopResult(first_eval, last_eval, stopped_by, start)
-    if not stopped_by:
+    if stopped_by:
+        recipe.plot()  # the curves so far: a stopped run is looked at before it is resumed
+    else:
         recipe.finish(result)
     return result
 

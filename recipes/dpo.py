@@ -165,17 +165,22 @@ class DPORecipe:
         with self.update_phase():
             ckpt.save(step, self.actor, self.sampler, self.engine)
 
-    def finish(self, result: loop.LoopResult) -> None:
-        algo = self.cfg.algo
-        with self.update_phase():
-            final = export_hf(self.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+    def plot(self) -> None:
+        """loss_curve.png from metrics.jsonl (cfg.plots)."""
         if self.cfg.plots:
             plot_curves(read_jsonl(self.run_dir / "metrics.jsonl"), self.run_dir / "loss_curve.png",
                         [("DPO loss", ["train/loss", "eval/loss"]),
                          ("reward margin (chosen - rejected)", ["rewards/margins", "eval/rewards/margins"]),
                          ("preference accuracy", ["rewards/accuracy", "eval/rewards/accuracy"]),
                          ("implicit rewards", ["rewards/chosen", "rewards/rejected", "eval/rewards/chosen",
-                                               "eval/rewards/rejected"])], f"DPO ({algo.dpo_loss}) {self.run_dir.name}")
+                                               "eval/rewards/rejected"])],
+                        f"DPO ({self.cfg.algo.dpo_loss}) {self.run_dir.name}")
+
+    def finish(self, result: loop.LoopResult) -> None:
+        algo = self.cfg.algo
+        with self.update_phase():
+            final = export_hf(self.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+        self.plot()
         first, last = result.first_eval, result.last_eval
         stats = self.length_stats
         summary = {"recipe": "dpo", "loss": algo.dpo_loss, "beta": algo.beta, "steps": self.plan.total_steps,

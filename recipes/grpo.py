@@ -250,9 +250,8 @@ class GRPORecipe:
             ckpt.save(step, self.colo.actor, self.sampler, self.colo.engine, extra=extra)
         return switch_seconds_paid(SAVE_SWITCH_KEYS, before, self.colo.switch.timed_phase_seconds())
 
-    def finish(self, result: loop.LoopResult) -> None:
-        with self.colo.switch.update():
-            export_hf(self.colo.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+    def plot(self) -> list[dict]:
+        """reward_curve.png from metrics.jsonl (cfg.plots); returns the rows."""
         rows = read_jsonl(self.run_dir / "metrics.jsonl")
         if self.cfg.plots:
             plot_curves(charged_rows(rows), self.run_dir / "reward_curve.png",  # evaluations' switches in their steps
@@ -260,6 +259,12 @@ class GRPORecipe:
                          ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient"]),
                          ("seconds per step", ["time/generation", "time/update", "time/handoff",
                                                "time/phase_switch"])], f"GRPO {self.run_dir.name}")
+        return rows
+
+    def finish(self, result: loop.LoopResult) -> None:
+        with self.colo.switch.update():
+            export_hf(self.colo.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+        rows = self.plot()
         first, last = result.first_eval, result.last_eval
         if "eval/accuracy" in first and "eval/accuracy" in last:
             log.info("held-out accuracy (greedy, %d problems): %.3f -> %.3f (%+.1f points); lenient %.3f -> %.3f",

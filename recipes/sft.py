@@ -122,14 +122,18 @@ class SFTRecipe:
         with self.update_phase():
             ckpt.save(step, self.actor, self.sampler, self.engine)
 
-    def finish(self, result: loop.LoopResult) -> None:
-        with self.update_phase():
-            final = export_hf(self.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+    def plot(self) -> None:
+        """loss_curve.png from metrics.jsonl (cfg.plots)."""
         if self.cfg.plots:
             plot_curves(read_jsonl(self.run_dir / "metrics.jsonl"), self.run_dir / "loss_curve.png",
                         [("loss (completion-token NLL)", ["train/loss", "eval/loss"]),
                          ("held-out accuracy (greedy)", ["eval/accuracy", "eval/accuracy_lenient", "eval/format_rate"]),
                          ("train tokens / s", ["throughput/tokens_per_s"])], f"SFT {self.run_dir.name}")
+
+    def finish(self, result: loop.LoopResult) -> None:
+        with self.update_phase():
+            final = export_hf(self.actor, self.tokenizer, self.run_dir / "checkpoint-final")
+        self.plot()
         first, last = result.first_eval, result.last_eval
         stats = self.length_stats
         summary = {"recipe": "sft", "steps": self.plan.total_steps, "train_examples": len(self.train),

@@ -106,7 +106,7 @@ def run(tmp_path):
 
 
 def test_sigint_to_rank0_stops_every_rank_after_the_step_with_a_checkpoint(run):
-    r = run()
+    r = run(extra=("plots=true",))
     r.wait_for_step(2)
     rc, seconds, alive = r.signal_rank(0, signal.SIGINT, timeout=60)
     out = r.output()
@@ -118,6 +118,8 @@ def test_sigint_to_rank0_stops_every_rank_after_the_step_with_a_checkpoint(run):
     last = rows[-1]["step"]
     assert f"stopped by SIGINT after step {last}; continue with resume=auto run_dir={r.run_dir}" in out
     assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
+    assert out.count("stopped by SIGINT") == 1  # every rank stopped; rank 0 says so
+    assert (r.run_dir / "reward_curve.png").stat().st_size > 0  # the curves so far
     assert "Traceback" not in out.split("stopped by SIGINT")[0]  # the ranks stopped, nothing crashed
     # the over-length prompts the data policy dropped are reported in the metrics, not only logged
     assert rows[0]["data/overlong_dropped"] > 0 and rows[0]["data/overlong_truncated"] == 0

@@ -43,6 +43,9 @@ class Script:
     def save(self, ckpt, step):
         self.calls.append(("save", step))
 
+    def plot(self):
+        self.calls.append(("plot",))
+
     def finish(self, result):
         self.calls.append(("finish", result.last_eval["eval/score"]))
 
@@ -86,11 +89,11 @@ def test_resumed_run_skips_step_zero_and_reads_its_evaluations_back(tmp_path):
     assert result.first_eval == {"eval/score": 0.0} and result.start_step == 2
 
 
-def test_a_stop_signal_saves_after_the_step_and_skips_finish(tmp_path):
+def test_a_stop_signal_saves_after_the_step_draws_the_curves_so_far_and_skips_finish(tmp_path):
     before = signal.getsignal(signal.SIGINT)
     recipe = Script(total_steps=6, signal_at=1)
     result = loop.run(recipe, cfg(eval_every=0), Ckpt(tmp_path, save_every=0), MetricsLogger(tmp_path, ["jsonl"]))
-    assert recipe.calls[-2:] == [("train_step", 1), ("save", 2)]
+    assert recipe.calls[-3:] == [("train_step", 1), ("save", 2), ("plot",)]
     assert result.stopped_by == "SIGINT" and result.exit_code == 130
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
 

@@ -453,7 +453,7 @@ class RunConfig:
     # tensorboard, wandb (extra `.[wandb]`; offline without an API key), mlflow (extra `.[mlflow]`; MLFLOW_TRACKING_URI
     # or <run_dir>/mlflow.db). Each gets the resolved config.
     logger: list[str] = opt(scope=ALL, factory=lambda: ["jsonl", "tensorboard"], resume=SILENT)
-    plots: bool = opt(True, ALL, resume=SILENT)  # PNG plots of the metrics in the run directory at the end
+    plots: bool = opt(True, ALL, resume=SILENT)  # PNG plots of the metrics in the run directory at the end (or stop)
     # GRPO: groups of rank 0's training batch written to <run_dir>/rollouts.jsonl every step, one line
     # per completion (prompt, text, reward by source, verdict, tokens, finish reason); 0 writes none
     log_rollout_groups: int = opt(1, reads("grpo", others="GRPO only"), check=ge(0, "0 = none"), resume=SILENT)
