@@ -121,6 +121,10 @@ def test_openrlhf_and_slime_default_keys_are_read_as_they_are(tmp_path):
     problems = file_problems(p)
     assert [(x.question, x.answer) for x in problems[:3]] == [(f"What is {i}+1?", str(i + 1)) for i in range(3)]
     assert problems[3].messages == [{"role": "user", "content": "What is 9+1?"}] and problems[3].answer == "10"
+    alpaca = tmp_path / "alpaca.jsonl"  # `input` is only part of an Alpaca prompt: not taken alone
+    alpaca.write_text(json.dumps({"instruction": "Add the numbers.", "input": "17, 25", "label": "42"}) + "\n")
+    with pytest.raises(DataError, match=r"alpaca.jsonl:1: holds 'instruction' and 'input' .* data.prompt_key=instr"):
+        file_problems(alpaca)
 
 
 def test_gsm8k_format_is_parsed(tmp_path):
@@ -194,6 +198,22 @@ def test_a_null_key_is_an_error_not_a_fall_back_to_the_next(tmp_path, row, answe
     p.write_text(json.dumps({"prompt": "ok", "answer": "1", "target": {"value": "1"}}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(DataError, match=message):
         load_problems(DataConfig(path=str(p), eval_size=0, answer_key=answer_key))
+
+
+def test_in_a_parquet_file_a_null_is_an_absent_column(tmp_path):
+    """Parquet rows have every column, null where the record had no such key: records split between
+    `answer` and `solution` read as they do from JSONL."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from colo_rl.data import file_problems
+
+    rows = [{"prompt": "q0", "answer": "2"}, {"prompt": "q1", "solution": "4"}]
+    table = pa.table({"prompt": ["q0", "q1"], "answer": ["2", None], "solution": [None, "4"]})  # as pandas writes it
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [x.answer for x in file_problems(tmp_path / "mixed.parquet")] == ["2", "4"]
+    assert [x.answer for x in file_problems(tmp_path / "mixed.jsonl")] == ["2", "4"]
 
 
 def test_a_number_answer_is_its_text(tmp_path):

@@ -319,13 +319,21 @@ def encode_splits(tokenizer, data_cfg, embedded: Callable[[Any], tuple[list[Reco
     encoder = ChatEncoder(tokenizer, data_cfg)
 
     def encode(recs: list[Record]) -> list[T]:
-        out = []
+        out, unusable = [], []
         for i, rec in enumerate(recs):
-            answer = rec.data.get("answer")  # a list or object would be checked as its repr: refused
-            answer = None if answer is None else answer_text(answer, rec.origin, "answer")
+            answer = rec.data.get("answer")
+            try:
+                answer = None if answer is None else answer_text(answer, rec.origin, "answer")
+            except DataError:  # optional here (held-out accuracy only): a list or bool is no number to check
+                unusable.append(rec.origin)
+                answer = None
             enc = apply_length_policy(encode_record(rec, encoder), data_cfg, stats, rec.origin, encoder.head)
             if enc is not None:
                 out.append(make(str(rec.data.get("id", i)), enc, answer, rec.origin))
+        if unusable:
+            log.warning("%d record(s) have an 'answer' that is not text or a number (first: %s): they count as "
+                        "having no answer (the optional answer only serves the greedy held-out accuracy)",
+                        len(unusable), unusable[0])
         return out
 
     return encode(train_recs), encode(held_recs), stats

@@ -21,6 +21,9 @@ log = logging.getLogger("colo_rl")
 class Record:
     data: dict[str, Any]
     origin: str  # "path:line" (JSONL) or "path[row]" (Parquet / datasets)
+    # Parquet / datasets: every row has every column, null where the record had no such key, so a
+    # null is an absent key (JSON writes null on purpose)
+    null_is_absent: bool = False
 
     def require(self, *keys: str) -> list[Any]:
         """The values of `keys`; a DataError naming the missing key and the record's origin."""
@@ -57,11 +60,11 @@ class Record:
         """The first of `keys` the record has (dotted: nested); a DataError naming them, and `option`
         (the setting that names another key), otherwise. The first key it has but holds null is an
         error too: falling back to a later key (`answer: null` to `solution`) would swap the
-        truth without a word."""
+        truth without a word. From Parquet / datasets a null is an absent key."""
         for i, key in enumerate(keys):
             if (value := self.get(key)) is not None:
                 return key, value
-            if self.has(key):
+            if self.has(key) and not self.null_is_absent:
                 later = [k for k in keys[i + 1:] if self.get(k) is not None]
                 read = f", or set {option}={later[0]} to read its {later[0]!r}" if option and later else ""
                 raise DataError(f"{self.origin}: key {key!r} is null; fill it in or remove the record{read}")
@@ -186,7 +189,7 @@ def _read_records(p: Path, path: str | Path) -> Records:
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{p}: not a readable Parquet file ({e}); check the file, or give it the suffix of "
                             f"what it holds (.jsonl)") from None
-        return Records(_as_record(row, f"{p}[row {i}]") for i, row in enumerate(rows))
+        return Records(_as_record(row, f"{p}[row {i}]", columnar=True) for i, row in enumerate(rows))
     raise DataError(f"data.path={str(path)!r}: unsupported file type {suffix!r}; use .jsonl, .json, "
                     ".parquet or a directory saved with datasets.save_to_disk")
 
@@ -244,10 +247,10 @@ def _read_jsonl(p: Path) -> Records:
     return out
 
 
-def _as_record(row: Any, origin: str) -> Record:
+def _as_record(row: Any, origin: str, columnar: bool = False) -> Record:
     if not isinstance(row, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(row).__name__}")
-    return Record(row, origin)
+    return Record(row, origin, null_is_absent=columnar)
 
 
 def _read_hf_dir(p: Path) -> list[Record]:
@@ -260,4 +263,4 @@ def _read_hf_dir(p: Path) -> list[Record]:
     if isinstance(ds, datasets.DatasetDict):
         split = "train" if "train" in ds else next(iter(ds))
         ds = ds[split]
-    return [_as_record(row, f"{p}[row {i}]") for i, row in enumerate(ds)]
+    return [_as_record(row, f"{p}[row {i}]", columnar=True) for i, row in enumerate(ds)]

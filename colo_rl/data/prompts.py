@@ -138,6 +138,9 @@ def _problem_from_record(rec: Record, index: int, prompt_key: Optional[str] = No
         return Problem(id=str(d.get("id", index)), question=question,
                        answer=gsm8k_final_answer(d["answer"], rec.origin), origin=rec.origin, fields=dict(d))
     prompt_at, prompt = rec.first_of(*([prompt_key] if prompt_key else PROMPT_KEYS), option="data.prompt_key")
+    if prompt_at == "input" and not prompt_key and "instruction" in d:  # Alpaca's: the task is in `instruction`
+        raise DataError(f"{rec.origin}: holds 'instruction' and 'input' (Alpaca's layout), and colo_rl reads one "
+                        f"key as the prompt: set data.prompt_key=instruction, or join the two into a 'prompt' key")
     answer_at, answer = rec.first_of(*([answer_key] if answer_key else ANSWER_KEYS), option="data.answer_key")
     # a number is its text; a list, object or bool is refused: its repr would be the truth
     answer = answer_text(answer, rec.origin, answer_at, " (data.answer_key names a nested one: a.b)")
