@@ -51,15 +51,15 @@ def own_reward_sums(scorer, texts: list[str], answers: list[str], problems: Opti
     """The user's reward functions (reward.functions entries that are files) on the held-out
     completions: each one's summed unweighted score and the failed calls. A call that raises,
     returns NaN or times out scores 0 and is counted (eval/reward_failures), not fatal: an
-    evaluation at the end of a long run is not lost to one bad answer. Nothing without such functions."""
+    evaluation at the end of a long run is not lost to one bad answer. Nothing without such functions,
+    or without `problems` (SFT / DPO held-out examples: no records for the functions' fields)."""
     names = scorer.own_source_metrics()
-    if not names:
+    if not names or problems is None:
         return {}
     sums = {f"reward_source/{name}": 0.0 for name in names}
     sums["reward_failures"] = 0.0
     if texts:
-        fields = [p.fields for p in problems] if problems else None
-        scored = scorer.score(texts, answers, fields, failure_limit=1.0)
+        scored = scorer.score(texts, answers, [p.fields for p in problems], failure_limit=1.0)
         for name in names:
             sums[f"reward_source/{name}"] = float(sum(scored.per_source[name]))
         sums["reward_failures"] = float(scored.failures)

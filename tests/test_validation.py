@@ -339,6 +339,9 @@ def test_held_out_evaluation_reports_the_users_own_reward_functions(monkeypatch,
                      "reward_source/mine:score": 0.0, "reward_failures": 0.0}
     plain, _ = evaluate_shard(_Engine(), _Tokenizer(), [[1, 2]], ["3"], RewardScorer(RewardConfig()), 8)
     assert set(plain) == {"count", "correct", "lenient", "formatted", "response_tokens"}
+    monkeypatch.setattr(dist, "rank", lambda: 1)  # SFT / DPO: examples, no records: the functions are not called
+    sft, _ = evaluate_shard(_Engine(), _Tokenizer(), [[1, 2]], ["3"], scorer, 8)
+    assert set(sft) == set(plain) and sft["count"] == 1
 
 
 def test_an_evaluation_reports_the_switch_into_generation_it_paid(monkeypatch):
