@@ -84,7 +84,7 @@ def test_a_peers_value_is_written_as_colo_rls_or_not_at_all(arg, write):
 
 @pytest.mark.parametrize("arg", [
     "model=tiny", "env=calculator", "trainer.lr=1e-5", "+trainer.lr=1e-5", "rollout.sglang_kwargs.mem_fraction_static=0.5",
-    "reward.weights.math_verify=2", "hydra.run.dir=/tmp/x", "--multirun", "-cn", "sft", "debug=true",
+    "hydra.run.dir=/tmp/x", "--multirun", "-cn", "sft", "debug=true",
     "--cfg", "job", "--config-name=sft", "-m", "--help", "hydra/job_logging=disabled",
     "+trainer.lrr=1",  # composed, then refused by validation.check_schema_keys (tests/test_validation.py)
 ])
@@ -258,3 +258,27 @@ def test_the_recipe_refuses_an_unknown_key_or_a_dashed_argument_itself(tmp_path,
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().splitlines() == [run.stderr.strip().splitlines()[-1]]  # one line, no usage block
     assert run.stderr.strip().startswith(said), run.stderr
+
+
+def test_hydras_flags_keep_their_values_and_completion_and_sections_are_no_values():
+    """A value-taking Hydra flag's value is not an override; `-sc install=bash` is Hydra's completion;
+    a section that is no config group (`colocate=true`) or a key inside another option
+    (`logger.wandb.project=p`) is refused here, not by Hydra after start-up."""
+    check_override_keys(["-sc", "install=bash"])
+    check_override_keys(["--shell-completion", "query=trainer.l"])
+    check_override_keys(["-cn", "sft", "model=tiny", "colocate.memory_margin_gib=1", "rollout=sglang"])
+    with pytest.raises(ConfigError, match="did you mean trainer.lr"):
+        check_override_keys(["-cn", "sft", "trainer.lrr=1"])
+    for arg in ("colocate=true", "--colocate"):
+        with pytest.raises(ConfigError, match=r"colocate is slime's option; colo_rl has none like it"):
+            check_override_keys([arg])
+    with pytest.raises(ConfigError, match=r"logger.wandb.project is OpenRLHF's option.*WANDB_PROJECT"):
+        check_override_keys(["logger.wandb.project=p"])
+    with pytest.raises(ConfigError, match=r"reward.weights is one option \(a list: \[a,b\]\), with no keys inside"):
+        check_override_keys(["reward.weights.math_verify=2"])
+
+
+def test_a_secret_flag_value_is_never_echoed():
+    with pytest.raises(ConfigError) as e:
+        check_override_keys(["--use_wandb", "SECRETKEY123"])
+    assert "SECRETKEY123" not in str(e.value) and "logger=[jsonl,wandb]" in str(e.value)

@@ -10,6 +10,7 @@ listed, and leaves group choices, `hydra.*` and Hydra's own flags to Hydra."""
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Iterable
 
 from colo_rl.config.validation import FREE_KEYS, OPTIONS
@@ -393,12 +394,19 @@ def peer_keys(recipe: str) -> dict[str, tuple[str, str, str]]:
     return {k: v for k, v in keys.items() if recipe in OPTIONS[v[1]].scope.reads}
 
 
+CONF_GROUPS = frozenset(p.name for p in (Path(__file__).resolve().parents[2] / "conf").glob("*") if p.is_dir())
+
+
 def _known(key: str) -> bool:
-    """An option, a group (`model=tiny` picks its YAML), or a key inside a free dict option."""
-    if key in OPTIONS or any(k.startswith(f"{key}.") for k in OPTIONS):
+    """An option, a group (`model=tiny` picks its YAML), or a key inside a free dict option. Not a
+    section that is no group (`colocate=true`) nor a key inside another option (`logger.wandb.project`):
+    Hydra refuses both."""
+    if key in OPTIONS:
         return True
+    if any(k.startswith(f"{key}.") for k in OPTIONS):
+        return key in CONF_GROUPS or not CONF_GROUPS  # without conf/ beside the package, as Hydra finds it
     parts = key.split(".")
-    return any(".".join(parts[:n]) in OPTIONS or ".".join(parts[:n]) in FREE_KEYS for n in range(1, len(parts)))
+    return any(".".join(parts[:n]) in FREE_KEYS for n in range(1, len(parts)))
 
 
 LIST_OPTIONS = ("reward.functions", "reward.weights", "logger", "eval.pass_k")  # a bare value is no list
@@ -428,6 +436,11 @@ def override_key(arg: str) -> str | None:
 HYDRA_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p",
                          "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp",
                          "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"})
+# those of them that take the next argument as their value
+HYDRA_VALUE_FLAGS = frozenset({"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                               "--config-dir", "-cd", "--experimental-rerun", "--info", "-i"})
+# a peer's flag whose value is a secret: never echoed in a message
+SECRET_FLAGS = frozenset({"use_wandb", "use-wandb", "wandb_key", "wandb-key"})
 
 
 def _names_side_by_side(whose: str) -> str:
@@ -460,6 +473,12 @@ def _check_key(arg: str, key: str, recipe: str) -> None:
                           + (f" ({instead})" if instead else "") + "; every option: docs/config.md")
     if arg.startswith("+"):  # composed first, then validation.check_schema_keys says what a `+` does
         return
+    parts = key.split(".")
+    inside = [".".join(parts[:n]) for n in range(1, len(parts)) if ".".join(parts[:n]) in OPTIONS]
+    if inside:  # a key inside one option (`reward.weights.math_verify=2`): Hydra's error would name neither
+        shape = " (a list: [a,b])" if inside[0] in LIST_OPTIONS else ""
+        raise ConfigError(f"{key}: {inside[0]} is one option{shape}, with no keys inside it: set "
+                          f"{inside[0]}=... (every option: docs/config.md)")
     close = difflib.get_close_matches(key, list(OPTIONS), n=1, cutoff=0.8)
     if close:
         raise ConfigError(f"{key}: colo_rl has no such option; did you mean {close[0]}? ({close[0]}={value}; "
@@ -480,7 +499,12 @@ def _check_dashed(args: list[str], i: int, recipe: str) -> None:
             value, shown = following, f"{shown} {following}"
         else:
             value = "true"  # a bare flag (store_true)
+    if name in SECRET_FLAGS:  # OpenRLHF's --use_wandb takes the wandb API key
+        shown, value = f"--{name} <its value>", "<its value>"
     said = f"{shown}: colo_rl takes key=value overrides (Hydra's), not --options"
+    if name in NO_EQUIVALENT:  # a --flag is the peer's, even where colo_rl has a section of that name
+        whose, instead = NO_EQUIVALENT[name]
+        raise ConfigError(f"{said}; {name} is {whose}'s option; colo_rl has none like it: {instead}. Drop it")
     try:
         _check_key(f"{name}={value}", name, recipe)
     except ConfigError as e:
@@ -494,7 +518,11 @@ def check_override_keys(overrides: Iterable[str], recipe: str = "grpo") -> None:
     else where the options are listed (a `+key` is left to validation.check_schema_keys, whose message
     says what a `+` does). An argparse-style `--name value` is refused with the key=value to write."""
     args = list(overrides)
+    if {"-sc", "--shell-completion"} & set(args):  # its install=bash / query=... are Hydra's, not overrides
+        return
     for i, arg in enumerate(args):
+        if i and args[i - 1] in HYDRA_VALUE_FLAGS:  # -cn sft, -p x.y: the flag's value
+            continue
         if arg.startswith("--") and arg[2:3] not in ("", "=", "-") and arg.split("=", 1)[0] not in HYDRA_FLAGS:
             _check_dashed(args, i, recipe)
         key = override_key(arg)
