@@ -138,7 +138,7 @@ def _close_quietly(env: ConversationEnvironment, episode: Any) -> None:
     close = getattr(episode, "close", None)
     if close is None:
         return
-    _, error = call_with_timeout(close, env.timeout_s, f"{env.label}.close")
+    _, error = call_with_timeout(close, env.timeout_s, f"{env.label}.close", may_stop=False)
     if error is not None and not env.logged_close_error:
         env.logged_close_error = True
         log.warning("env.name=%s: %s (only the first such error is logged)", env.label, error)

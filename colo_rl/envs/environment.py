@@ -88,11 +88,14 @@ MAX_HUNG_CALLS = 8
 _hung: list[tuple[threading.Thread, str]] = []
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: str) -> tuple[Any, Optional[str]]:
+def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: str,
+                      may_stop: bool = True) -> tuple[Any, Optional[str]]:
     """(fn's result, None) or (None, why it failed): its exception (sys.exit too), or a timeout. `fn`
     runs in a daemon thread that a timeout abandons, so a hung call can neither stall the step nor
-    keep the process from exiting; MAX_HUNG_CALLS of them still running stop the run (EnvError).
-    ToolError's text is the reason as is; `what` names the caller in others."""
+    keep the process from exiting; MAX_HUNG_CALLS of them still running stop the run (EnvError),
+    from the next call that hangs with `may_stop` (a `close` counts, but never raises: it runs where
+    the other sessions still wait to be closed). ToolError's text is the reason as is; `what` names
+    the caller in others."""
     box: list[tuple[Any, Optional[str]]] = []
 
     def call() -> None:
@@ -109,16 +112,16 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: Optional[float], what: s
     if not worker.is_alive() and not box:  # it ended without an answer: not a timeout
         return None, f"{what} failed (its thread ended without returning)"
     if not box:
-        note_hung(worker, what)
+        note_hung(worker, what, may_stop)
         return None, f"timed out after {timeout_s:g} s"
     return box[0]
 
 
-def note_hung(worker: threading.Thread, what: str) -> None:
+def note_hung(worker: threading.Thread, what: str, may_stop: bool = True) -> None:
     """Keep `worker` (abandoned, still running) on the hung list; EnvError when MAX_HUNG_CALLS on it
-    still run."""
+    still run and `may_stop`."""
     _hung[:] = [(t, w) for t, w in _hung if t.is_alive()] + [(worker, what)]
-    if len(_hung) >= MAX_HUNG_CALLS:
+    if may_stop and len(_hung) >= MAX_HUNG_CALLS:
         names = sorted({w for _, w in _hung})
         raise EnvError(f"{len(_hung)} calls into {', '.join(names)} are still running after their timeout "
                        f"(env.tool_timeout_s): they cannot be stopped and slow the whole run down, so it stops here. "

@@ -94,7 +94,7 @@ def extract_last_number(text: str) -> Optional[str]:
     return _plain(nums[-1]) if nums else None
 
 
-_DECIMAL = re.compile(r"-?\d+(?:\.\d+)?")
+_DECIMAL = re.compile(r"-?[0-9]+(?:\.[0-9]+)?")  # ASCII digits: math-verify reads no others
 
 
 def plain_numbers_match(predicted: str, truth: str) -> Optional[bool]:
