@@ -194,3 +194,4 @@ def test_the_plain_number_shortcut_gives_math_verifys_own_verdict():
             assert shortcut == bool(verify(parse(f"${t}$"), parse(f"${p}$"))), (p, t)
     assert decided >= len(pairs) * 0.75  # the shortcut takes the common case (integers)
     assert plain_numbers_match("62.3257", "62.325700001") is None and plain_numbers_match("1,000", "1000") is None
+    assert plain_numbers_match("\uff13", "3") is None  # a fullwidth 3: math-verify's to judge (it says no)
