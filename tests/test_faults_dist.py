@@ -174,14 +174,15 @@ def test_a_killed_generation_rank_ends_a_split_run_with_an_error_naming_it(run):
 
 
 def sigint_split_run(run, rank: int, who: str, extra: tuple = ()) -> tuple[str, int]:
-    """An on-policy split run given a SIGINT on `rank` after step 2: every rank is gone (rc 130)
-    within 30 s, the last logged step is checkpointed, no traceback. (output, the last step)."""
+    """An on-policy split run given a SIGINT on `rank` after step 2: every rank is gone within 30 s
+    and the launcher calls it a clean stop (rc 0, as after a Ctrl-C to it), the last logged step is
+    checkpointed, no traceback. (output, the last step)."""
     r = run(extra=("placement.mode=split", "rollout.max_staleness=0", *extra), launcher="colo_rl.launch")
     r.wait_for_step(2)
     rc, seconds, alive = r.signal_rank(rank, signal.SIGINT, timeout=90)
     out = r.output()
     print(f"SIGINT to {who}: launcher rc {rc} {seconds:.1f}s later")
-    assert alive == [] and rc == 128 + signal.SIGINT, (rc, alive, out[-3000:])
+    assert alive == [] and rc == 0, (rc, alive, out[-3000:])
     assert seconds < 30, seconds
     last = [json.loads(line) for line in (r.run_dir / "metrics.jsonl").read_text().splitlines()][-1]["step"]
     assert newest_checkpoint(r.run_dir / "checkpoints").name == f"step-{last:06d}"
