@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from colo_rl.config import OPTIONS, ConfigError
-from colo_rl.config.command_line import (HYDRA_FLAGS, NO_EQUIVALENT, PEER_KEYS, RECIPE_PEER_KEYS, check_override_keys,
-                                         override_key)
+from colo_rl.config.command_line import HYDRA_FLAGS, check_override_keys, override_key
+from colo_rl.config.peer_names import NO_EQUIVALENT, PEER_KEYS, RECIPE_PEER_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 
