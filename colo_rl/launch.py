@@ -77,9 +77,10 @@ def stopped_cleanly(failures: dict) -> bool:
     return any(c in stops for c in codes) and all(c in stops or c == -signal.SIGTERM for c in codes)
 
 
-def child_pids() -> list[int]:
-    """This process's children (torchrun's agent starts the ranks as direct children)."""
-    me, out = os.getpid(), []
+def child_pids(parent: Optional[int] = None) -> list[int]:
+    """The children of `parent` (default: this process; torchrun's agent starts the ranks as direct
+    children)."""
+    me, out = os.getpid() if parent is None else parent, []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:

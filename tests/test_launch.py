@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from colo_rl.launch import describe_failure, exit_code, root_cause
+from colo_rl.launch import child_pids, describe_failure, exit_code, root_cause
 from conftest import ROOT, WORKERS, child_env, child_python_path, wait_for_line
 
 
@@ -39,18 +39,6 @@ def test_the_dead_ranks_line_says_which_rank_of_what_and_where_its_output_is(tmp
     line = describe_failure(0, _failure(1, error_file=str(tmp_path / "error.json")))
     assert "rank 0 (pid 7) exited with code 1" in line and f"its output: {tmp_path / 'stderr.log'}" in line
     assert describe_failure(0, _failure(2)) is None  # runtime.clean_errors said it already
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except OSError:
-                continue
-    return out
 
 
 def _launch(*args):
@@ -102,7 +90,7 @@ def test_a_signal_to_one_rank_alone_stops_every_rank_and_the_launcher_exits_0():
     proc = _launch("stop", "20", "4")
     try:
         wait_for_line(proc, "ready")
-        ranks = _children(proc.pid)  # the agent runs in the launcher: the ranks are its children
+        ranks = child_pids(proc.pid)  # the agent runs in the launcher: the ranks are its children
         (rank0,) = [p for p in ranks if "RANK=0" in Path(f"/proc/{p}/environ").read_bytes().decode().split("\0")]
         os.kill(rank0, signal.SIGINT)
         out, err = proc.communicate(timeout=60)
