@@ -281,6 +281,15 @@ def test_sys_exit_while_a_reward_file_imports_names_the_file(tmp_path):
         validate(RunConfig(reward=RewardConfig(functions=[f"{bad}:score"])))
 
 
+def test_a_reward_worker_starts_without_torch():
+    # every worker (and every replacement after a timeout) is a fresh interpreter: torch's import
+    # would add seconds to each start
+    out = subprocess.run([sys.executable, "-c", "import sys, colo_rl.rewards.worker; "
+                          "print([m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules])"],
+                         capture_output=True, text=True, env=child_env(), cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_a_call_past_the_timeout_is_a_failure_and_the_pool_goes_on(user_file):
     s = scorer(f"{user_file}:hangs", f"{user_file}:length", workers=2, timeout_s=1.0, max_failure_rate=0.5)
     s.score(["warm"], ["1"])  # workers started

@@ -14,7 +14,6 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from colo_rl import dist
 from colo_rl.errors import USER_CODE_FAILURES, RewardError, failure_text
 from colo_rl.rewards.pool import Call, RewardPool
 from colo_rl.rewards.sources import RewardSource, resolve_sources, source_metric, split_spec
@@ -46,6 +45,12 @@ def model_weight(reward_cfg) -> float:
     return float(reward_cfg.weights[-1]) if reward_cfg.weights and reward_cfg.model.path else 1.0
 
 
+def _is_rank0() -> bool:
+    # colo_rl.dist imports torch: not at module level, where the reward workers would pay for it
+    from colo_rl import dist
+    return dist.is_rank0()
+
+
 class RewardScorer:
     def __init__(self, reward_cfg):
         self.sources = resolve_sources(list(reward_cfg.functions))
@@ -53,7 +58,7 @@ class RewardScorer:
                                                if reward_cfg.weights else None)
         self.format_weight = reward_cfg.format_weight
         yours = [src.label for src in self.sources if src.file is not None]
-        if self.format_weight and yours and dist.is_rank0():
+        if self.format_weight and yours and _is_rank0():
             # the built-in bonus for a stated answer goes on top of your own scores: say so once
             log.warning("reward: reward.format_weight=%g adds a bonus for an answer stated as 'The answer is N' "
                         "(or '#### N', \\boxed{N}) to what %s score%s; reward.format_weight=0 leaves your "
