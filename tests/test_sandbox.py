@@ -143,7 +143,8 @@ READS = {
     "answers_via_trainer_cmdline": (
         "import os\nfor pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
         "        try: c = open(f'/proc/{{pid}}/cmdline','rb').read().split(b'\\0')\n        except OSError: continue\n"
-        "        for a in c:\n            if a.endswith(b'.jsonl'):\n                print(open(a).read())"),
+        "        for a in c:\n            if a.endswith(b'.jsonl'):\n"
+        "                try: print(open(a).read())\n                except (OSError, ValueError): pass"),  # another process's key=.jsonl
     "trainer_environ_secret": "print(open('/proc/{pid}/environ','rb').read())",
     "trainer_cmdline_by_pid": "print(open('/proc/{pid}/cmdline','rb').read())",
     "home_netrc_like_secret": "print(open({p.home_secret!r}).read())",
