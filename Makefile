@@ -93,9 +93,11 @@ TEST_DEPS := $(STAMP) $(if $(HAS_CUDA),,$(SGLANG_CPU_STAMP))
 TEST_WORKERS ?= $(if $(HAS_CUDA),0,2)
 TEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-# The suite's longest end-to-end files (marker e2e: SGLang's real CPU runtime under the recipes and
-# with the embedded model, split placement, two nodes): ~9 minutes, kept out of `make test` so that it
-# stays well under 20 minutes on 2 cores; CI (.ci/run) runs both targets. `make test-all`: both in one run.
+# The suite's longest end-to-end runs (marker e2e: SGLang's real CPU runtime under the recipes and with
+# the embedded model, split placement, two nodes, and the longest multi-rank DeepSpeed runs: resume,
+# SFT/DPO/LoRA under ZeRO-3, the update's equivalence runs): 20-40 minutes on 2 cores, kept out of
+# `make test` so that it stays under 20 minutes there; CI (.ci/run) runs both targets.
+# `make test-all`: both in one run.
 test: $(TEST_DEPS) install-sandbox
 	$(PY) -m pytest -q $(TEST_PARALLEL) --durations=20 -m "not e2e" tests
 

@@ -104,10 +104,15 @@ def _exit_before_teardown() -> None:
         process_exit.exit_skipping_teardown(_session_status[-1])
 
 
+# ~18 minutes of make test-e2e's ~40 on 2 cores, one file (it shares one engine start-up)
+LONGEST_FILES = {"test_sglang_cpu_embedded.py"}
+
+
 def pytest_collection_modifyitems(config, items):
-    # The multi-process files first: `make test` hands whole files to 2 workers in this order
-    # (pytest-xdist --dist loadfile --no-loadscope-reorder), and a long file last would run alone.
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    # The multi-process files first, the longest of all before them: `make test` hands whole files to
+    # 2 workers in this order (pytest-xdist --dist loadfile --no-loadscope-reorder), and a long file
+    # last would run alone.
+    items.sort(key=lambda item: (item.path.name not in LONGEST_FILES, "slow" not in item.keywords))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

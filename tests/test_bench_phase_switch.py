@@ -38,6 +38,7 @@ def test_phase_switch_benchmark_reports_every_transition(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_itemised_pass_releases_and_pages_one_kind_at_a_time_with_the_real_paging_code(tmp_path):
     """colocate.paging=on runs DeepSpeed's real per-kind offload_states on CPU (host to host): the
     sequence the GPU run measures, each kind alone, then a reload. Freed bytes are CUDA-only."""
@@ -65,6 +66,7 @@ def test_itemised_pass_releases_and_pages_one_kind_at_a_time_with_the_real_pagin
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_fixed_cost_mode_times_zero_byte_page_outs_and_plans_the_sample_cases(tmp_path):
     """`--fixed-cost`: a real ZeRO-3 actor's page-outs that move nothing, before and after the
     collector freeze, and colocate.paging=auto's decisions on the issue's sample cases."""
@@ -89,6 +91,7 @@ def test_fixed_cost_mode_times_zero_byte_page_outs_and_plans_the_sample_cases(tm
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_switch_perf_stage_rehearses_on_cpu_with_tiny_shapes(tmp_path):
     """benchmarks/switch_perf.py (a `make gpu-perf` stage): paging forced on and auto, the figures
     read back from the ledgers. On CPU `on` pages host to host; `auto` pages nothing."""

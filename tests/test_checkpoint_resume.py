@@ -26,7 +26,7 @@ import torch
 from colo_rl.checkpoint import is_complete, newest_checkpoint
 from conftest import ROOT, WORKERS, child_env, child_python_path, run_torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 WORKER = WORKERS / "grpo_resume_worker.py"
 STEPS, KILL_AFTER = 4, 2

@@ -88,6 +88,7 @@ def test_model_path_may_name_a_run_directory(tmp_path):
 
 
 @pytest.mark.slow  # the embedded 135M model under DeepSpeed on 2 ranks, 8 problems x (1 + 4) completions: ~1 min
+@pytest.mark.e2e
 def test_evaluating_a_run_directory_of_the_embedded_model(tmp_path):
     run = tmp_path / "grpo-run"
     run.mkdir()
@@ -112,6 +113,8 @@ def test_evaluating_a_run_directory_of_the_embedded_model(tmp_path):
     assert not undocumented([row]), f"add these to docs/metrics.md: {undocumented([row])}"
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_evaluating_with_an_environment_gives_episodes_and_the_single_answer_figures(tmp_path):
     """env=retry: greedy episodes (a wrong answer is told so and tried again), beside the same problems
     answered once. Greedy first turns are the same in both, and the verifier reads the last stated

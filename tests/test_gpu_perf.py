@@ -80,6 +80,7 @@ def test_the_05b_directory_is_the_toys_tokenizer_with_the_05b_shape(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     """The same stages as on a GPU, tiny shapes on the HF engine: the summary's toy row and the
     update's row come from the runs' own files."""

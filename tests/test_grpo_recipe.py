@@ -128,6 +128,7 @@ def tiny_run(steps: int) -> list[str]:
             "rollout.group_size=2", "rollout.max_new_tokens=6", "rollout.eval_max_new_tokens=4"]
 
 
+@pytest.mark.e2e
 def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     """DAPO's dynamic sampling under torchrun (2 ranks): uninformative groups are set aside and
     more prompts sampled; each rank keeps the same number of groups, so the ZeRO-3 passes line up
@@ -148,6 +149,7 @@ def test_dynamic_sampling_keeps_every_rank_in_step(tmp_path):
     assert max(row["sampling/rounds"] for row in r) > 1  # extra rounds were sampled
 
 
+@pytest.mark.e2e
 def test_groups_without_a_signal_are_counted(tmp_path):
     """The tiny random model never states a right answer: with the format reward off every reward is
     0, so every group is flat (reward/zero_std_groups = 1, TRL's frac_reward_zero_std) and nothing is learned."""
@@ -159,6 +161,7 @@ def test_groups_without_a_signal_are_counted(tmp_path):
     assert row["train/grad_norm"] == 0.0
 
 
+@pytest.mark.e2e
 def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
     """Four optimizer steps per rollout batch (two mini-batches, two PPO epochs over them; one run
     for both loops) with dual-clip on: all but the first see weights the samples did not come from,
@@ -182,6 +185,7 @@ def test_off_policy_mini_batches_log_the_policy_loss_statistics(tmp_path):
     assert row["train/grad_norm_max"] > row["train/grad_norm"] > 0
 
 
+@pytest.mark.e2e
 def test_rollout_correction_and_the_mismatch_metrics_reach_the_log(tmp_path):
     """Issue #40 under torchrun (2 ranks): IcePop with a band of [1, 1] drops every token on which the
     engine's and the trainer's fp32 log-probs differ at all (a few float roundings), the mismatch

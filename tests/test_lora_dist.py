@@ -10,7 +10,7 @@ import pytest
 
 from conftest import WORKERS, run_torchrun
 
-pytestmark = pytest.mark.slow  # ~1 min per mode on 2 CPU cores
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # ~1 min per mode on 2 CPU cores
 
 
 @pytest.fixture(scope="module", params=["auto", "merged"])

@@ -16,7 +16,7 @@ import torch
 
 from conftest import WORKERS, run_torchrun
 
-pytestmark = pytest.mark.slow  # three tiny GRPO runs, ~40 s each on 2 CPU cores
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # three tiny GRPO runs, ~40 s each on 2 CPU cores
 
 OVERRIDES = ["model=tiny", "model.lora.rank=4", "model.lora.alpha=8", "trainer.lr=2e-2", "algo.kl_coef=0.05",
              "data.eval_size=4", "data.train_size=64", "rollout.prompts_per_step=4", "rollout.group_size=4",

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, run_torchrun
 
-pytestmark = pytest.mark.slow  # two tiny runs, ~1 min each on 2 CPU cores
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # two tiny runs, ~1 min each on 2 CPU cores
 
 COMMON = ["model=tiny", "model.lora.rank=4", "data.train_size=24", "data.eval_size=8", "trainer.batch_size=8",
           "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.lr=1e-2", "rollout.eval_max_new_tokens=4",

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ENV_FILE = '''
 import json, os

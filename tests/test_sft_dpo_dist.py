@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from conftest import ROOT, run_torchrun
 from test_metrics_doc import undocumented
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 COMMON = ["model=tiny", "trainer.zero_stage=3", "data.train_size=24", "data.eval_size=8", "trainer.batch_size=8",
           "trainer.micro_batch_size=2", "trainer.max_steps=2", "trainer.lr=1e-3", "trainer.warmup_steps=0",

@@ -65,6 +65,8 @@ def probe(local: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_a_world_of_one_gathers_on_its_own_thread_and_trains_the_same_weights():
     """Local copies (the default): the gathers return the input, no gloo thread starts an OpenMP
     team during a ZeRO-3 update, and the trained weights are bit for bit those of DeepSpeed's own

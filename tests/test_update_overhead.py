@@ -35,6 +35,7 @@ def test_leaf_modules_name_the_decoder_layer_and_keep_deepspeeds_defaults():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_leaf_modules_train_the_same_weights_paged_or_not(reports):
     leaf = reports[0]["leaf"]
     assert leaf["leaf_modules_off"] == 0 and leaf["leaf_modules_on"] == leaf["layers"]
@@ -48,6 +49,7 @@ def test_leaf_modules_train_the_same_weights_paged_or_not(reports):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_autograds_linear_trains_the_same_weights_and_keeps_what_it_says(reports):
     """trainer.zero_memory_efficient_linear: DeepSpeed's ZeRO-3 linear (on) and autograd's (off) give
     the same gradients and weights (2 ranks); off keeps the gathered linear weights for the
@@ -83,6 +85,7 @@ def test_memory_efficient_linear_auto_follows_the_held_bytes():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_gradient_checkpointing_trains_the_same_weights_under_zero3_leaf_modules(reports):
     """model.gradient_checkpointing (non-reentrant; each decoder layer, a ZeRO-3 leaf module, is
     fetched again for its recomputed forward inside the backward): the gradients and weights of two
@@ -95,6 +98,7 @@ def test_gradient_checkpointing_trains_the_same_weights_under_zero3_leaf_modules
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_compiled_layers_train_the_same_weights_in_one_graph(reports):
     """model.compile: every decoder layer's forward is compiled, once for all layers and lengths,
     with no graph break from ZeRO-3's hooks; the gradients and weights are autograd's to float
@@ -141,6 +145,7 @@ def test_compile_refuses_zero3_hooks_inside_the_layer():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_chunked_lm_head_gives_the_whole_logits_results_under_zero3(reports):
     """2 ranks, ZeRO-3 partitioning the tied LM head / embedding: the LM head's chunked log-softmax
     (train/lm_head.py) and the whole-logits path give the same log-probs, entropies, gradients (a
@@ -154,6 +159,7 @@ def test_chunked_lm_head_gives_the_whole_logits_results_under_zero3(reports):
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_update_reads_the_device_a_fixed_number_of_times_whatever_the_split(reports):
     """One optimizer step: the non-finite flag, the statistics and the log-prob check travel once
     each (the engine-vs-trainer mismatch sums travel with the statistics), for 2 or 4 micro-batches of
@@ -175,6 +181,7 @@ def test_update_reads_the_device_a_fixed_number_of_times_whatever_the_split(repo
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sft_and_dpo_steps_read_the_device_a_fixed_number_of_times(reports):
     """One SFT or DPO optimizer step, packed or padded: the non-finite flag and the statistics
     travel once each, however many micro-batches (before: a read per micro-batch, six for DPO), and
