@@ -68,12 +68,12 @@ def describe_failure(rank: int, failure) -> Optional[str]:
     return (f"error: rank {rank} (pid {failure.pid}) {how}; the other ranks' errors follow from it. {where}")
 
 
-def stopped_cleanly(failures: dict) -> bool:
-    """Every rank ended as the loop ends a stop (exit 128 + N after its checkpoint, or the agent's
-    SIGTERM once another had): a rank was signalled on its own (`kill -INT <rank pid>`, a scheduler
-    that signals the trainer's processes), not a failure."""
+def stopped_cleanly(failures: dict, signals=STOP_SIGNALS) -> bool:
+    """Every rank ended as the loop ends a stop on one of `signals` (exit 128 + N after its checkpoint,
+    or the agent's SIGTERM once another had). With no signal to the launcher, a rank was signalled on
+    its own (`kill -INT <rank pid>`, a scheduler that signals the trainer's processes): not a failure."""
     codes = [f.exitcode for f in failures.values()]
-    stops = {128 + s for s in STOP_SIGNALS}
+    stops = {128 + s for s in signals}
     return any(c in stops for c in codes) and all(c in stops or c == -signal.SIGTERM for c in codes)
 
 
@@ -104,10 +104,7 @@ class StopForwarder:
         """0 after a clean stop: one signal, and the ranks exited 128 + N after their checkpoint (a rank
         that was slower to exit may have had the agent's SIGTERM: the checkpoint was complete by then,
         every rank finishes it before any exits). Else 128 + the last signal's number."""
-        first = self.received[0]
-        codes = [f.exitcode for f in failures.values()]
-        clean = len(self.received) == 1 and 128 + first in codes and \
-            all(c in (128 + first, -signal.SIGTERM) for c in codes)
+        clean = len(self.received) == 1 and stopped_cleanly(failures, self.received)
         return 0 if clean else 128 + self.received[-1]
 
     def install(self, args) -> None:
