@@ -7,6 +7,19 @@ from __future__ import annotations
 from colo_rl.config.validation import OPTIONS
 from colo_rl.rollout import ENGINES
 
+# Notes that several peers' names share.
+_PROMPTS_PER_STEP = "prompts per step, all ranks"
+_SEQUENCES_CAPPED = "micro-batches are sized in tokens; trainer.micro_batch_size caps the sequences, in whole groups"
+_KL_IN_REWARD = "the KL in the reward with algo.kl_in_reward=true"
+_KL_LOSS_INVERTED = "inverted: the KL loss term is colo_rl's default with algo.kl_coef > 0"
+_OPENRLHF_ESTIMATOR = "group_norm: grpo; dr_grpo: grpo with algo.scale_by_std=false; no gae (no critic)"
+_DYNAMIC_SAMPLING = "groups whose rewards are all equal are dropped and more prompts sampled"
+_REWARD_FUNCTION = "a function score(completions, truths, **fields): docs/data.md (From OpenRLHF / slime)"
+_EXAMPLES_PER_STEP = "examples (DPO: pairs) per optimizer step, all ranks"
+_SEQUENCE_TOKENS = "prompt + completion tokens"
+_ENGINE_MEMORY = ("the engine's memory is planned for each phase (colocate.paging, colocate.memory_margin_gib: "
+                  "docs/paging.md)")
+
 # A peer's option -> (whose, colo_rl's option, what else to know). The table a user reads is
 # docs/data.md's "Option names" (tests/test_command_line.py keeps the two in step).
 PEER_KEYS: dict[str, tuple[str, str, str]] = {
@@ -15,7 +28,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "actor_rollout_ref.rollout.n": ("verl", "rollout.group_size", ""),
     "data.train_files": ("verl", "data.path", ""),
     "data.val_files": ("verl", "data.eval_path", ""),
-    "data.train_batch_size": ("verl", "rollout.prompts_per_step", "prompts per step, all ranks"),
+    "data.train_batch_size": ("verl", "rollout.prompts_per_step", _PROMPTS_PER_STEP),
     "data.max_response_length": ("verl", "rollout.max_new_tokens", ""),
     "data.max_prompt_length": ("verl", "data.max_prompt_tokens", ""),
     "actor_rollout_ref.actor.optim.lr": ("verl", "trainer.lr", ""),
@@ -29,9 +42,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "actor_rollout_ref.actor.ppo_epochs": ("verl", "trainer.ppo_epochs", ""),
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": (
         "verl", "trainer.micro_batch_tokens", "whole groups up to a token budget; always on (use_dynamic_bsz)"),
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": (
-        "verl", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
-                                              "the sequences, in whole groups"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": ("verl", "trainer.micro_batch_tokens", _SEQUENCES_CAPPED),
     "actor_rollout_ref.actor.clip_ratio_low": ("verl", "algo.clip_low", ""),
     "actor_rollout_ref.actor.clip_ratio_high": ("verl", "algo.clip_high", ""),
     "actor_rollout_ref.actor.clip_ratio_c": ("verl", "algo.clip_ratio_c", ""),
@@ -53,7 +64,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "trainer.experiment_name": ("verl", "run_name", ""),
     "rollout.n": ("verl", "rollout.group_size", "verl's actor_rollout_ref.rollout.n"),
     "actor_rollout_ref.rollout.name": ("verl", "rollout.engine", "hf or sglang"),
-    "algorithm.kl_ctrl.kl_coef": ("verl", "algo.kl_coef", "the KL in the reward with algo.kl_in_reward=true"),
+    "algorithm.kl_ctrl.kl_coef": ("verl", "algo.kl_coef", _KL_IN_REWARD),
     "algorithm.kl_ctrl.target_kl": ("verl", "algo.kl_target", ""),
     "algorithm.kl_ctrl.horizon": ("verl", "algo.kl_horizon", ""),
     "custom_reward_function.path": ("verl", "reward.functions", "as reward.functions=[path.py:name]"),
@@ -69,9 +80,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "warmup_steps": ("TRL", "trainer.warmup_steps", ""),
     "steps_per_generation": ("TRL", "trainer.mini_batches_per_step", "optimizer steps per rollout batch"),
     "num_iterations": ("TRL", "trainer.ppo_epochs", ""),
-    "per_device_train_batch_size": (
-        "TRL", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
-                                             "the sequences, in whole groups"),
+    "per_device_train_batch_size": ("TRL", "trainer.micro_batch_tokens", _SEQUENCES_CAPPED),
     "epsilon": ("TRL", "algo.clip_low", ""),
     "epsilon_high": ("TRL", "algo.clip_high", ""),
     "beta": ("TRL", "algo.kl_coef", ""),
@@ -95,7 +104,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "label_key": ("OpenRLHF", "data.answer_key", ""),
     "max_samples": ("OpenRLHF", "data.train_size", ""),
     "apply_chat_template": ("OpenRLHF", "data.use_chat_template", "colo_rl's default: true"),
-    "rollout_batch_size": ("OpenRLHF", "rollout.prompts_per_step", "prompts per step, all ranks"),
+    "rollout_batch_size": ("OpenRLHF", "rollout.prompts_per_step", _PROMPTS_PER_STEP),
     "n_samples_per_prompt": ("OpenRLHF", "rollout.group_size", ""),
     "prompt_max_len": ("OpenRLHF", "data.max_prompt_tokens", ""),
     "generate_max_len": ("OpenRLHF", "rollout.max_new_tokens", ""),
@@ -106,9 +115,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
         "OpenRLHF", "trainer.mini_batches_per_step",
         "optimizer steps per rollout batch: OpenRLHF's rollout_batch_size x n_samples_per_prompt / train_batch_size"),
     "max_epochs": ("OpenRLHF", "trainer.ppo_epochs", "passes over each rollout batch"),
-    "micro_train_batch_size": (
-        "OpenRLHF", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
-                                                  "the sequences, in whole groups"),
+    "micro_train_batch_size": ("OpenRLHF", "trainer.micro_batch_tokens", _SEQUENCES_CAPPED),
     "train_max_tokens_per_gpu": (
         "OpenRLHF", "trainer.micro_batch_tokens", "whole groups up to a token budget; always on (use_dynamic_batch)"),
     "packing_samples": ("OpenRLHF", "trainer.packing", "colo_rl's default: true"),
@@ -119,21 +126,19 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "dual_clip": ("OpenRLHF", "algo.clip_ratio_c", ""),
     "init_kl_coef": ("OpenRLHF", "algo.kl_coef", "a KL loss term; OpenRLHF without use_kl_loss puts the KL in the "
                                                  "reward: algo.kl_in_reward=true"),
-    "use_kl_loss": ("OpenRLHF", "algo.kl_in_reward", "inverted: the KL loss term is colo_rl's default with "
-                                                      "algo.kl_coef > 0"),
+    "use_kl_loss": ("OpenRLHF", "algo.kl_in_reward", _KL_LOSS_INVERTED),
     "kl_estimator": ("OpenRLHF", "algo.kl_estimator", ""),
-    "kl_target": ("OpenRLHF", "algo.kl_target", "the KL in the reward with algo.kl_in_reward=true"),
+    "kl_target": ("OpenRLHF", "algo.kl_target", _KL_IN_REWARD),
     "kl_horizon": ("OpenRLHF", "algo.kl_horizon", ""),
     "entropy_loss_coef": ("OpenRLHF", "algo.entropy_coef", ""),
-    "advantage_estimator": ("OpenRLHF", "algo.adv_estimator", "group_norm: grpo; dr_grpo: grpo with "
-                                                              "algo.scale_by_std=false; no gae (no critic)"),
+    "advantage_estimator": ("OpenRLHF", "algo.adv_estimator", _OPENRLHF_ESTIMATOR),
     "no_advantage_std_norm": ("OpenRLHF", "algo.scale_by_std", "inverted: false is Dr. GRPO"),
     "policy_loss_type": ("OpenRLHF", "algo.policy_loss", "ppo: ppo_clip"),
     "overlong_penalty_factor": ("OpenRLHF", "algo.overlong_penalty", ""),
     "dynamic_filtering": ("OpenRLHF", "algo.dynamic_sampling",
-                          "groups whose rewards are all equal are dropped and more prompts sampled"),
+                          _DYNAMIC_SAMPLING),
     "remote_rm_url": ("OpenRLHF", "reward.functions",
-                      "a function score(completions, truths, **fields): docs/data.md (From OpenRLHF / slime)"),
+                      _REWARD_FUNCTION),
     "save_path": ("OpenRLHF", "run_dir", "the final model: <run_dir>/checkpoint-final"),
     "ckpt_path": ("OpenRLHF", "run_dir", "checkpoints: <run_dir>/checkpoints"),
     "load_checkpoint": ("OpenRLHF", "resume", "auto: the run directory's latest checkpoint"),
@@ -150,7 +155,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "data.input_key": ("OpenRLHF", "data.prompt_key", ""),
     "data.label_key": ("OpenRLHF", "data.answer_key", ""),
     "data.max_samples": ("OpenRLHF", "data.train_size", ""),
-    "rollout.batch_size": ("OpenRLHF", "rollout.prompts_per_step", "prompts per step, all ranks"),
+    "rollout.batch_size": ("OpenRLHF", "rollout.prompts_per_step", _PROMPTS_PER_STEP),
     "rollout.n_samples_per_prompt": ("OpenRLHF", "rollout.group_size", ""),
     "actor.adam.lr": ("OpenRLHF", "trainer.lr", ""),
     "actor.adam.weight_decay": ("OpenRLHF", "trainer.weight_decay", ""),
@@ -161,9 +166,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
         "optimizer steps per rollout batch: OpenRLHF's rollout.batch_size x rollout.n_samples_per_prompt / "
         "train.batch_size"),
     "train.max_epochs": ("OpenRLHF", "trainer.ppo_epochs", "passes over each rollout batch"),
-    "train.micro_batch_size": (
-        "OpenRLHF", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
-                                                  "the sequences, in whole groups"),
+    "train.micro_batch_size": ("OpenRLHF", "trainer.micro_batch_tokens", _SEQUENCES_CAPPED),
     "train.max_tokens_per_gpu": (
         "OpenRLHF", "trainer.micro_batch_tokens", "whole groups up to a token budget; always on "
                                                   "(train.dynamic_batch_enable)"),
@@ -175,19 +178,17 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "actor.policy_loss_type": ("OpenRLHF", "algo.policy_loss", "ppo: ppo_clip"),
     "algo.kl.init_coef": ("OpenRLHF", "algo.kl_coef", "a KL loss term; OpenRLHF without algo.kl.use_loss puts the "
                                                       "KL in the reward: algo.kl_in_reward=true"),
-    "algo.kl.use_loss": ("OpenRLHF", "algo.kl_in_reward", "inverted: the KL loss term is colo_rl's default with "
-                                                          "algo.kl_coef > 0"),
+    "algo.kl.use_loss": ("OpenRLHF", "algo.kl_in_reward", _KL_LOSS_INVERTED),
     "algo.kl.estimator": ("OpenRLHF", "algo.kl_estimator", ""),
-    "algo.kl.target": ("OpenRLHF", "algo.kl_target", "the KL in the reward with algo.kl_in_reward=true"),
+    "algo.kl.target": ("OpenRLHF", "algo.kl_target", _KL_IN_REWARD),
     "algo.kl.horizon": ("OpenRLHF", "algo.kl_horizon", ""),
-    "algo.advantage.estimator": ("OpenRLHF", "algo.adv_estimator", "group_norm: grpo; dr_grpo: grpo with "
-                                                                   "algo.scale_by_std=false; no gae (no critic)"),
+    "algo.advantage.estimator": ("OpenRLHF", "algo.adv_estimator", _OPENRLHF_ESTIMATOR),
     "algo.advantage.no_std_norm": ("OpenRLHF", "algo.scale_by_std", "inverted: false is Dr. GRPO"),
     "algo.dynamic_filtering_enable": ("OpenRLHF", "algo.dynamic_sampling",
-                                      "groups whose rewards are all equal are dropped and more prompts sampled"),
+                                      _DYNAMIC_SAMPLING),
     "reward.overlong_penalty_factor": ("OpenRLHF", "algo.overlong_penalty", ""),
     "reward.remote_url": ("OpenRLHF", "reward.functions",
-                          "a function score(completions, truths, **fields): docs/data.md (From OpenRLHF / slime)"),
+                          _REWARD_FUNCTION),
     "ckpt.path": ("OpenRLHF", "run_dir", "checkpoints: <run_dir>/checkpoints"),
     "ckpt.output_dir": ("OpenRLHF", "run_dir", "the final model: <run_dir>/checkpoint-final"),
     "ckpt.load_enable": ("OpenRLHF", "resume", "auto: the run directory's latest checkpoint"),
@@ -201,7 +202,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "label-key": ("slime", "data.answer_key", ""),
     "apply-chat-template": ("slime", "data.use_chat_template", "colo_rl's default: true"),
     "rollout-shuffle": ("slime", "data.shuffle", "colo_rl's default: true"),
-    "rollout-batch-size": ("slime", "rollout.prompts_per_step", "prompts per step, all ranks"),
+    "rollout-batch-size": ("slime", "rollout.prompts_per_step", _PROMPTS_PER_STEP),
     "n-samples-per-prompt": ("slime", "rollout.group_size", ""),
     "rollout-max-prompt-len": ("slime", "data.max_prompt_tokens", "longer prompts: data.overlong_policy"),
     "rollout-max-response-len": ("slime", "rollout.max_new_tokens", ""),
@@ -217,24 +218,21 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
         "slime", "trainer.mini_batches_per_step",
         "optimizer steps per rollout batch: slime's rollout-batch-size x n-samples-per-prompt / global-batch-size"),
     "num-steps-per-rollout": ("slime", "trainer.mini_batches_per_step", "optimizer steps per rollout batch"),
-    "micro-batch-size": (
-        "slime", "trainer.micro_batch_tokens", "micro-batches are sized in tokens; trainer.micro_batch_size caps "
-                                               "the sequences, in whole groups"),
+    "micro-batch-size": ("slime", "trainer.micro_batch_tokens", _SEQUENCES_CAPPED),
     "max-tokens-per-gpu": (
         "slime", "trainer.micro_batch_tokens", "whole groups up to a token budget; always on (use-dynamic-batch-size)"),
     "eps-clip": ("slime", "algo.clip_low", ""),
     "eps-clip-high": ("slime", "algo.clip_high", ""),
     "eps-clip-c": ("slime", "algo.clip_ratio_c", ""),
     "kl-loss-coef": ("slime", "algo.kl_coef", ""),
-    "kl-coef": ("slime", "algo.kl_coef", "the KL in the reward with algo.kl_in_reward=true"),
-    "use-kl-loss": ("slime", "algo.kl_in_reward", "inverted: the KL loss term is colo_rl's default with "
-                                                   "algo.kl_coef > 0"),
+    "kl-coef": ("slime", "algo.kl_coef", _KL_IN_REWARD),
+    "use-kl-loss": ("slime", "algo.kl_in_reward", _KL_LOSS_INVERTED),
     "kl-loss-type": ("slime", "algo.kl_estimator", ""),
     "entropy-coef": ("slime", "algo.entropy_coef", ""),
     "advantage-estimator": ("slime", "algo.adv_estimator", "gspo and cispo are algo.policy_loss's; no ppo (no critic)"),
     "disable-grpo-std-normalization": ("slime", "algo.scale_by_std", "false: Dr. GRPO"),
     "custom-rm-path": ("slime", "reward.functions",
-                       "a function score(completions, truths, **fields): docs/data.md (From OpenRLHF / slime)"),
+                       _REWARD_FUNCTION),
     "save": ("slime", "run_dir", "checkpoints: <run_dir>/checkpoints"),
     "save-interval": ("slime", "trainer.save_every", ""),
     "eval-interval": ("slime", "trainer.eval_every", ""),
@@ -247,7 +245,7 @@ PEER_KEYS: dict[str, tuple[str, str, str]] = {
 OFFLINE_PEER_KEYS: dict[str, tuple[str, str, str]] = {
     "num_train_epochs": ("TRL", "trainer.epochs", ""),
     "max_steps": ("TRL", "trainer.max_steps", "0 = all epochs"),
-    "max_length": ("TRL", "data.max_seq_len", "prompt + completion tokens"),
+    "max_length": ("TRL", "data.max_seq_len", _SEQUENCE_TOKENS),
     "per_device_train_batch_size": (
         "TRL", "trainer.batch_size", "examples (DPO: pairs) per optimizer step over all ranks: TRL's "
                                      "per_device_train_batch_size x devices x gradient_accumulation_steps"),
@@ -257,16 +255,16 @@ OFFLINE_PEER_KEYS: dict[str, tuple[str, str, str]] = {
     # OpenRLHF's train_sft.py / train_dpo.py (flat names, then the newer dotted ones)
     "max_epochs": ("OpenRLHF", "trainer.epochs", ""),
     "train.max_epochs": ("OpenRLHF", "trainer.epochs", ""),
-    "train_batch_size": ("OpenRLHF", "trainer.batch_size", "examples (DPO: pairs) per optimizer step, all ranks"),
-    "train.batch_size": ("OpenRLHF", "trainer.batch_size", "examples (DPO: pairs) per optimizer step, all ranks"),
-    "max_len": ("OpenRLHF", "data.max_seq_len", "prompt + completion tokens"),
-    "data.max_len": ("OpenRLHF", "data.max_seq_len", "prompt + completion tokens"),
+    "train_batch_size": ("OpenRLHF", "trainer.batch_size", _EXAMPLES_PER_STEP),
+    "train.batch_size": ("OpenRLHF", "trainer.batch_size", _EXAMPLES_PER_STEP),
+    "max_len": ("OpenRLHF", "data.max_seq_len", _SEQUENCE_TOKENS),
+    "data.max_len": ("OpenRLHF", "data.max_seq_len", _SEQUENCE_TOKENS),
 }
 # verl's SFT trainer (fsdp_sft_trainer.yaml): its data.train_batch_size counts examples, not prompts.
 VERL_SFT_KEYS: dict[str, tuple[str, str, str]] = {
-    "data.train_batch_size": ("verl", "trainer.batch_size", "examples (DPO: pairs) per optimizer step, all ranks"),
+    "data.train_batch_size": ("verl", "trainer.batch_size", _EXAMPLES_PER_STEP),
     "data.micro_batch_size_per_gpu": ("verl", "trainer.micro_batch_tokens", "micro-batches are sized in tokens"),
-    "data.max_length": ("verl", "data.max_seq_len", "prompt + completion tokens"),
+    "data.max_length": ("verl", "data.max_seq_len", _SEQUENCE_TOKENS),
     "trainer.total_epochs": ("verl", "trainer.epochs", ""),
     "trainer.total_training_steps": ("verl", "trainer.max_steps", "0 = all epochs"),
     "optim.lr": ("verl", "trainer.lr", ""),
@@ -345,9 +343,7 @@ NO_EQUIVALENT: dict[str, tuple[str, str]] = {
     "trainer.nnodes": ("verl", _NODES),
     "trainer.project_name": ("verl", "set WANDB_PROJECT (wandb) or MLFLOW_EXPERIMENT_NAME (mlflow) in the "
                                      "environment"),
-    "actor_rollout_ref.rollout.gpu_memory_utilization": (
-        "verl", "the engine's memory is planned for each phase (colocate.paging, colocate.memory_margin_gib: "
-                "docs/paging.md)"),
+    "actor_rollout_ref.rollout.gpu_memory_utilization": ("verl", _ENGINE_MEMORY),
     "actor_num_gpus_per_node": ("OpenRLHF", _GPUS),
     "actor.num_gpus_per_node": ("OpenRLHF", _GPUS),
     "actor-num-gpus-per-node": ("slime", _GPUS),
@@ -361,9 +357,7 @@ NO_EQUIVALENT: dict[str, tuple[str, str]] = {
     "colocate_all_models": ("OpenRLHF", _COLOCATED),
     "colocate": ("slime", _COLOCATED),
     "vllm_num_engines": ("OpenRLHF", "one engine per rollout.tp_size ranks"),
-    "vllm_gpu_memory_utilization": (
-        "OpenRLHF", "the engine's memory is planned for each phase (colocate.paging, colocate.memory_margin_gib: "
-                    "docs/paging.md)"),
+    "vllm_gpu_memory_utilization": ("OpenRLHF", _ENGINE_MEMORY),
     "use_dynamic_batch": ("OpenRLHF", _TOKEN_BUDGET),
     "train.dynamic_batch_enable": ("OpenRLHF", _TOKEN_BUDGET),
     "use-dynamic-batch-size": ("slime", _TOKEN_BUDGET),
