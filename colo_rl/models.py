@@ -213,6 +213,18 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
 
 
+def describe_dtype(name: str) -> str:
+    """model.dtype=name as resolved here, with the reason when `auto` chose: a run's figures depend
+    on it (the CPU demo learns differently in bf16 and fp32), so the start-up line says which."""
+    text = str(resolve_dtype(name)).replace("torch.", "")
+    if name != "auto":
+        return text
+    if torch.cuda.is_available():
+        return f"{text} (model.dtype=auto on a GPU)"
+    native = "with" if cpu_supports_bf16() else "without"
+    return f"{text} (model.dtype=auto on a CPU {native} native bf16 math)"
+
+
 def model_config(model_cfg) -> "transformers.PretrainedConfig":  # noqa: F821
     """The HF config, shrunk when a tiny random model is asked for."""
     from transformers import AutoConfig

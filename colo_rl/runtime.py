@@ -32,7 +32,7 @@ from colo_rl.data.files import DataError, resolve_data_path
 from colo_rl.errors import BuildLockError, EnvError, PoolError
 from colo_rl.metrics import MetricsLogger
 from colo_rl.lora import check_target_modules, lora_enabled
-from colo_rl.models import known_context_length, model_skeleton, resolve_dtype
+from colo_rl.models import describe_dtype, known_context_length, model_skeleton, resolve_dtype
 from colo_rl.rewards import RewardError
 from colo_rl.rollout import ENGINES
 
@@ -185,7 +185,7 @@ def start(hydra_cfg: DictConfig, recipe: str, overrides: Optional[list[str]] = N
     seed_everything(cfg.trainer.seed + dist.rank())
     dtype = resolve_dtype(cfg.model.dtype)
     log.info("%s: %d rank(s) on %s, %s, run dir %s", recipe, dist.world_size(), dist.device(),
-             str(dtype).replace("torch.", ""), run_dir)
+             describe_dtype(cfg.model.dtype), run_dir)
     return RunContext(cfg=cfg, run_dir=run_dir, dtype=dtype, ckpt=ckpt, made_run_dir=made)
 
 

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from colo_rl.models import (align_special_tokens, embedded_model_dir, eos_token_ids, load_model, load_tokenizer,
-                            model_config, weight_bytes)
+from colo_rl import models
+from colo_rl.models import (align_special_tokens, describe_dtype, embedded_model_dir, eos_token_ids, load_model,
+                            load_tokenizer, model_config, weight_bytes)
 from colo_rl.config import ModelConfig
 
 
@@ -75,3 +76,15 @@ def test_the_base_generation_config_is_what_from_pretrained_reads(tmp_path):
     assert base_generation_config(ModelConfig(path=str(base), random_init=True)) is None
     (base / "generation_config.json").unlink()
     assert base_generation_config(ModelConfig(path=str(base))) is None
+
+
+@pytest.mark.parametrize("cuda,native_bf16,expected", [
+    (False, False, "float32 (model.dtype=auto on a CPU without native bf16 math)"),
+    (False, True, "bfloat16 (model.dtype=auto on a CPU with native bf16 math)"),
+    (True, False, "bfloat16 (model.dtype=auto on a GPU)"),
+])
+def test_the_start_up_line_says_why_auto_chose_its_dtype(monkeypatch, cuda, native_bf16, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(models, "cpu_supports_bf16", lambda: native_bf16)
+    assert describe_dtype("auto") == expected
+    assert describe_dtype("fp32") == "float32" and describe_dtype("bf16") == "bfloat16"  # asked for: no reason
