@@ -203,26 +203,28 @@ def cpu_supports_bf16() -> bool:
         return False
 
 
+def _auto_dtype() -> tuple[torch.dtype, str]:
+    """model.dtype=auto's choice here, and where it was made."""
+    if torch.cuda.is_available():
+        return torch.bfloat16, "a GPU"
+    if cpu_supports_bf16():
+        return torch.bfloat16, "a CPU with native bf16 math"
+    return torch.float32, "a CPU without native bf16 math"
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     if name == "fp32":
         return torch.float32
     if name == "bf16":
         return torch.bfloat16
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_supports_bf16() else torch.float32
+    return _auto_dtype()[0]
 
 
 def describe_dtype(name: str) -> str:
     """model.dtype=name as resolved here, with the reason when `auto` chose: a run's figures depend
     on it (the CPU demo learns differently in bf16 and fp32), so the start-up line says which."""
     text = str(resolve_dtype(name)).replace("torch.", "")
-    if name != "auto":
-        return text
-    if torch.cuda.is_available():
-        return f"{text} (model.dtype=auto on a GPU)"
-    native = "with" if cpu_supports_bf16() else "without"
-    return f"{text} (model.dtype=auto on a CPU {native} native bf16 math)"
+    return text if name != "auto" else f"{text} (model.dtype=auto on {_auto_dtype()[1]})"
 
 
 def model_config(model_cfg) -> "transformers.PretrainedConfig":  # noqa: F821
