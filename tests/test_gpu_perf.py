@@ -246,3 +246,34 @@ def test_update_mfu_memory_figures_read_the_actor_as_the_budget_does(tmp_path, m
     estimate = activation_bytes(actor.config, tokens, 4, True, actor.chunked_lm_head)
     assert estimate < activation_bytes(actor.config, tokens, 4, False, actor.chunked_lm_head)  # checkpointing counted
     assert mem["estimate_gib"] == pytest.approx(estimate / gib)
+
+
+def test_update_mfu_unpacked_layout_scores_the_same_work(tmp_path):
+    """`update_mfu.py --packing false` (the mfunopack stage): a row per sequence instead of a row per
+    group, the same response tokens with the same log-probs as the packed rows (so the two runs'
+    MFU count the same FLOPs), planned by its own larger token costs; bad switch values are refused."""
+    import argparse
+
+    import torch
+
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, laid_out, random_groups, true_or_false
+    from colo_rl import dist
+
+    dist.init()
+    args = arg_parser().parse_args(["--dry-run", "--sequences", "6", "--group-size", "3", "--prompt-len", "5",
+                                    "--response-len", "7", "--groups-per-micro-batch", "1", "--packing", "false"])
+    assert args.packing is False and true_or_false("TRUE") is True
+    with pytest.raises(argparse.ArgumentTypeError, match="expected true or false"):
+        true_or_false("maybe")
+    actor, unpacked, groups = build(args, MODEL_DRY, tmp_path / "model")
+    parts = random_groups(args, MODEL_DRY["vocab_size"])
+    packed = [actor.to_device(mb) for mb in laid_out(parts, True, 1, actor, torch.float32)]
+    assert groups == 2 and [len(mb) for mb in unpacked] == [3, 3] and [mb.input_ids.shape[0] for mb in packed] == [1, 1]
+    assert [mb.input_ids.shape[1] for mb in unpacked] == [5 + 7] * 2  # a row: the prompt, one response
+    assert [mb.input_ids.shape[1] for mb in packed] == [5 + 3 * 7] * 2  # a row: the prompt once, three responses
+    with torch.no_grad():
+        for a, b in zip(unpacked, packed):
+            logp_a, _ = actor.response_logprobs(a, 1.0, grad=False)
+            logp_b, _ = actor.response_logprobs(b, 1.0, grad=False)
+            assert a.response_mask.sum() == b.response_mask.sum() == 3 * 7
+            assert (logp_a * a.response_mask).sum() == pytest.approx(float((logp_b * b.response_mask).sum()), rel=1e-5)

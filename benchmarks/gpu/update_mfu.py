@@ -5,11 +5,14 @@ wall time the GPU is busy (a torch.profiler trace of one update). A stage of `ma
     python benchmarks/gpu/update_mfu.py                           # GPU: 128 x 768, 0.5B-class, bf16
     python benchmarks/gpu/update_mfu.py --attn flex_attention     # FlexAttention block masks
     python benchmarks/gpu/update_mfu.py --deepcompile             # DeepSpeed's DeepCompile (GPU only)
+    python benchmarks/gpu/update_mfu.py --packing false           # a row per sequence, SDPA's causal kernel
     python benchmarks/gpu/update_mfu.py --dry-run                 # CPU rehearsal: tiny shapes, fp32
 
 Work: `--sequences` responses of `--response-len` tokens in groups of `--group-size` sharing a
-`--prompt-len`-token prompt, packed one group per row (`pack_groups`), micro-batches planned as a
-GRPO step plans them (`--groups-per-micro-batch auto`: whole rows up to the trainer's token budget,
+`--prompt-len`-token prompt, packed one group per row (`pack_groups`; `--packing false`: a row per
+sequence, its prompt computed once per sequence, as `trainer.packing=false` lays a GRPO step out:
+SDPA's causal kernel with no [L, L] mask, since every row here is the same length), micro-batches
+planned as a GRPO step plans them (`--groups-per-micro-batch auto`: whole rows up to the trainer's token budget,
 `trainer.micro_batch_tokens=auto`, sized from the device memory free once the actor is built) or N
 rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`).
 `--warmup` updates (each timed and reported: the compilations land there), then `--repeats` timed
@@ -17,7 +20,8 @@ ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per t
 3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
     the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
-MFU = FLOPs / seconds / peak (--peak-tflops, default by device: H100/H200 989 bf16 dense).
+FLOPs count the packed work (each prompt once per group) whatever the layout, so layouts compare on
+the same work. MFU = FLOPs / seconds / peak (--peak-tflops, default by device: H100/H200 989 bf16 dense).
 GPU busy = the union of the trace's kernel intervals over the update's wall time. On the CPU
 (--dry-run) the trace has no kernels: the CPU ops' union is reported instead, as a rehearsal of
 the parsing only.
@@ -75,8 +79,6 @@ def build(args, dims: dict, model_dir: Path):
 
     from colo_rl.config import ModelConfig, RunConfig
     from colo_rl.train.actor import DeepSpeedActor
-    from colo_rl.train.batch import build_batch
-    from colo_rl.train.packing import pack_groups
 
     LlamaConfig(**dims, max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                 pad_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(model_dir)
@@ -90,16 +92,43 @@ def build(args, dims: dict, model_dir: Path):
     cfg.model.compile = args.compile
     groups = args.sequences // args.group_size
     actor = DeepSpeedActor(cfg, dtype, total_steps=100, grad_accum=1)  # as GRPO's: boundaries set per micro-batch
-    g = torch.Generator().manual_seed(0)
-    V = dims["vocab_size"]
-    parts = []
-    for _ in range(groups):
-        prompt = torch.randint(3, V, (args.prompt_len,), generator=g).tolist()
-        rs = [torch.randint(3, V, (args.response_len,), generator=g).tolist() for _ in range(args.group_size)]
-        parts.append((prompt, rs, build_batch([prompt] * args.group_size, rs, 0).select(list(range(args.group_size)))))
-    plan = micro_batch_plan(args.groups_per_micro_batch, [len(p) + sum(map(len, rs)) for p, rs, _ in parts], actor)
-    mbs = [actor.to_device(pack_groups([parts[i] for i in rows], dtype)) for rows in plan]
+    parts = random_groups(args, dims["vocab_size"])
+    mbs = [actor.to_device(mb) for mb in laid_out(parts, args.packing, args.groups_per_micro_batch, actor, dtype)]
     return actor, mbs, groups
+
+
+def random_groups(args, vocab_size: int) -> list:
+    """`args.sequences` random responses in groups sharing a random prompt, seeded: (prompt,
+    responses, their padded batch) per group."""
+    import torch
+
+    from colo_rl.train.batch import build_batch
+
+    g = torch.Generator().manual_seed(0)
+    parts = []
+    for _ in range(args.sequences // args.group_size):
+        prompt = torch.randint(3, vocab_size, (args.prompt_len,), generator=g).tolist()
+        rs = [torch.randint(3, vocab_size, (args.response_len,), generator=g).tolist() for _ in range(args.group_size)]
+        parts.append((prompt, rs, build_batch([prompt] * args.group_size, rs, 0).select(list(range(args.group_size)))))
+    return parts
+
+
+def laid_out(parts: list, packing: bool, setting, actor, dtype) -> list:
+    """The groups `parts` ((prompt, responses, their padded batch) each) as host micro-batches: a row
+    per group (`pack_groups`) or, not packing, a padded row per sequence, its prompt's tokens counted
+    once per sequence in the plan's costs."""
+    from colo_rl.train.batch import build_batch
+    from colo_rl.train.packing import pack_groups
+
+    if packing:
+        costs = [len(p) + sum(map(len, rs)) for p, rs, _ in parts]
+    else:
+        costs = [sum(len(p) + len(r) for r in rs) for p, rs, _ in parts]
+    plan = micro_batch_plan(setting, costs, actor)
+    if packing:
+        return [pack_groups([parts[i] for i in rows], dtype) for rows in plan]
+    return [build_batch([parts[i][0] for i in rows for _ in parts[i][1]], [r for i in rows for r in parts[i][1]], 0)
+            for rows in plan]
 
 
 def micro_batch_plan(setting, row_tokens: list[int], actor) -> list[list[int]]:
@@ -110,6 +139,14 @@ def micro_batch_plan(setting, row_tokens: list[int], actor) -> list[list[int]]:
     if setting == "auto":
         return agreed_micro_batches(row_tokens, actor.micro_batch_tokens())
     return [list(range(k, min(k + setting, len(row_tokens)))) for k in range(0, len(row_tokens), setting)]
+
+
+def true_or_false(text: str) -> bool:
+    """A switch's value: true/false (also 1/0, yes/no)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+    return value
 
 
 def rows_per_micro_batch(text: str):
@@ -201,8 +238,10 @@ def arg_parser() -> argparse.ArgumentParser:
                    help="packed rows per forward/backward, or `auto` (default): as a GRPO step plans them, up to "
                         "the trainer's token budget (trainer.micro_batch_tokens=auto)")
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "eager"])
-    p.add_argument("--leaf", type=lambda v: v.lower() in ("1", "true", "yes"), default=True,
-                   help="trainer.zero_leaf_modules (true/false)")
+    p.add_argument("--packing", type=true_or_false, default=True,
+                   help="trainer.packing (true/false): a row per group [prompt | r_1 | ... | r_G] (default), or a "
+                        "row per sequence; --groups-per-micro-batch still counts groups")
+    p.add_argument("--leaf", type=true_or_false, default=True, help="trainer.zero_leaf_modules (true/false)")
     p.add_argument("--zero-stage", type=int, default=3, choices=[0, 1, 2, 3], help="trainer.zero_stage")
     p.add_argument("--linear", default="auto", choices=["auto", "on", "off"],
                    help="trainer.zero_memory_efficient_linear (DeepSpeed's ZeRO-3 linear: on; autograd's: off)")
@@ -267,7 +306,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     result = {"dry_run": args.dry_run, "model": dims, "sequences": args.sequences, "group_size": args.group_size,
               "prompt_len": args.prompt_len, "response_len": args.response_len, "micro_batches": n_micro,
               "micro_batch_tokens": m["micro_batch_tokens"], "rows_per_micro_batch": m["rows_per_micro_batch"],
-              "attn": args.attn, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
+              "attn": args.attn, "packing": args.packing, "leaf_modules": args.leaf, "zero_overrides": dict(args.zero),
               "memory_efficient_linear": linear_on, "gradient_checkpointing": args.checkpointing,
               "compiled_layers": args.compile, "deepcompile": args.deepcompile, "chunked_lm_head": m["chunked_lm_head"],
               "update_seconds": seconds, "first_update_seconds": warmup_seconds[0],
@@ -281,7 +320,8 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
     table = "\n".join([
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
         f"{args.sequences} sequences x {args.response_len} response tokens (groups of {args.group_size}, "
-        f"{args.prompt_len}-token prompt), {n_micro} micro-batches of {plan_text(m)}, attention {args.attn}, "
+        f"{args.prompt_len}-token prompt), {n_micro} micro-batches of {plan_text(m)}, "
+        f"{'a row per group' if args.packing else 'a row per sequence (no packing)'}, attention {args.attn}, "
         f"leaf modules {'on' if args.leaf else 'off'}, DeepSpeed's memory-efficient linear "
         f"{'on' if linear_on else 'off'} (--linear {args.linear})"
         f"{', gradient checkpointing' if args.checkpointing else ''}"
