@@ -29,7 +29,8 @@ README = "\n".join(TEXTS.values())  # every page, for what may be on any of them
 register_configs()
 
 # `make <target> ARGS="..."`: the recipe each target runs and the overrides the Makefile adds
-MAKE_TARGETS = {"demo": ("grpo", ["trainer.mini_batches_per_step=2"]), "demo-tools": ("grpo", ["env=calculator", "data=arithmetic_hard"]),
+MAKE_TARGETS = {"demo": ("grpo", ["trainer.mini_batches_per_step=2"]),
+                "demo-tools": ("grpo", ["env=calculator", "data=arithmetic_hard"]),
                 "sft": ("sft", []), "dpo": ("dpo", []), "eval": ("eval", [])}
 # The README's example of a misspelled key: it must keep failing, with the message the README shows.
 TYPO_EXAMPLE = "trainer.lrr=1e-5"
