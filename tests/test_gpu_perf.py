@@ -256,7 +256,8 @@ def test_update_mfu_unpacked_layout_scores_the_same_work(tmp_path):
 
     import torch
 
-    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, laid_out, random_groups, true_or_false
+    from benchmarks.gpu.mfu_work import laid_out, random_groups
+    from benchmarks.gpu.update_mfu import MODEL_DRY, arg_parser, build, true_or_false
     from colo_rl import dist
 
     dist.init()

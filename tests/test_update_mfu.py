@@ -44,7 +44,8 @@ def test_micro_batches_are_planned_as_a_grpo_step_plans_them():
     by the recipe's own planner; a count: that many rows each; anything else is refused."""
     import argparse
 
-    from benchmarks.gpu.update_mfu import micro_batch_plan, rows_per_micro_batch
+    from benchmarks.gpu.mfu_work import micro_batch_plan
+    from benchmarks.gpu.update_mfu import rows_per_micro_batch
 
     class Budget:  # the one thing the plan reads from the actor
         def micro_batch_tokens(self) -> int:
