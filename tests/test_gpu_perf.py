@@ -102,8 +102,13 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     assert mfu["micro_batch_tokens"] == CPU_MICRO_BATCH_TOKENS and sum(mfu["rows_per_micro_batch"]) == 2
     # where the stage's time went, part by part, in the order the run takes them
     assert list(mfu["stage_seconds"]) == ["imports and process group", "model, actor and batches", "warm-up updates",
-                                          "timed updates", "profiled update", "trace analysis"]
+                                          "timed updates", "profiled update", "trace analysis",
+                                          "cProfile'd update"]
     assert all(v >= 0 for v in mfu["stage_seconds"].values())
+    # the host's time by Python package: ZeRO-3's hooks are DeepSpeed's, the layers' dispatch torch's
+    host = mfu["host_python"]
+    assert host["by_package"]["deepspeed"] > 0 and host["by_package"]["torch"] > 0 and host["compilations"] == 0
+    assert any(o["name"].startswith("deepspeed/runtime/zero/") for o in host["top_self"])
     md = summary.with_suffix(".md").read_text()
     assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
 
@@ -182,18 +187,20 @@ def test_summary_reports_warm_ups_and_an_agreement_that_could_not_run():
         "update_mfu_deepcompile": mfu_run([60.0, 2.0, 2.0, 2.0, 2.0, 30.0], {"error": "RuntimeError: no"}),
         "update_mfu_compile": mfu_run([20.0], {"max_abs": 0.0078, "mean_abs": 0.001}),
         "update_mfu": {**mfu_run([3.0], None), "micro_batches": 6, "micro_batch_tokens": 18_900,
-                       "memory": {"mb_per_token": 2.1, "measured_over_estimate": 1.31}}}}
+                       "memory": {"mb_per_token": 2.1, "measured_over_estimate": 1.31},
+                       "host_python": {"wall_s": 3.5, "by_package": {"deepspeed": 1.2, "torch": 1.5, "other": 0.3,
+                                                                     "colo_rl": 0.05}}}}}
     result["runs"] = {name: {"missing": "-"} for name in RUNS}
     rows = {line.split(" | ")[0]: line for line in markdown(result).splitlines() if line.startswith("| ")}
     dc = next(line for label, line in rows.items() if "DeepCompile" in label)
-    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared | - |")
+    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared | - | - |")
     compiled = next(line for label, line in rows.items() if label.endswith("decoder layers compiled (model.compile)")
                     and "flex" not in label and "checkpointing" not in label)
-    assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 | - |") and "| - | 1.250 |" in compiled
+    assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 | - | - |") and "| - | 1.250 |" in compiled
     # an auto plan names its budget; the memory column is above the states per token, and over the estimate
     # busy: 1.125 s of kernels over the best timed update's 1.25 s, then over the (slower) profiled one
     assert rows["| sdpa, leaf modules on"].endswith("| 6 (<= 18.9k tokens) | 1.250 | 198.0 | 20.0 % | 90.0 % / 60.0 % "
-                                                    "| 3.0 | - | 2.10 (1.31x) |")
+                                                    "| 3.0 | - | 2.10 (1.31x) | 1.20 / 1.50 / 0.00 / 0.05 of 3.50 |")
 
 
 def test_update_mfu_checks_the_compiled_layers_against_eager(tmp_path):

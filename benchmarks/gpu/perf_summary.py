@@ -154,12 +154,13 @@ def markdown(result: dict) -> str:
               "optimizer step, profiled once):", "",
               "| update | micro-batches | s (best) | TFLOP/s | MFU | GPU busy: of the best update / of the profiled "
               "one | first update s (all warm-ups) | "
-              "compiled vs eager, max abs | MB per token (measured / estimate) |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "compiled vs eager, max abs | MB per token (measured / estimate) | host s under cProfile: "
+              "DeepSpeed / torch / transformers / colo_rl |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, label in MFU_RUNS.items():
         m = result["mfu"].get(name)
         if m is None:
-            lines.append(f"| {label} | not run | | | | | | | |")
+            lines.append(f"| {label} | not run | | | | | | | | |")
             continue
         mfu = "-" if m["mfu"] is None else f"{100 * m['mfu']:.1f} %"
         first = m.get("first_update_seconds")  # the warm-up update, with the compilation (older results: none)
@@ -172,7 +173,8 @@ def markdown(result: dict) -> str:
         micro = f"{m.get('micro_batches', '-')}" + (f" (<= {budget / 1000:.1f}k tokens)" if budget else "")
         lines.append(f"| {label} | {micro} | {min(m['update_seconds']):.3f} | {m['tflops_per_s']:.1f} | {mfu} | "
                      f"{100 * busy_of_timed(m['busy'], min(m['update_seconds'])):.1f} % / "
-                     f"{100 * m['busy']['busy_fraction']:.1f} % | {first} | {agreement} | {memory_cell(m.get('memory'))} |")
+                     f"{100 * m['busy']['busy_fraction']:.1f} % | {first} | {agreement} | {memory_cell(m.get('memory'))} | "
+                     f"{host_cell(m.get('host_python'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -183,6 +185,15 @@ def memory_cell(mem) -> str:
         return "-"
     ratio = mem.get("measured_over_estimate")
     return f"{mem['mb_per_token']:.2f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+
+
+def host_cell(host) -> str:
+    """update_mfu's cProfile'd update (`host_profile.py`): seconds by package, and its wall time."""
+    if not host:
+        return "-"
+    by = host["by_package"]
+    return (" / ".join(f"{by.get(k, 0.0):.2f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
+            + f" of {host['wall_s']:.2f}")
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,8 @@ planned as a GRPO step plans them (`--groups-per-micro-batch auto`: whole rows u
 `trainer.micro_batch_tokens=auto`, sized from the device memory free once the actor is built) or N
 rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`).
 `--warmup` updates (each timed and reported: the compilations land there), then `--repeats` timed
-ones (cuda-synchronised); then one more under the profiler. FLOPs counted (per token, training =
+ones (cuda-synchronised); then one more under the profiler, and one under cProfile (the host's time
+by Python function and package, `host_profile.py`). FLOPs counted (per token, training =
 3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
     the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.ds_experiments import deepcompile, ds_overrides, zero_override, zero_settings  # noqa: E402
+from benchmarks.gpu.host_profile import host_text, profile_call  # noqa: E402
 from benchmarks.gpu.mfu_memory import device_memory, device_memory_start, memory_text  # noqa: E402
 from benchmarks.gpu.mfu_work import laid_out, random_groups  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed, top_ops  # noqa: E402
@@ -183,6 +185,17 @@ def one_update(actor, mbs, n_tok: float) -> None:
     actor.step()
 
 
+def profiled_host(actor, mbs, n_tok: float, sync) -> dict:
+    """One more update under cProfile (`host_profile.py`: where the host's time goes by Python
+    function and package), with the compilations it triggered: any, and its figures include one."""
+    import torch._dynamo.utils
+
+    compiles = torch._dynamo.utils.counters["frames"]["total"]
+    host = profile_call(lambda: (one_update(actor, mbs, n_tok), sync()), time.perf_counter)
+    host["compilations"] = torch._dynamo.utils.counters["frames"]["total"] - compiles
+    return host
+
+
 def arg_parser() -> argparse.ArgumentParser:
     """The options (also what `build` reads: benchmarks/host_overhead.py parses its own runs here)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -272,7 +285,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
               "flops": flops,
               "tflops_per_s": flops / best / 1e12, "peak_tflops": peak,
               "mfu": flops / best / 1e12 / peak if peak else None, "busy": busy,
-              "host_top": host_top, "device_top": device_top}
+              "host_top": host_top, "device_top": device_top, "host_python": m["host_python"]}
     mfu = f"{100 * result['mfu']:.1f} %" if result["mfu"] is not None else "n/a (no peak for this device)"
     table = "\n".join([
         f"{'DRY RUN (CPU, tiny shapes: not a measurement). ' if args.dry_run else ''}"
@@ -294,6 +307,7 @@ def write_results(args, m: dict, agreement: Optional[dict]) -> None:
         f"Warm-up updates{' (the compilations included)' if args.compile or args.deepcompile else ''}: "
         f"{', '.join(f'{w:.2f}' for w in warmup_seconds)} s." + agreement_text(agreement), "",
         *([memory_text(m["memory"]), ""] if m["memory"] else []),
+        *([host_text(m["host_python"]), ""] if m["host_python"] else []),
         "Seconds of this run by part: " + ", ".join(f"{k} {v:.1f}" for k, v in m["stage_seconds"].items()) + ".", "",
         "Top host functions of the profiled update (self CPU time):", "",
         "| function | calls | self ms |", "|---|---|---|",
@@ -359,12 +373,14 @@ def main(argv=None) -> int:
         host_top = top_ops(averages, "self_cpu_time_total")
         device_top = top_ops(averages, "self_device_time_total") if on_gpu else []
         clock.mark("trace analysis")
+        host = profiled_host(actor, mbs, n_tok, sync)
+        clock.mark("cProfile'd update")
     budget = actor.micro_batch_tokens() if args.groups_per_micro_batch == "auto" else None  # the plan's (cached)
     measured = {"dims": dims, "groups": groups, "micro_batches": len(mbs), "micro_batch_tokens": budget,
                 "rows_per_micro_batch": [int(mb.input_ids.shape[0]) for mb in mbs],
                 "linear_on": linear_on, "seconds": seconds,
                 "warmup_seconds": warmup_seconds, "busy": busy, "host_top": host_top, "device_top": device_top,
-                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head, "memory": memory,
+                "on_gpu": on_gpu, "chunked_lm_head": actor.chunked_lm_head, "memory": memory, "host_python": host,
                 "stage_seconds": clock.seconds}
     write_results(args, measured, None)
     if args.compile or args.deepcompile:  # after the figures are written: this compiles the graph without
