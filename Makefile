@@ -202,7 +202,7 @@ gpu-check:
 # mfupersist), the 0.5B recipe step (big),
 # DeepSpeed's linear (mfumel: the default until 2026-11-27), then the old switches.
 GPU_PERF_STAGES ?= versions toy toycompile mfuflexcompile mfuflex summary
-GPU_PERF_AB_STAGES ?= versions mfuckptcompile mfunopack mfudc mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
+GPU_PERF_AB_STAGES ?= versions mfuckptcompile mfunopack mfudc mfunopackcompile mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
 

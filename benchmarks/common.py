@@ -62,6 +62,7 @@ TITLES = {
     "update_mfu_leaf_off": "make gpu-perf: the same update without ZeRO-3 leaf modules (GPU)",
     "update_mfu_flex": "make gpu-perf: the same update with FlexAttention (GPU)",
     "update_mfu_unpacked": "make gpu-perf: the same update, a row per sequence (GPU)",
+    "update_mfu_unpacked_compile": "make gpu-perf: a row per sequence, decoder layers compiled (GPU)",
     "update_mfu_whole_logits": "make gpu-perf: the same update, LM head over whole logits (GPU)",
     "gpu_perf": "make gpu-perf: the summary table (GPU)",
     "phase_switch_sglang_0.5b": "Phase switch with SGLang: 0.5B-class random Llama (GPU)",

@@ -231,6 +231,8 @@ stage_mfuflex() {
 # a row per sequence (trainer.packing=false): each prompt computed once per sequence (+17 % tokens here),
 # but SDPA's causal kernel over 918-token rows instead of a masked one over 6.3k-token rows
 stage_mfunopack() { mfu --name update_mfu_unpacked --packing false; }
+# the same with each decoder layer compiled (model.compile): SDPA's causal kernel and fused element-wise work
+stage_mfunopackcompile() { mfu --name update_mfu_unpacked_compile --packing false --compile; }
 # every parameter persistent (world size 1: no fetch, so no stream synchronisation per layer fetch)
 stage_mfupersist() { mfu --name update_mfu_persist --zero stage3_param_persistence_threshold=1e12 \
   --zero stage3_model_persistence_threshold=1e12; }

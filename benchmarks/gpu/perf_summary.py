@@ -36,6 +36,7 @@ RUNS = {"perf_toy": "toy, new defaults", "perf_toy_whole": "toy, whole-logits LM
 MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa, leaf modules off",
             "update_mfu_flex": "flex_attention, leaf modules on",
             "update_mfu_unpacked": "sdpa, leaf modules on, a row per sequence (trainer.packing=false)",
+            "update_mfu_unpacked_compile": "sdpa, leaf modules on, a row per sequence, decoder layers compiled",
             "update_mfu_whole_logits": "sdpa, leaf modules on, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
             "update_mfu_persist": "sdpa, leaf modules on, every parameter persistent (no ZeRO-3 fetch)",
             "update_mfu_flex_mb4": "flex_attention, leaf modules on, 4 micro-batches of 4 rows",
