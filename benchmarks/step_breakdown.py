@@ -89,6 +89,7 @@ def breakdown(rows: list[dict], skip: int) -> dict:
                  if r.get("throughput/train_tokens") and r.get("time/update")]
     return {
         "steps_total": len(steps), "steps_kept": [int(r["step"]) for r in kept],
+        "steps_profiled": [int(r["step"]) for r in rows if "time/profile_write" in r],  # left out (charged_steps)
         "step_seconds_mean": step_mean, "step_seconds_median": statistics.median(r["time/step"] for r in kept),
         "phases": phases,
         "colocation_seconds_mean": colo, "colocation_share": colo / step_mean if step_mean > 0 else float("nan"),
@@ -149,11 +150,13 @@ def markdown(result: dict) -> str:
     b, cfg = result["breakdown"], result["config"]
     mem = result["memory"]
     kind = "RSS" if result["memory_kind"] == "rss" else "device used"
+    profiled_out = [s for s in b.get("steps_profiled", []) if s not in b["steps_kept"]]
     lines = [f"# Step breakdown: {result['device']}, {result['date']}", "",
              f"`{cfg['model']}`, {cfg['dtype']}, {cfg['world_size']} rank(s), {cfg['prompts_per_step']} prompts x "
              f"{cfg['group_size']} completions, <= {cfg['max_new_tokens']} new tokens, micro-batch "
-             f"{cfg['micro_batch_size']}; steps {b['steps_kept'][0]}-{b['steps_kept'][-1]} of {b['steps_total']} "
-             f"(first {b['steps_total'] - len(b['steps_kept'])} dropped as warm-up). "
+             f"{cfg['micro_batch_size']}; steps {b['steps_kept'][0]}-{b['steps_kept'][-1]} of "
+             f"{b['steps_total'] + len(profiled_out)} (first {b['steps_total'] - len(b['steps_kept'])} dropped as warm-up"
+             + "".join(f"; step {s} profiled (trainer.profile_steps), left out" for s in profiled_out) + "). "
              f"Mean response {b['response_len_mean']:.1f} tokens.", "",
              f"| phase | s/step mean | s/step median | share of step | peak memory (GiB, {kind}) |",
              "|---|---|---|---|---|"]

@@ -5,7 +5,8 @@ A recipe is a class with five methods; `run` drives it:
     start = recipe.resume(ckpt)            # a checkpoint's step, or 0 for a fresh run
     step 0 (fresh run): recipe.evaluate(0)  # the starting model, logged before any update
     for step in start .. total_steps - 1:
-        recipe.train_step(step)             # one optimizer step (GRPO: generate, score, update)
+        recipe.train_step(step)             # one optimizer step (GRPO: generate, score, update);
+                                            # profiled when step + 1 is in trainer.profile_steps
         recipe.evaluate(step + 1)           # every trainer.eval_every steps and at the end
         collective stop check
         recipe.save(ckpt, step + 1)         # every trainer.save_every steps, on a stop, at the end
@@ -27,6 +28,7 @@ from typing import Callable, Optional, Protocol
 from colo_rl import dist, runtime
 from colo_rl.loggers import read_jsonl
 from colo_rl.metrics import MetricsLogger, Progress, Timer
+from colo_rl.profiling import StepProfiler
 from colo_rl.stop_signal import StopSignal
 
 log = logging.getLogger("colo_rl")
@@ -89,6 +91,7 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
     join the step-0 row of a fresh run."""
     stop = StopSignal()
     timer = Timer()
+    profiler = StepProfiler(cfg.trainer.profile_steps, ckpt.run_dir, timer)
     stopped_by = None
     try:
         start = recipe.resume(ckpt)
@@ -99,9 +102,10 @@ def run(recipe: Recipe, cfg, ckpt, metrics: MetricsLogger, start_metrics: Option
             last_eval = first_eval
         else:
             first_eval, last_eval = logged_evals(metrics.path)
+        profiler.check_reach(start, recipe.total_steps)
         progress = Progress(recipe.total_steps, recipe.name, start=start)
         for step in range(start, recipe.total_steps):
-            with timer("step"):
+            with profiler(step + 1), timer("step"):  # trainer.profile_steps: this step's trace, written after it
                 step_metrics = recipe.train_step(step)
             step_metrics.update(timer.pop())
             last = step + 1 == recipe.total_steps

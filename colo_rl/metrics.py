@@ -13,6 +13,7 @@ from typing import Iterable, Optional
 import torch
 
 from colo_rl import dist
+from colo_rl.profiling import RANGE_PREFIX
 from colo_rl.loggers import LOGGERS
 
 log = logging.getLogger("colo_rl")
@@ -28,7 +29,8 @@ class Timer:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(RANGE_PREFIX + name):  # a profiled step's sections (profiling.py)
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 

@@ -119,3 +119,14 @@ def test_an_evaluations_switch_is_its_own_when_a_save_switched_back():
     steps = charged_steps(r)
     assert [x["time/handoff"] for x in steps] == [0.5, 0.5]
     assert [x["time/step"] for x in steps] == pytest.approx([4.8, 4.8])
+
+
+def test_a_profiled_step_is_left_out_while_others_remain():
+    """trainer.profile_steps: both profilers slow the step they watch (its row has time/profile_write);
+    the report's means are of the other steps, and of the profiled ones only when nothing else is left."""
+    r = rows(gen=2.0, logprobs=0.0, update=2.0, handoff=0.5, switch=0.3, reward=0.0, n=3)
+    r[2].update({"time/step": 9.0, "time/update": 7.0, "time/profile_write": 1.5})
+    assert [x["step"] for x in charged_steps(r)] == [1, 3]
+    assert bottleneck_report(r, n_gpus=1, skip=0)["seconds_per_step"]["train"] == pytest.approx(2.0)
+    only = [r[0], r[2]]  # step 0 (evaluation) and the profiled step
+    assert [x["step"] for x in charged_steps(only)] == [2]

@@ -111,6 +111,14 @@ def test_gpu_perf_dry_run_fills_the_summary_from_real_runs(tmp_path):
     assert any(o["name"].startswith("deepspeed/runtime/zero/") for o in host["top_self"])
     md = summary.with_suffix(".md").read_text()
     assert "| toy, new defaults |" in md and "| 0.5B, new defaults | not run |" in md
+    # the toy's profiled step (trainer.profile_steps): its summary came back with the logs, and is left out
+    (profile,) = toy["profiles"]
+    assert profile["step"] == 3 and profile["host"]["by_package"]["deepspeed"] > 0
+    assert "| toy, new defaults | 3 |" in md
+    (toy_breakdown,) = (tmp_path / "res").glob("step_breakdown_perf_toy-cpu-*.json")
+    kept = json.loads(toy_breakdown.read_text())["breakdown"]
+    assert kept["steps_kept"] == [2] and kept["steps_profiled"] == [3]
+    assert "step 3 profiled (trainer.profile_steps), left out" in toy_breakdown.with_suffix(".md").read_text()
 
 
 def test_update_mfu_zero_overrides_reach_the_actor(tmp_path):

@@ -35,7 +35,8 @@ def run_dir(tmp_path_factory):
                   "rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.eval_max_new_tokens=8",
                   "algo.kl_coef=0.01", "trainer.micro_batch_size=8", "trainer.lr=1e-3",  # 2 packed groups per pass
                   "reward.functions=[letter_share]", "reward.format_weight=0",
-                  "colocate.handoff_check_max_mean_abs=0.001", f"run_dir={d}"], timeout=600)
+                  "colocate.handoff_check_max_mean_abs=0.001", "trainer.profile_steps=[2]", f"run_dir={d}"],
+                 timeout=600)
     return d
 
 
@@ -208,3 +209,17 @@ def test_rollout_correction_and_the_mismatch_metrics_reach_the_log(tmp_path):
     # step 1: policy = reference, the observed KL ~ 0 is under target: coef * (1 - 0.2 * 8 sequences / 10)
     assert r[0]["train/kl_in_reward_coef"] == pytest.approx(0.05)
     assert r[1]["train/kl_in_reward_coef"] == pytest.approx(0.05 * (1 - 0.2 * 8 / 10))
+
+
+def test_the_profiled_step_says_where_its_time_went(run_dir):
+    """trainer.profile_steps=[2]: both ranks' traces of step 2 (only), and rank 0's summary naming
+    the recipe's sections, the phase switches and the host's time by package (ZeRO-3: DeepSpeed's)."""
+    out = run_dir / "profile"
+    assert sorted(p.name for p in out.iterdir()) == ["step2-rank0.trace.json.gz", "step2-rank1.trace.json.gz",
+                                                     "step2.json", "step2.md"]
+    summary = json.loads((out / "step2.json").read_text())
+    sections = summary["sections"]
+    assert {"generation", "reward", "pack", "update", "phase switch to_generation", "phase switch to_train"} <= set(sections)
+    assert summary["world_size"] == 2 and sections["update"]["wall_s"] < summary["wall_s"]
+    assert summary["host"]["by_package"]["deepspeed"] > 0 and summary["host"]["by_package"]["torch"] > 0
+    assert "| update |" in (out / "step2.md").read_text()

@@ -58,8 +58,8 @@ class Ckpt:
         return bool(self.save_every) and step % self.save_every == 0
 
 
-def cfg(eval_every: int):
-    return SimpleNamespace(trainer=SimpleNamespace(eval_every=eval_every))
+def cfg(eval_every: int, profile_steps: tuple = ()):
+    return SimpleNamespace(trainer=SimpleNamespace(eval_every=eval_every, profile_steps=list(profile_steps)))
 
 
 def test_fresh_run_evaluates_first_then_steps_with_cadences(tmp_path):
@@ -76,6 +76,21 @@ def test_fresh_run_evaluates_first_then_steps_with_cadences(tmp_path):
     assert all(r["time/step"] >= 0 for r in rows[1:])
     assert (result.first_eval, result.last_eval, result.stopped_by, result.exit_code) == \
         ({"eval/score": 0.0}, {"eval/score": 5.0}, None, 0)
+
+
+def test_the_profiled_step_is_the_metrics_row_named(tmp_path, monkeypatch):
+    """trainer.profile_steps=[2]: the loop's second step (train_step(1), metrics row 2) runs under the
+    profiler, and only it."""
+    from colo_rl.profiling import StepProfiler
+
+    written = []
+    monkeypatch.setattr(StepProfiler, "write", lambda self, row, prof, host, category: written.append(row))
+    metrics = MetricsLogger(tmp_path, loggers=["jsonl"])
+    loop.run(Script(total_steps=3), cfg(eval_every=0, profile_steps=[2]), Ckpt(tmp_path, save_every=0), metrics)
+    assert written == [2]
+    # its row says so (the bottleneck report leaves it out), and the writing is not in its time/step
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert ["time/profile_write" in r for r in rows] == [False, False, True, False]
 
 
 def test_resumed_run_skips_step_zero_and_reads_its_evaluations_back(tmp_path):

@@ -3,13 +3,8 @@ FLOP count (the GPU run itself: `python benchmarks/gpu/update_mfu.py`; its CPU r
 
 import pytest
 
-from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed, union_seconds
+from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed
 from benchmarks.gpu.update_mfu import MODEL_05B, update_flops
-
-
-def test_union_counts_overlaps_once():
-    assert union_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
-    assert union_seconds([]) == 0.0
 
 
 def test_busy_fraction_is_kernel_time_inside_the_update_range():
@@ -75,33 +70,3 @@ def test_memory_figures_compare_the_micro_batch_with_the_budget_estimate():
     assert "peak allocated 40.0 GiB (30.0 above the states: 2.15 MB per token" in text and "estimate 1.50" in text
     assert memory_text(None) == ""
 
-
-def test_host_profile_counts_a_builtin_to_its_callers_packages():
-    """cProfile's stats by package: a C built-in's self time goes to the packages of its callers, in
-    proportion to what each caller's calls cost; the top list is by self time."""
-    from benchmarks.gpu.host_profile import summarise
-
-    ds = ("/v/lib/python3.12/site-packages/deepspeed/runtime/zero/stage3.py", 10, "hook")
-    actor = ("/home/u/colo_rl/colo_rl/train/actor.py", 5, "step")  # a checkout named colo_rl
-    sync = ("~", 0, "<method 'synchronize' of 'torch._C._CudaStreamBase' objects>")
-    stats = {ds: (1, 1, 0.2, 0.5, {}), actor: (1, 1, 0.1, 0.4, {}),
-             sync: (3, 3, 0.3, 0.3, {ds: (2, 2, 0.25, 0.25), actor: (1, 1, 0.05, 0.05)})}
-    got = summarise(stats, wall_s=0.7)
-    assert got["by_package"] == pytest.approx({"deepspeed": 0.45, "colo_rl": 0.15})
-    assert list(got["by_package"]) == ["deepspeed", "colo_rl"] and got["profiled_s"] == pytest.approx(0.6)
-    assert [o["name"] for o in got["top_self"]] == [sync[2], "deepspeed/runtime/zero/stage3.py:10(hook)",
-                                                    "colo_rl/train/actor.py:5(step)"]
-    assert got["top_self"][0]["calls"] == 3 and got["top_self"][0]["self_ms"] == pytest.approx(300)
-
-
-def test_host_profile_of_a_real_call_names_its_functions():
-    import time
-
-    from benchmarks.gpu.host_profile import host_text, profile_call
-
-    intervals = [(i, i + 2) for i in range(200_000)]
-    got = profile_call(lambda: union_seconds(intervals), time.perf_counter)
-    assert got["by_package"]["benchmarks"] > 0
-    assert got["top_self"][0]["name"] == "benchmarks/gpu/trace_stats.py:8(union_seconds)"
-    assert 0 < got["profiled_s"] <= got["wall_s"]
-    assert "| `benchmarks/gpu/trace_stats.py:8(union_seconds)` | 1 |" in host_text(got) and host_text(None) == ""

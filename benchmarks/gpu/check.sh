@@ -108,6 +108,10 @@ breakdown() {
   run_py benchmarks/step_breakdown.py --skip "$skip" --name "step_breakdown_${run#grpo_}" --no-readme --out "$RES" \
     --run-dir "$RUNS/$run" "$@" || rc=$?
   find "$RUNS/$run" -maxdepth 1 -type f -exec cp {} "$LOGS/$run/" \; 2>/dev/null || true
+  if [ -d "$RUNS/$run/profile" ]; then  # trainer.profile_steps: the summaries, and a trace that is not too large
+    mkdir -p "$LOGS/$run/profile"
+    find "$RUNS/$run/profile" -maxdepth 1 -type f -size -3M -exec cp {} "$LOGS/$run/profile/" \; 2>/dev/null || true
+  fi
   return $rc
 }
 
@@ -190,14 +194,15 @@ if [ "$DRY" = 1 ]; then
   PERF_ENGINE=(rollout.engine=hf)
   TINY=(model.hidden_size=64 model.num_layers=2)
   TOY=(model.path=$PERF_MODELS/toy model.random_init=true "${TINY[@]}" rollout.prompts_per_step=2 rollout.group_size=2
-       rollout.max_new_tokens=8 trainer.total_steps=3 data.eval_size=0)
+       rollout.max_new_tokens=8 trainer.total_steps=3 data.eval_size=0 "trainer.profile_steps=[3]")
   BIG=(model.path=$PERF_MODELS/toy model.random_init=true "${TINY[@]}" rollout.prompts_per_step=2 rollout.group_size=4
        rollout.max_new_tokens=16 trainer.total_steps=3 data.eval_size=0)
   MFU=(--dry-run)
 else
   PERF_ENGINE=(rollout.engine=sglang "$HYDRA_KWARGS")
+  # step 8 profiled (colo_rl/profiling.py): where the update's host time goes; left out of the breakdown
   TOY=(model.path=$PERF_MODELS/toy model.random_init=true rollout.prompts_per_step=8 rollout.group_size=8
-       rollout.max_new_tokens=40 trainer.total_steps=${TOY_STEPS:-12} data.eval_size=0)
+       rollout.max_new_tokens=40 trainer.total_steps=${TOY_STEPS:-12} data.eval_size=0 "trainer.profile_steps=[8]")
   BIG=(model.path=$PERF_MODELS/0.5b model.random_init=true rollout.prompts_per_step=16 rollout.group_size=8
        rollout.max_new_tokens=768 trainer.total_steps=${BIG_STEPS:-6} data.eval_size=0)
   MFU=()

@@ -55,10 +55,11 @@ def jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def ledger_figures(records: list[dict], skip: int) -> dict:
-    """Paging decision, page-out / page-in rates and the handoff from a run's ledger (steps after `skip`)."""
+def ledger_figures(records: list[dict], skip: int, leave_out: frozenset = frozenset()) -> dict:
+    """Paging decision, page-out / page-in rates and the handoff from a run's ledger (steps after
+    `skip`, less those in `leave_out`: the ledger's 0-based steps, e.g. the profiled ones)."""
     plan = next((r["paging_plan"] for r in records if "paging_plan" in r), None)
-    kept = [r for r in records if r["step"] > skip]
+    kept = [r for r in records if r["step"] > skip and r["step"] not in leave_out]
     outs = [m for r in kept if r["transition"] == "update->generation" for m in moves_from(r, "device")]
     ins = [m for r in kept if r["transition"] == "generation->update" for m in moves_from(r, "host")]
     handoffs = [m for r in kept for m in r["moves"] if m["what"] == "weights handoff"]
@@ -94,7 +95,9 @@ def run_figures(name: str, args, peak: float) -> dict:
     b = sb["breakdown"]
     run_logs = args.logs / name
     skip = min(b["steps_kept"]) - 1 if b["steps_kept"] else 0
-    metrics = [m for m in jsonl(run_logs / "metrics.jsonl") if "time/update" in m and m["step"] > skip]
+    rows = jsonl(run_logs / "metrics.jsonl")
+    profiled = frozenset(m["step"] for m in rows if "time/profile_write" in m)  # slowed by the profilers: left out
+    metrics = [m for m in rows if "time/update" in m and m["step"] > skip and m["step"] not in profiled]
     model_path = next((o.split("=", 1)[1] for o in sb["config"]["overrides"] if o.startswith("model.path=")), None)
     config = json.loads((ROOT / model_path / "config.json").read_text()) if model_path and (ROOT / model_path / "config.json").exists() else None
     out = {"config": sb["config"], "phases_s": {k: v["seconds_mean"] for k, v in b["phases"].items()},
@@ -110,10 +113,32 @@ def run_figures(name: str, args, peak: float) -> dict:
         seconds = statistics.median([m["time/update"] for m in metrics])
         out["update_mfu_lower_bound"] = 6 * (params["layers"] + params["embedding"]) * tokens / seconds / 1e12 / peak
         out["params"] = params
-    ledger = ledger_figures(jsonl(run_logs / "ledger.jsonl"), skip)
+    ledger = ledger_figures(jsonl(run_logs / "ledger.jsonl"), skip, frozenset(s - 1 for s in profiled))
     ledger["handoff"]["device_copy_ms"] = device_copy_ms(ledger["handoff"]["bytes"])
     out["ledger"] = ledger
+    out["profiles"] = [json.loads(f.read_text()) for f in sorted((run_logs / "profile").glob("step*.json"))]
     return out
+
+
+def profile_rows(result: dict) -> list[str]:
+    """The runs' profiled steps (trainer.profile_steps, colo_rl/profiling.py): the step's and its
+    update's seconds, the device busy in the update, the host's seconds by package."""
+    lines = []
+    for name, label in RUNS.items():
+        for prof in result["runs"].get(name, {}).get("profiles", []):
+            update = prof["sections"].get("update", {})
+            busy = ("-" if prof.get("busy_s") is None or not update.get("wall_s")
+                    else f"{100 * update['busy_s'] / update['wall_s']:.1f} %")
+            by = prof["host"]["by_package"]
+            lines.append(f"| {label} | {prof['step']} | {prof['wall_s']:.3f} | {update.get('wall_s', 0.0):.3f} | {busy} | "
+                         + " / ".join(f"{by.get(k, 0.0):.3f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
+                         + " |")
+    if not lines:
+        return []
+    return ["", "Profiled steps (`trainer.profile_steps`; both profilers slow the host, so these steps are left out of "
+            "the figures above; `<run>/profile/step<N>.md` has the rest):", "",
+            "| run | step | step s | update s | device busy in the update | host s: DeepSpeed / torch / transformers / "
+            "colo_rl |", "|---|---|---|---|---|---|", *lines]
 
 
 def markdown(result: dict) -> str:
@@ -151,6 +176,7 @@ def markdown(result: dict) -> str:
                      f"{f(po['s_per_step'])}, {f(po['gb_per_s'], '.1f')} | {f(pi['gib_per_step'], '.2f')}, "
                      f"{f(pi['s_per_step'])}, {f(pi['gb_per_s'], '.1f')} | {f(h['ms'], '.1f')} | {f(h['gb_per_s'], '.1f')} | "
                      f"{f(h['device_copy_ms'], '.2f')} | {h['zero_copy']} | {h['buckets']} |")
+    lines += profile_rows(result)
     lines += ["", "Update alone (benchmarks/gpu/update_mfu.py: 0.5B-class, 128 x 768, 150-token prompts, one "
               "optimizer step, profiled once):", "",
               "| update | micro-batches | s (best) | TFLOP/s | MFU | GPU busy: of the best update / of the profiled "
@@ -189,7 +215,7 @@ def memory_cell(mem) -> str:
 
 
 def host_cell(host) -> str:
-    """update_mfu's cProfile'd update (`host_profile.py`): seconds by package, and its wall time."""
+    """update_mfu's cProfile'd update (`colo_rl.profiling`): seconds by package, and its wall time."""
     if not host:
         return "-"
     by = host["by_package"]

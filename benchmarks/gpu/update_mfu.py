@@ -17,7 +17,7 @@ planned as a GRPO step plans them (`--groups-per-micro-batch auto`: whole rows u
 rows each, one optimizer step (ZeRO-3 as colo_rl configures it, leaf modules per `--leaf`).
 `--warmup` updates (each timed and reported: the compilations land there), then `--repeats` timed
 ones (cuda-synchronised); then one more under the profiler, and one under cProfile (the host's time
-by Python function and package, `host_profile.py`). FLOPs counted (per token, training =
+by Python function and package, `colo_rl/profiling.py`). FLOPs counted (per token, training =
 3 x forward):
     6 N_layers-params + 6 h V (the LM head, on kept positions) + 12 n_layers h ctx (attention, ctx =
     the keys each query attends: the prompt's causal half, or the prompt + the response's own prefix)
@@ -42,10 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.ds_experiments import deepcompile, ds_overrides, zero_override, zero_settings  # noqa: E402
-from benchmarks.gpu.host_profile import host_text, profile_call  # noqa: E402
 from benchmarks.gpu.mfu_memory import device_memory, device_memory_start, memory_text  # noqa: E402
 from benchmarks.gpu.mfu_work import laid_out, random_groups  # noqa: E402
-from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed, top_ops  # noqa: E402
+from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed  # noqa: E402
+from colo_rl.profiling import host_text, profile_call, top_ops  # noqa: E402
 
 # 0.5B class: ~0.46B parameters, 32k vocabulary, tied embeddings, GQA 4:1 (benchmarks/phase_switch.py's).
 MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096, num_attention_heads=16,
@@ -186,12 +186,12 @@ def one_update(actor, mbs, n_tok: float) -> None:
 
 
 def profiled_host(actor, mbs, n_tok: float, sync) -> dict:
-    """One more update under cProfile (`host_profile.py`: where the host's time goes by Python
+    """One more update under cProfile (`colo_rl.profiling`: where the host's time goes by Python
     function and package), with the compilations it triggered: any, and its figures include one."""
     import torch._dynamo.utils
 
     compiles = torch._dynamo.utils.counters["frames"]["total"]
-    host = profile_call(lambda: (one_update(actor, mbs, n_tok), sync()), time.perf_counter)
+    host = profile_call(lambda: (one_update(actor, mbs, n_tok), sync()))
     host["compilations"] = torch._dynamo.utils.counters["frames"]["total"] - compiles
     return host
 

@@ -11,8 +11,11 @@ import logging
 import time
 from contextlib import contextmanager
 
+import torch
+
 from colo_rl.colocate.memory import MemoryManager, freeze_collector
 from colo_rl.phase import Phase, PhaseError, PhaseGuard
+from colo_rl.profiling import RANGE_PREFIX
 
 log = logging.getLogger("colo_rl")
 
@@ -44,7 +47,8 @@ class PhaseSwitcher:
         """Run the manager's transition; the step pays its wall time, the ledger's own work (memory
         snapshots, the record's write) included, which the record's "seconds" (its moves) leave out."""
         t0 = time.perf_counter()
-        record = transition(self.step)
+        with torch.profiler.record_function(f"{RANGE_PREFIX}phase switch {transition.__name__}"):
+            record = transition(self.step)
         # a record's moves lie inside its wall time; max() keeps a manager that only reports them consistent
         wall = max(record["seconds"], time.perf_counter() - t0)
         handoff = sum(m["seconds"] for m in record["moves"] if m["what"] == "weights handoff")

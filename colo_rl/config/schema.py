@@ -406,6 +406,11 @@ class TrainerConfig:
     keep_last: int = opt(2, TRAINING, resume=SILENT)  # checkpoints kept (older ones are deleted)
     # consecutive skipped steps before stopping
     max_nonfinite_steps: int = opt(3, TRAINING, check=POSITIVE_INT, resume=SILENT)
+    # steps (metrics rows, from 1) profiled with torch.profiler and cProfile: a trace per rank and, from
+    # rank 0, where the step's time goes (sections, device busy, host by package) in <run_dir>/profile/
+    profile_steps: list[int] = opt(scope=TRAINING, factory=list, resume=SILENT,
+                                   check=Check(lambda v: all(isinstance(s, int) and s >= 1 for s in v),
+                                               "must be step numbers from 1 (metrics rows), e.g. [3]"))
     # SFT / DPO: examples (DPO: pairs) per optimizer step over all ranks; max_steps > 0 stops
     # before `epochs` are done; eval_generate adds greedy held-out accuracy with the rollout engine
     # (when the held-out examples carry answers, as the embedded arithmetic task does).

@@ -1,0 +1,95 @@
+"""colo_rl/profiling.py: the trace arithmetic, the host's time by Python package (cProfile), and
+`trainer.profile_steps`' profiler on a real torch workload (the recipe's own profiled step:
+tests/test_grpo_recipe.py)."""
+
+import gzip
+import json
+
+import pytest
+import torch
+
+from colo_rl.metrics import Timer
+from colo_rl.profiling import (StepProfiler, host_text, profile_call, section_figures, summarise,
+                               union_seconds)
+
+
+def test_union_counts_overlaps_once():
+    assert union_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4.0
+    assert union_seconds([]) == 0.0
+
+
+def test_sections_count_the_kernels_inside_each_range():
+    trace = {"traceEvents": [
+        {"name": "colo_rl/update", "ph": "X", "ts": 100, "dur": 100, "cat": "user_annotation"},
+        {"name": "colo_rl/update", "ph": "X", "ts": 300, "dur": 50, "cat": "user_annotation"},  # a second pass
+        {"name": "colo_rl/reward", "ph": "X", "ts": 200, "dur": 100, "cat": "user_annotation"},
+        {"name": "update", "ph": "X", "ts": 0, "dur": 1000, "cat": "user_annotation"},  # not the recipe's
+        {"name": "k1", "ph": "X", "ts": 90, "dur": 30, "cat": "kernel"},    # 20 inside the first update
+        {"name": "k2", "ph": "X", "ts": 150, "dur": 20, "cat": "kernel"},
+        {"name": "k3", "ph": "X", "ts": 160, "dur": 20, "cat": "kernel"},   # overlaps k2: +10
+        {"name": "k4", "ph": "X", "ts": 340, "dur": 20, "cat": "kernel"}]}  # 10 inside the second
+    got = section_figures(trace)
+    assert set(got) == {"update", "reward"}
+    assert got["update"]["count"] == 2 and got["update"]["wall_s"] == pytest.approx(150e-6)
+    assert got["update"]["busy_s"] == pytest.approx(60e-6)
+    assert got["reward"] == {"count": 1, "wall_s": pytest.approx(100e-6), "busy_s": 0.0}
+
+
+def test_host_profile_counts_a_builtin_to_its_callers_packages():
+    """cProfile's stats by package: a C built-in's self time goes to the packages of its callers, in
+    proportion to what each caller's calls cost; the top list is by self time."""
+    ds = ("/v/lib/python3.12/site-packages/deepspeed/runtime/zero/stage3.py", 10, "hook")
+    actor = ("/home/u/colo_rl/colo_rl/train/actor.py", 5, "step")  # a checkout named colo_rl
+    sync = ("~", 0, "<method 'synchronize' of 'torch._C._CudaStreamBase' objects>")
+    stats = {ds: (1, 1, 0.2, 0.5, {}), actor: (1, 1, 0.1, 0.4, {}),
+             sync: (3, 3, 0.3, 0.3, {ds: (2, 2, 0.25, 0.25), actor: (1, 1, 0.05, 0.05)})}
+    got = summarise(stats, wall_s=0.7)
+    assert got["by_package"] == pytest.approx({"deepspeed": 0.45, "colo_rl": 0.15})
+    assert list(got["by_package"]) == ["deepspeed", "colo_rl"] and got["profiled_s"] == pytest.approx(0.6)
+    assert [o["name"] for o in got["top_self"]] == [sync[2], "deepspeed/runtime/zero/stage3.py:10(hook)",
+                                                    "colo_rl/train/actor.py:5(step)"]
+    assert got["top_self"][0]["calls"] == 3 and got["top_self"][0]["self_ms"] == pytest.approx(300)
+
+
+def test_host_profile_of_a_real_call_names_its_functions():
+    intervals = [(i, i + 2) for i in range(200_000)]
+    got = profile_call(lambda: union_seconds(intervals))
+    name = f"colo_rl/profiling.py:{union_seconds.__code__.co_firstlineno}(union_seconds)"
+    assert got["by_package"]["colo_rl"] > 0 and got["top_self"][0]["name"] == name
+    assert 0 < got["profiled_s"] <= got["wall_s"]
+    assert f"| `{name}` | 1 |" in host_text(got) and host_text(None) == ""
+
+
+def test_only_the_named_steps_are_profiled_and_each_says_where_its_time_went(tmp_path):
+    timer = Timer()
+    profiler = StepProfiler([2], tmp_path, timer)
+    w = torch.randn(256, 256, requires_grad=True)
+    for row in (1, 2, 3):
+        with profiler(row):
+            with timer("update"):
+                for _ in range(20):
+                    (w @ w).sum().backward()
+            with timer("reward"):
+                torch.randn(64).sum()
+    assert timer.pop()["time/profile_write"] > 0
+    out = tmp_path / "profile"
+    assert sorted(p.name for p in out.iterdir()) == ["step2-rank0.trace.json.gz", "step2.json", "step2.md"]
+    trace = json.loads(gzip.open(out / "step2-rank0.trace.json.gz").read())
+    assert any(e.get("name") == "colo_rl/update" for e in trace["traceEvents"])
+    summary = json.loads((out / "step2.json").read_text())
+    sections = summary["sections"]
+    assert set(sections) == {"update", "reward"} and sections["update"]["count"] == 1
+    assert sections["update"]["wall_s"] > sections["reward"]["wall_s"] and sections["update"]["wall_s"] < summary["wall_s"]
+    assert summary["host"]["by_package"]["torch"] > 0 and summary["device_category"] == "cpu_op"
+    assert any(o["name"] == "aten::mm" for o in summary["host_ops"])
+    md = (out / "step2.md").read_text()
+    assert md.startswith("# Step 2, profiled") and "| update | 1 |" in md and "`step2-rank0.trace.json.gz`" not in md
+    assert "profile/step2-rank0.trace.json.gz" in md
+
+
+def test_steps_the_run_will_not_reach_are_named(tmp_path, caplog):
+    StepProfiler([1, 4, 11], tmp_path, Timer()).check_reach(start=3, total=10)  # resumed after step 3 of 10
+    assert "step(s) [1, 11] are outside this run's steps 4-10: not profiled" in caplog.text
+    caplog.clear()
+    StepProfiler([4, 10], tmp_path, Timer()).check_reach(start=3, total=10)
+    assert caplog.text == ""
