@@ -13,8 +13,8 @@ from typing import Iterable, Optional
 import torch
 
 from colo_rl import dist
-from colo_rl.profiling import RANGE_PREFIX
 from colo_rl.loggers import LOGGERS
+from colo_rl.profiling import RANGE_PREFIX
 
 log = logging.getLogger("colo_rl")
 

@@ -12,8 +12,9 @@ at once, and writes to <run_dir>/profile/:
   autograd's `run_backward` or a stream's `synchronize` counted to its caller's package), and the
   functions, operators and kernels that cost the most.
 
-Both profilers slow the host, so a profiled step is slower than its neighbours (its metrics row
-says by how much): read the shares, not the seconds. The same host attribution serves
+Both profilers slow the host, so a profiled step is slower than its neighbours (compare its
+metrics row with theirs): read the shares, not the seconds. A profiler that cannot start, or a
+profile that cannot be written, is a warning: the step and the run go on. The same host attribution serves
 `benchmarks/gpu/update_mfu.py`.
 """
 
@@ -152,6 +153,8 @@ def host_text(host: dict | None) -> str:
     """The Markdown of `summarise`'s result ("" without one)."""
     if not host:
         return ""
+    if "error" in host:
+        return f"Under cProfile: not measured ({host['error']})."
     packages = ", ".join(f"{k} {v:.2f}" for k, v in host["by_package"].items() if v >= 0.005)
     compiled = host.get("compilations")
     return "\n".join([
@@ -214,24 +217,50 @@ class StepProfiler:
 
     @contextmanager
     def __call__(self, row: int) -> Iterator[None]:
-        if row not in self.steps:
+        started = self._start(row) if row in self.steps else None
+        if started is None:
             yield
             return
-        on_gpu = torch.cuda.is_available()
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
-        host = cProfile.Profile()
-        t0 = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as prof:
-            host.enable()
-            try:
-                yield
-            finally:
-                host.disable()
-                if on_gpu:
-                    torch.cuda.synchronize()
+        prof, host, on_gpu, t0 = started
+        try:
+            yield
+        except BaseException:  # the step failed: stop both, write nothing, let the error through
+            host.disable()
+            prof.__exit__(None, None, None)
+            raise
+        host.disable()
+        if on_gpu:
+            torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
         wall = time.perf_counter() - t0
         with self.timer("profile_write"):
-            self.write(row, prof, summarise(pstats.Stats(host).stats, wall), "kernel" if on_gpu else "cpu_op")
+            try:
+                self.write(row, prof, summarise(pstats.Stats(host).stats, wall), "kernel" if on_gpu else "cpu_op")
+            except Exception as exc:  # a profile that cannot be written must not end the run
+                log.warning("trainer.profile_steps: step %d's profile was not written to %s: %s: %s", row, self.dir,
+                            type(exc).__name__, exc)
+
+    def _start(self, row: int):
+        """Both profilers started, or None (and a warning) where one cannot start: the step then runs
+        unprofiled rather than not at all (e.g. Python 3.12's cProfile refuses while another tool holds
+        sys.monitoring's profiler slot)."""
+        on_gpu = torch.cuda.is_available()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_gpu else [])
+        prof, host = torch.profiler.profile(activities=activities), cProfile.Profile()
+        try:
+            prof.__enter__()
+        except Exception as exc:
+            log.warning("trainer.profile_steps: step %d not profiled: torch.profiler did not start (%s: %s)", row,
+                        type(exc).__name__, exc)
+            return None
+        try:
+            host.enable()
+        except Exception as exc:
+            prof.__exit__(None, None, None)
+            log.warning("trainer.profile_steps: step %d not profiled: cProfile did not start (%s: %s)", row,
+                        type(exc).__name__, exc)
+            return None
+        return prof, host, on_gpu, time.perf_counter()
 
     def write(self, row: int, prof, host: dict, category: str) -> None:
         """Every rank its trace (gzipped); rank 0 the summary of its own (JSON + Markdown)."""

@@ -192,7 +192,8 @@ def test_summary_reports_warm_ups_and_an_agreement_that_could_not_run():
                 "first_update_seconds": warmups[0], "warmup_update_seconds": warmups, "compiled_vs_eager": agreement}
 
     result = {"device": "d", "date": "x", "runs": {}, "mfu": {
-        "update_mfu_deepcompile": mfu_run([60.0, 2.0, 2.0, 2.0, 2.0, 30.0], {"error": "RuntimeError: no"}),
+        "update_mfu_deepcompile": {**mfu_run([60.0, 2.0, 2.0, 2.0, 2.0, 30.0], {"error": "RuntimeError: no"}),
+                                   "host_python": {"error": "ValueError: cProfile did not start"}},
         "update_mfu_compile": mfu_run([20.0], {"max_abs": 0.0078, "mean_abs": 0.001}),
         "update_mfu": {**mfu_run([3.0], None), "micro_batches": 6, "micro_batch_tokens": 18_900,
                        "memory": {"mb_per_token": 2.1, "measured_over_estimate": 1.31},
@@ -201,7 +202,7 @@ def test_summary_reports_warm_ups_and_an_agreement_that_could_not_run():
     result["runs"] = {name: {"missing": "-"} for name in RUNS}
     rows = {line.split(" | ")[0]: line for line in markdown(result).splitlines() if line.startswith("| ")}
     dc = next(line for label, line in rows.items() if "DeepCompile" in label)
-    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared | - | - |")
+    assert "| 1.250 |" in dc and "| 60.0 (98.0) |" in dc and dc.endswith("| not compared | - | not measured |")
     compiled = next(line for label, line in rows.items() if label.endswith("decoder layers compiled (model.compile)")
                     and "flex" not in label and "checkpointing" not in label)
     assert "| 20.0 |" in compiled and compiled.endswith("| 7.8e-03 | - | - |") and "| - | 1.250 |" in compiled

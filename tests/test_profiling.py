@@ -58,6 +58,7 @@ def test_host_profile_of_a_real_call_names_its_functions():
     assert got["by_package"]["colo_rl"] > 0 and got["top_self"][0]["name"] == name
     assert 0 < got["profiled_s"] <= got["wall_s"]
     assert f"| `{name}` | 1 |" in host_text(got) and host_text(None) == ""
+    assert host_text({"error": "ValueError: no"}) == "Under cProfile: not measured (ValueError: no)."
 
 
 def test_only_the_named_steps_are_profiled_and_each_says_where_its_time_went(tmp_path):
@@ -93,3 +94,27 @@ def test_steps_the_run_will_not_reach_are_named(tmp_path, caplog):
     caplog.clear()
     StepProfiler([4, 10], tmp_path, Timer()).check_reach(start=3, total=10)
     assert caplog.text == ""
+
+
+def test_a_profiler_that_cannot_start_leaves_the_step_unprofiled_and_says_so(tmp_path, monkeypatch, caplog):
+    import cProfile
+
+    def refuse(self):
+        raise ValueError("Another profiling tool is already active")
+
+    monkeypatch.setattr(cProfile.Profile, "enable", refuse)
+    ran = []
+    with StepProfiler([1], tmp_path, Timer())(1):
+        ran.append(torch.ones(3).sum().item())
+    assert ran == [3.0] and not (tmp_path / "profile").exists()
+    assert "step 1 not profiled: cProfile did not start (ValueError: Another profiling tool" in caplog.text
+
+
+def test_a_step_that_fails_writes_no_profile_and_its_error_goes_through(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        with StepProfiler([1], tmp_path, Timer())(1):
+            raise RuntimeError("boom")
+    assert not (tmp_path / "profile").exists()
+    with StepProfiler([2], tmp_path, Timer())(2):  # and the next profile starts cleanly
+        torch.ones(3).sum()
+    assert (tmp_path / "profile" / "step2.md").exists()

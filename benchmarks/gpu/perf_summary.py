@@ -218,6 +218,8 @@ def host_cell(host) -> str:
     """update_mfu's cProfile'd update (`colo_rl.profiling`): seconds by package, and its wall time."""
     if not host:
         return "-"
+    if "error" in host:
+        return "not measured"
     by = host["by_package"]
     return (" / ".join(f"{by.get(k, 0.0):.2f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
             + f" of {host['wall_s']:.2f}")

@@ -187,11 +187,15 @@ def one_update(actor, mbs, n_tok: float) -> None:
 
 def profiled_host(actor, mbs, n_tok: float, sync) -> dict:
     """One more update under cProfile (`colo_rl.profiling`: where the host's time goes by Python
-    function and package), with the compilations it triggered: any, and its figures include one."""
+    function and package), with the compilations it triggered: any, and its figures include one. Or
+    why it could not run (e.g. cProfile refused to start): the stage's other figures matter more."""
     import torch._dynamo.utils
 
     compiles = torch._dynamo.utils.counters["frames"]["total"]
-    host = profile_call(lambda: (one_update(actor, mbs, n_tok), sync()))
+    try:
+        host = profile_call(lambda: (one_update(actor, mbs, n_tok), sync()))
+    except Exception as exc:  # reported in the results, not raised
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     host["compilations"] = torch._dynamo.utils.counters["frames"]["total"] - compiles
     return host
 
