@@ -177,20 +177,22 @@ def top_ops(averages, key: str, n: int = 12) -> list[dict]:
 
 # ----------------------------------------------------------------------------- trainer.profile_steps
 def step_markdown(row: int, s: dict) -> str:
-    """The Markdown of one profiled step's summary (`StepProfiler.write`)."""
+    """The Markdown of one profiled step's summary (`StepProfiler.write`): shares are of the step's
+    own time (the loop's `step` section), not of the profilers' start and stop around it."""
     device = s["device_category"] == "kernel"
+    step = max(s["step_s"], 1e-9)
     lines = [f"# Step {row}, profiled (rank 0 of {s['world_size']})", "",
-             f"{s['wall_s']:.2f} s under torch.profiler and cProfile (both slow the host: compare shares, and this "
-             f"step's metrics row with its neighbours'). Trace: `{s['trace']}` (https://ui.perfetto.dev).", "",
+             f"The step took {s['step_s']:.2f} s ({s['wall_s']:.2f} s with the profilers' start and stop) under "
+             f"torch.profiler and cProfile, which both slow the host: compare shares, and this step's metrics row "
+             f"with its neighbours'. Trace: `{s['trace']}` (https://ui.perfetto.dev).", "",
              "| section | count | wall s | share of the step |" + (" device busy s | busy share |" if device else ""),
              "|---|---|---|---|" + ("---|---|" if device else "")]
     for name, r in sorted(s["sections"].items(), key=lambda kv: -kv[1]["wall_s"]):
         busy = f" {r['busy_s']:.3f} | {100 * r['busy_s'] / max(r['wall_s'], 1e-9):.1f} % |" if device else ""
-        lines.append(f"| {name} | {r['count']} | {r['wall_s']:.3f} | {100 * r['wall_s'] / max(s['wall_s'], 1e-9):.1f} % |"
-                     + busy)
+        lines.append(f"| {name} | {r['count']} | {r['wall_s']:.3f} | {100 * r['wall_s'] / step:.1f} % |" + busy)
     if device:
-        lines += ["", f"Device busy over the whole step: {s['busy_s']:.3f} s ({100 * s['busy_s'] / max(s['wall_s'], 1e-9):.1f} %). "
-                  "Generation on SGLang runs its kernels in the engine's process: not in this trace."]
+        lines += ["", f"Device busy from the step's first event to its last: {s['busy_s']:.3f} s. Generation on "
+                  "SGLang runs its kernels in the engine's process: not in this trace."]
     lines += ["", host_text(s["host"]), "", "Operators by self CPU time:", "", "| operator | calls | self ms |",
               "|---|---|---|", *[f"| `{o['name'][:80]}` | {o['calls']} | {o['self_ms']:.1f} |" for o in s["host_ops"]]]
     if s["device_ops"]:
@@ -278,10 +280,12 @@ class StepProfiler:
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "dur" in e]
         t0, t1 = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0.0, 0.0)
         averages = prof.key_averages()
+        sections = section_figures(trace, category)
         summary = {"step": row, "world_size": dist.world_size(), "wall_s": host["wall_s"],
+                   "step_s": sections.get("step", {}).get("wall_s", host["wall_s"]),
                    "trace": f"profile/{stem}.trace.json.gz", "device_category": category,
                    "busy_s": busy_within(events, t0, t1, category)[0] / 1e6 if category == "kernel" else None,
-                   "sections": section_figures(trace, category), "host": host,
+                   "sections": sections, "host": host,
                    "host_ops": top_ops(averages, "self_cpu_time_total"),
                    "device_ops": top_ops(averages, "self_device_time_total") if category == "kernel" else []}
         (self.dir / f"step{row}.json").write_text(json.dumps(summary, indent=1) + "\n")

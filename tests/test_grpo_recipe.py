@@ -220,6 +220,7 @@ def test_the_profiled_step_says_where_its_time_went(run_dir):
     summary = json.loads((out / "step2.json").read_text())
     sections = summary["sections"]
     assert {"generation", "reward", "pack", "update", "phase switch to_generation", "phase switch to_train"} <= set(sections)
-    assert summary["world_size"] == 2 and sections["update"]["wall_s"] < summary["wall_s"]
+    assert summary["world_size"] == 2 and sections["update"]["wall_s"] < summary["step_s"] < summary["wall_s"]
+    assert summary["step_s"] == sections["step"]["wall_s"]  # the loop's own section: shares are of it
     assert summary["host"]["by_package"]["deepspeed"] > 0 and summary["host"]["by_package"]["torch"] > 0
     assert "| update |" in (out / "step2.md").read_text()

@@ -80,6 +80,7 @@ def test_only_the_named_steps_are_profiled_and_each_says_where_its_time_went(tmp
     summary = json.loads((out / "step2.json").read_text())
     sections = summary["sections"]
     assert set(sections) == {"update", "reward"} and sections["update"]["count"] == 1
+    assert summary["step_s"] == summary["wall_s"]  # no loop around it: no `step` section
     assert sections["update"]["wall_s"] > sections["reward"]["wall_s"] and sections["update"]["wall_s"] < summary["wall_s"]
     assert summary["host"]["by_package"]["torch"] > 0 and summary["device_category"] == "cpu_op"
     assert any(o["name"] == "aten::mm" for o in summary["host_ops"])

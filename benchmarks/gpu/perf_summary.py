@@ -130,7 +130,7 @@ def profile_rows(result: dict) -> list[str]:
             busy = ("-" if prof.get("busy_s") is None or not update.get("wall_s")
                     else f"{100 * update['busy_s'] / update['wall_s']:.1f} %")
             by = prof["host"]["by_package"]
-            lines.append(f"| {label} | {prof['step']} | {prof['wall_s']:.3f} | {update.get('wall_s', 0.0):.3f} | {busy} | "
+            lines.append(f"| {label} | {prof['step']} | {prof['step_s']:.3f} | {update.get('wall_s', 0.0):.3f} | {busy} | "
                          + " / ".join(f"{by.get(k, 0.0):.3f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
                          + " |")
     if not lines:
