@@ -12,10 +12,10 @@ at once, and writes to <run_dir>/profile/:
   autograd's `run_backward` or a stream's `synchronize` counted to its caller's package), and the
   functions, operators and kernels that cost the most.
 
-Both profilers slow the host, so a profiled step is slower than its neighbours (compare its
-metrics row with theirs): read the shares, not the seconds. A profiler that cannot start, or a
-profile that cannot be written, is a warning: the step and the run go on. The same host attribution serves
-`benchmarks/gpu/update_mfu.py`.
+Both profilers slow the host, so a host-bound profiled step runs slower than its neighbours (compare
+its metrics row with theirs): read the shares, not the seconds. A profiler that cannot start, or a
+profile that cannot be written, is a warning: the step and the run go on. The same host attribution
+serves `benchmarks/gpu/update_mfu.py`.
 """
 
 from __future__ import annotations
