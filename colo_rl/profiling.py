@@ -66,20 +66,20 @@ def busy_within(events: list[dict], t0: float, t1: float, category: str) -> tupl
     return union_seconds(inside), len(inside)
 
 
-def section_figures(trace: dict, category: str = "kernel") -> dict[str, dict]:
+def section_figures(trace: dict, category: str | None = "kernel") -> dict[str, dict]:
     """Per `colo_rl/<section>` range of a chrome trace: its count, wall seconds and the seconds of
-    `category` events inside it (summed over its instances)."""
+    `category` events inside it (summed over its instances; None: not counted, busy_s None)."""
     events = trace.get("traceEvents", [])
     out: dict[str, dict] = {}
     for e in events:
         name = e.get("name", "")
         if e.get("ph") != "X" or e.get("cat") != "user_annotation" or not name.startswith(RANGE_PREFIX):
             continue
-        busy, _ = busy_within(events, e["ts"], e["ts"] + e["dur"], category)
-        row = out.setdefault(name[len(RANGE_PREFIX):], {"count": 0, "wall_s": 0.0, "busy_s": 0.0})
+        row = out.setdefault(name[len(RANGE_PREFIX):], {"count": 0, "wall_s": 0.0, "busy_s": 0.0 if category else None})
         row["count"] += 1
         row["wall_s"] += e["dur"] / 1e6
-        row["busy_s"] += busy / 1e6
+        if category:
+            row["busy_s"] += busy_within(events, e["ts"], e["ts"] + e["dur"], category)[0] / 1e6
     return out
 
 
@@ -280,7 +280,7 @@ class StepProfiler:
         spans = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "dur" in e]
         t0, t1 = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0.0, 0.0)
         averages = prof.key_averages()
-        sections = section_figures(trace, category)
+        sections = section_figures(trace, category if category == "kernel" else None)  # a CPU has no device
         summary = {"step": row, "world_size": dist.world_size(), "wall_s": host["wall_s"],
                    "step_s": sections.get("step", {}).get("wall_s", host["wall_s"]),
                    "trace": f"profile/{stem}.trace.json.gz", "device_category": category,

@@ -33,6 +33,7 @@ def test_sections_count_the_kernels_inside_each_range():
     assert got["update"]["count"] == 2 and got["update"]["wall_s"] == pytest.approx(150e-6)
     assert got["update"]["busy_s"] == pytest.approx(60e-6)
     assert got["reward"] == {"count": 1, "wall_s": pytest.approx(100e-6), "busy_s": 0.0}
+    assert section_figures(trace, None)["update"] == {"count": 2, "wall_s": pytest.approx(150e-6), "busy_s": None}
 
 
 def test_host_profile_counts_a_builtin_to_its_callers_packages():
@@ -83,6 +84,7 @@ def test_only_the_named_steps_are_profiled_and_each_says_where_its_time_went(tmp
     assert summary["step_s"] == summary["wall_s"]  # no loop around it: no `step` section
     assert sections["update"]["wall_s"] > sections["reward"]["wall_s"] and sections["update"]["wall_s"] < summary["wall_s"]
     assert summary["host"]["by_package"]["torch"] > 0 and summary["device_category"] == "cpu_op"
+    assert sections["update"]["busy_s"] is None and summary["busy_s"] is None  # no device on a CPU
     assert any(o["name"] == "aten::mm" for o in summary["host_ops"])
     md = (out / "step2.md").read_text()
     assert md.startswith("# Step 2, profiled") and "| update | 1 |" in md and "`step2-rank0.trace.json.gz`" not in md
