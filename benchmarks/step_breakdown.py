@@ -67,6 +67,7 @@ def breakdown(rows: list[dict], skip: int) -> dict:
     `other` = step - sum(phases) (bookkeeping inside the step), so shares sum to exactly 1.
     """
     from colo_rl.bottleneck import charged_steps
+    from colo_rl.profiling import is_profiled
 
     steps = charged_steps(rows)  # an evaluation's switch charged to the step after it
     if not steps:
@@ -89,7 +90,7 @@ def breakdown(rows: list[dict], skip: int) -> dict:
                  if r.get("throughput/train_tokens") and r.get("time/update")]
     return {
         "steps_total": len(steps), "steps_kept": [int(r["step"]) for r in kept],
-        "steps_profiled": [int(r["step"]) for r in rows if "time/profile_write" in r],  # left out (charged_steps)
+        "steps_profiled": [int(r["step"]) for r in rows if is_profiled(r)],  # left out (charged_steps)
         "step_seconds_mean": step_mean, "step_seconds_median": statistics.median(r["time/step"] for r in kept),
         "phases": phases,
         "colocation_seconds_mean": colo, "colocation_share": colo / step_mean if step_mean > 0 else float("nan"),

@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Optional
 from colo_rl.errors import ConfigError
 from colo_rl.loggers import read_jsonl
 from colo_rl.metrics import EVAL_SWITCH_KEYS, SAVE_SWITCH_KEYS
+from colo_rl.profiling import is_profiled
 from colo_rl.split.placement import split_layout as layout_of
 
 log = logging.getLogger("colo_rl")
@@ -74,10 +75,10 @@ def charged_rows(rows: Iterable[dict]) -> list[dict]:
 
 
 def charged_steps(rows: Iterable[dict]) -> list[dict]:
-    """The step rows of `charged_rows`, less the profiled ones (time/profile_write: both profilers
-    slow the host) while any other remains."""
+    """The step rows of `charged_rows`, less the profiled ones (`profiling.is_profiled`: both
+    profilers slow the host) while any other remains."""
     steps = [r for r in charged_rows(rows) if _is_step(r)]
-    unprofiled = [r for r in steps if "time/profile_write" not in r]
+    unprofiled = [r for r in steps if not is_profiled(r)]
     return unprofiled or steps
 
 

@@ -40,6 +40,12 @@ log = logging.getLogger("colo_rl")
 RANGE_PREFIX = "colo_rl/"  # metrics.Timer's sections and the phase switches, as record_function ranges
 PACKAGES = ("deepspeed", "transformers", "sglang", "torch", "colo_rl", "benchmarks", "recipes")
 BUILTIN = "~"  # cProfile's file name for C functions
+WRITE_SECTION = "profile_write"  # the Timer section a profiled step's writing is timed as (time/profile_write)
+
+
+def is_profiled(row: dict) -> bool:
+    """Is this metrics row a profiled step's? Its time/profile_write says so: both profilers slowed it."""
+    return f"time/{WRITE_SECTION}" in row
 
 
 # ----------------------------------------------------------------------------- trace arithmetic
@@ -203,7 +209,7 @@ def step_markdown(row: int, s: dict) -> str:
 
 class StepProfiler:
     """`with profiler(row):` around a training step profiles it when `row` is one of `steps`; the
-    writing is timed as `timer`'s "profile_write" (the row's time/profile_write marks it profiled)."""
+    writing is timed as `timer`'s WRITE_SECTION, which marks the row (`is_profiled`)."""
 
     def __init__(self, steps: Iterable[int], run_dir: Path, timer):
         self.steps = set(steps)
@@ -235,7 +241,7 @@ class StepProfiler:
             torch.cuda.synchronize()
         prof.__exit__(None, None, None)
         wall = time.perf_counter() - t0
-        with self.timer("profile_write"):
+        with self.timer(WRITE_SECTION):
             try:
                 self.write(row, prof, summarise(pstats.Stats(host).stats, wall), "kernel" if on_gpu else "cpu_op")
             except Exception as exc:  # a profile that cannot be written must not end the run

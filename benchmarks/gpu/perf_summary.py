@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_of_timed  # noqa: E402
+from colo_rl.profiling import is_profiled  # noqa: E402
 from benchmarks.gpu.update_mfu import llama_params  # noqa: E402
 from benchmarks.switch_perf import moves_from, rate  # noqa: E402
 
@@ -49,6 +50,7 @@ MFU_RUNS = {"update_mfu": "sdpa, leaf modules on", "update_mfu_leaf_off": "sdpa,
             "update_mfu_deepcompile": "sdpa, DeepCompile (the whole model, ZeRO-3's gathers in the graph), "
                                       "whole-logits LM head"}
 PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0}
+HOST_PACKAGES = ("deepspeed", "torch", "transformers", "colo_rl")  # the host-time columns' order (cProfile)
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -96,7 +98,7 @@ def run_figures(name: str, args, peak: float) -> dict:
     run_logs = args.logs / name
     skip = min(b["steps_kept"]) - 1 if b["steps_kept"] else 0
     rows = jsonl(run_logs / "metrics.jsonl")
-    profiled = frozenset(m["step"] for m in rows if "time/profile_write" in m)  # slowed by the profilers: left out
+    profiled = frozenset(m["step"] for m in rows if is_profiled(m))  # slowed by the profilers: left out
     metrics = [m for m in rows if "time/update" in m and m["step"] > skip and m["step"] not in profiled]
     model_path = next((o.split("=", 1)[1] for o in sb["config"]["overrides"] if o.startswith("model.path=")), None)
     config = json.loads((ROOT / model_path / "config.json").read_text()) if model_path and (ROOT / model_path / "config.json").exists() else None
@@ -131,7 +133,7 @@ def profile_rows(result: dict) -> list[str]:
                     else f"{100 * update['busy_s'] / update['wall_s']:.1f} %")
             by = prof["host"]["by_package"]
             lines.append(f"| {label} | {prof['step']} | {prof['step_s']:.3f} | {update.get('wall_s', 0.0):.3f} | {busy} | "
-                         + " / ".join(f"{by.get(k, 0.0):.3f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
+                         + " / ".join(f"{by.get(k, 0.0):.3f}" for k in HOST_PACKAGES)
                          + " |")
     if not lines:
         return []
@@ -221,7 +223,7 @@ def host_cell(host) -> str:
     if "error" in host:
         return "not measured"
     by = host["by_package"]
-    return (" / ".join(f"{by.get(k, 0.0):.2f}" for k in ("deepspeed", "torch", "transformers", "colo_rl"))
+    return (" / ".join(f"{by.get(k, 0.0):.2f}" for k in HOST_PACKAGES)
             + f" of {host['wall_s']:.2f}")
 
 
