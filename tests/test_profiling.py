@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from colo_rl.metrics import Timer
-from colo_rl.profiling import (StepProfiler, host_text, profile_call, section_figures, summarise,
-                               union_seconds)
+from colo_rl.profiling import (DEVICE_CATEGORIES, HOST_CATEGORIES, StepProfiler, host_text, profile_call,
+                               section_figures, summarise, trace_ops, union_seconds)
 
 
 def test_union_counts_overlaps_once():
@@ -34,6 +34,44 @@ def test_sections_count_the_kernels_inside_each_range():
     assert got["update"]["busy_s"] == pytest.approx(60e-6)
     assert got["reward"] == {"count": 1, "wall_s": pytest.approx(100e-6), "busy_s": 0.0}
     assert section_figures(trace, None)["update"] == {"count": 2, "wall_s": pytest.approx(150e-6), "busy_s": None}
+
+
+def test_trace_ops_take_each_events_direct_children_off_per_thread():
+    events = [
+        {"name": "outer", "ph": "X", "ts": 0, "dur": 100, "cat": "user_annotation", "pid": 1, "tid": 1},
+        {"name": "aten::mm", "ph": "X", "ts": 10, "dur": 30, "cat": "cpu_op", "pid": 1, "tid": 1},
+        {"name": "aten::t", "ph": "X", "ts": 12, "dur": 5, "cat": "cpu_op", "pid": 1, "tid": 1},  # in mm
+        {"name": "aten::mm", "ph": "X", "ts": 50, "dur": 20, "cat": "cpu_op", "pid": 1, "tid": 1},
+        {"name": "aten::mm", "ph": "X", "ts": 5, "dur": 200, "cat": "cpu_op", "pid": 1, "tid": 2},  # another thread
+        {"name": "k", "ph": "X", "ts": 20, "dur": 7, "cat": "kernel", "pid": 0, "tid": 7},
+        {"name": "k", "ph": "X", "ts": 22, "dur": 3, "cat": "kernel", "pid": 0, "tid": 7},  # kernels: own time
+        {"name": "update", "ph": "X", "ts": 0, "dur": 900, "cat": "gpu_user_annotation", "pid": 0, "tid": 7},
+        {"name": "flow", "ph": "s", "ts": 10, "cat": "cpu_op", "pid": 1, "tid": 1}]
+    host = {o["name"]: (o["calls"], o["self_ms"]) for o in trace_ops(events, HOST_CATEGORIES)}
+    assert host == {"aten::mm": (3, pytest.approx(0.245)), "outer": (1, pytest.approx(0.05)),
+                    "aten::t": (1, pytest.approx(0.005))}
+    assert [o["name"] for o in trace_ops(events, HOST_CATEGORIES, n=1)] == ["aten::mm"]
+    assert trace_ops(events, DEVICE_CATEGORIES) == [{"name": "k", "calls": 2, "self_ms": pytest.approx(0.01)}]
+
+
+def test_trace_ops_agree_with_the_profilers_own_averages(tmp_path):
+    """On a real torch workload (forward, backward, nested ranges), each operator's self time read
+    from the exported trace equals torch.profiler's key_averages()."""
+    w = torch.randn(32, 32, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("outer"):
+            for _ in range(20):
+                with torch.profiler.record_function("inner"):
+                    y = (torch.relu(w @ w) * 2).mean()
+                y.backward()
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    ours = {o["name"]: o for o in trace_ops(json.loads((tmp_path / "t.json").read_text())["traceEvents"],
+                                            HOST_CATEGORIES, n=10_000)}
+    theirs = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    assert len(theirs) > 15 and {"outer", "inner", "aten::mm", "MmBackward0"} <= set(ours)
+    for e in theirs:
+        assert ours[e.key]["self_ms"] == pytest.approx(e.self_cpu_time_total / 1e3, rel=1e-3, abs=2e-3), e.key
+    assert ours["aten::mm"]["calls"] == 60 and ours["inner"]["calls"] == 20
 
 
 def test_host_profile_counts_a_builtin_to_its_callers_packages():

@@ -1,6 +1,6 @@
 """What a torch.profiler run of one update says: the fraction of its wall time a category of events
 (GPU kernels) covers, from the exported chrome trace. `benchmarks/gpu/update_mfu.py` reports it
-beside the profiler's largest entries (`colo_rl.profiling.top_ops`)."""
+beside the profiler's largest entries (`colo_rl.profiling.trace_ops`)."""
 
 from __future__ import annotations
 

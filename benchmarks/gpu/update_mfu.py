@@ -45,7 +45,7 @@ from benchmarks.gpu.ds_experiments import deepcompile, ds_overrides, zero_overri
 from benchmarks.gpu.mfu_memory import device_memory, device_memory_start, memory_text  # noqa: E402
 from benchmarks.gpu.mfu_work import laid_out, random_groups  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_fraction, busy_of_timed  # noqa: E402
-from colo_rl.profiling import host_text, profile_call, top_ops  # noqa: E402
+from colo_rl.profiling import DEVICE_CATEGORIES, HOST_CATEGORIES, host_text, profile_call, trace_ops  # noqa: E402
 
 # 0.5B class: ~0.46B parameters, 32k vocabulary, tied embeddings, GQA 4:1 (benchmarks/phase_switch.py's).
 MODEL_05B = dict(hidden_size=1024, num_hidden_layers=28, intermediate_size=4096, num_attention_heads=16,
@@ -372,10 +372,10 @@ def main(argv=None) -> int:
         clock.mark("profiled update")
         trace_path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace_path))
-        busy = busy_fraction(json.loads(trace_path.read_text()), "kernel" if on_gpu else "cpu_op")
-        averages = prof.key_averages()
-        host_top = top_ops(averages, "self_cpu_time_total")
-        device_top = top_ops(averages, "self_device_time_total") if on_gpu else []
+        trace = json.loads(trace_path.read_text())
+        busy = busy_fraction(trace, "kernel" if on_gpu else "cpu_op")
+        host_top = trace_ops(trace["traceEvents"], HOST_CATEGORIES)
+        device_top = trace_ops(trace["traceEvents"], DEVICE_CATEGORIES) if on_gpu else []
         clock.mark("trace analysis")
         host = profiled_host(actor, mbs, n_tok, sync)
         clock.mark("cProfile'd update")
