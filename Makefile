@@ -195,14 +195,15 @@ gpu-check:
 # Two device calls fit 15 device minutes with room for little else (H100, 2026-11-27: versions 5 s, big 191,
 # toy 77, mfu 96, mfuwhole 108, mfuflex 115; toyold ~150, toywhole ~80, mfuold 83): the second call gets
 # what is left (CHECK_BUDGET_S=290 last time) and its budget cuts the stages from the end. The first call
-# measures model.compile beside what it would replace, in pairs: toy / toycompile (the toy update's target),
-# mfuflexcompile / mfuflex (the MFU target; mfuflex last, as 2026-11-27 measured it: 2.579 s). The compile
-# adds tens of seconds to a stage, not yet timed on a GPU. The second call's stages are A/Bs: levers not yet
-# defaults (mfuckptcompile; mfudc, DeepSpeed's DeepCompile, capped at 240 s; mfuckpt, mfu / mfucompile, mfuflex4,
-# mfupersist), the 0.5B recipe step (big),
-# DeepSpeed's linear (mfumel: the default until 2026-11-27), then the old switches.
-GPU_PERF_STAGES ?= versions toy toycompile mfuflexcompile mfuflex summary
-GPU_PERF_AB_STAGES ?= versions mfuckptcompile mfunopack mfudc mfunopackcompile mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
+# measures the toy update's target (toy, toycompile: model.compile beside what it would replace), then the MFU
+# target's two best candidates, compiled: mfunopackcompile (a row per sequence: SDPA's flash kernel, where
+# 2026-11-27's FlexAttention kernels took 0.47 s of 1.59 s) and mfuflexcompile; their baseline, mfuflex, is
+# 2026-11-27's 2.579 s (the flex path has not changed). The compile adds tens of seconds to a stage, not yet
+# timed on a GPU. The second call's stages are A/Bs: levers not yet defaults (mfunopack, mfuflex; mfuckptcompile;
+# mfudc, DeepSpeed's DeepCompile, capped at 240 s; mfuckpt, mfu / mfucompile, mfuflex4, mfupersist), the 0.5B
+# recipe step (big), DeepSpeed's linear (mfumel: the default until 2026-11-27), then the old switches.
+GPU_PERF_STAGES ?= versions toy toycompile mfunopackcompile mfuflexcompile summary
+GPU_PERF_AB_STAGES ?= versions mfunopack mfuflex mfuckptcompile mfudc mfuckpt mfu mfucompile big mfuflex4 mfupersist mfumel toywhole toyold mfuold mfuwhole summary
 gpu-perf:
 	GPU_SITE=$(GPU_SITE) GPU_PY=$(GPU_PY) GPU_LOG_PREFIX=gpu_perf bash benchmarks/gpu/check.sh $(GPU_PERF_STAGES)
 
