@@ -89,6 +89,45 @@ def section_figures(trace: dict, category: str | None = "kernel") -> dict[str, d
     return out
 
 
+# a chrome trace's event categories: the host's (nesting per thread) and the device's
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_ops(events: list[dict], categories: Iterable[str], n: int = 12) -> list[dict]:
+    """The `n` names of a chrome trace's `categories` events with the most self time, as {name,
+    calls, self_ms}: an event's duration less its direct children's on the same thread (kernels do
+    not nest: their self time is their duration). These are `key_averages()`'s self times, read from
+    the exported trace: `key_averages()` rebuilds every event in Python, ~80 s for the ~800k
+    operators of a CPU step at SmolLM2's depth. An operator that calls itself (aten::sum) counts
+    each entry, where `key_averages()` counts the outer one."""
+    wanted = set(categories)
+    threads: dict[tuple, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in wanted and "dur" in e:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    calls: dict[str, int] = {}
+    self_us: dict[str, float] = {}
+    for thread in threads.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [end, name, children's microseconds]
+        for e in thread:
+            calls[e["name"]] = calls.get(e["name"], 0) + 1
+            self_us[e["name"]] = self_us.get(e["name"], 0.0) + e["dur"]
+            if e["cat"] in DEVICE_CATEGORIES:  # a stream's kernels follow one another
+                continue
+            while stack and stack[-1][0] <= e["ts"]:
+                _, name, children = stack.pop()
+                self_us[name] -= children
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e["ts"] + e["dur"], e["name"], 0.0])
+        for _, name, children in stack:
+            self_us[name] -= children
+    top = sorted(self_us, key=self_us.get, reverse=True)[:n]
+    return [{"name": k, "calls": calls[k], "self_ms": self_us[k] / 1e3} for k in top if self_us[k] > 0]
+
+
 # ----------------------------------------------------------------------------- host time by package
 def _package_index(parts: tuple) -> int | None:
     """Where a file's package starts in its path: the part after site-packages (an installed
@@ -171,44 +210,6 @@ def host_text(host: dict | None) -> str:
         "| function (cProfile) | calls | self ms | cumulative ms |", "|---|---|---|---|",
         *[f"| `{o['name'][:90]}` | {o['calls']} | {o['self_ms']:.1f} | {o['cumulative_ms']:.1f} |"
           for o in host["top_self"]]])
-
-
-HOST_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
-DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def trace_ops(events: list[dict], categories: Iterable[str], n: int = 12) -> list[dict]:
-    """The `n` names of a chrome trace's `categories` events with the most self time, as {name,
-    calls, self_ms}: an event's duration less its direct children's on the same thread (kernels do
-    not nest: their self time is their duration). These are `key_averages()`'s self times, read from
-    the exported trace: `key_averages()` rebuilds every event in Python, ~80 s for the ~800k
-    operators of a CPU step at SmolLM2's depth. An operator that calls itself (aten::sum) counts
-    each entry, where `key_averages()` counts the outer one."""
-    wanted = set(categories)
-    threads: dict[tuple, list[dict]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") in wanted and "dur" in e:
-            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    calls: dict[str, int] = {}
-    self_us: dict[str, float] = {}
-    for thread in threads.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[list] = []  # [end, name, children's microseconds]
-        for e in thread:
-            calls[e["name"]] = calls.get(e["name"], 0) + 1
-            self_us[e["name"]] = self_us.get(e["name"], 0.0) + e["dur"]
-            if e["cat"] in DEVICE_CATEGORIES:  # a stream's kernels follow one another
-                continue
-            while stack and stack[-1][0] <= e["ts"]:
-                end, name, children = stack.pop()
-                self_us[name] -= children
-            if stack:
-                stack[-1][2] += e["dur"]
-            stack.append([e["ts"] + e["dur"], e["name"], 0.0])
-        for _, name, children in stack:
-            self_us[name] -= children
-    top = sorted(self_us, key=self_us.get, reverse=True)[:n]
-    return [{"name": k, "calls": calls[k], "self_ms": self_us[k] / 1e3} for k in top if self_us[k] > 0]
 
 
 # ----------------------------------------------------------------------------- trainer.profile_steps
