@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import common  # noqa: E402
 from benchmarks.gpu.trace_stats import busy_of_timed  # noqa: E402
-from colo_rl.profiling import is_profiled  # noqa: E402
 from benchmarks.gpu.update_mfu import llama_params  # noqa: E402
 from benchmarks.switch_perf import moves_from, rate  # noqa: E402
+from colo_rl.profiling import is_profiled  # noqa: E402
 
 RUNS = {"perf_toy": "toy, new defaults", "perf_toy_whole": "toy, whole-logits LM head (COLO_RL_CHUNKED_LM_HEAD=0)",
         "perf_toy_old": "toy, old switches", "perf_big": "0.5B, new defaults",
